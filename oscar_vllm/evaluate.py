@@ -1,0 +1,385 @@
+"""Fidelity evaluation: what 2-bit KV costs a real model, against a BF16 cache.
+
+    oscar-evaluate                              # SmolLM2-135M-Instruct, embedded corpus
+    python -m oscar_vllm.evaluate --context 4096 --eval-tokens 131072 --device cuda
+
+Every method runs the whole model with its attention reading a simulated cache exactly as
+decode sees it (:mod:`oscar_vllm.mixed_cache`): token ``t`` reads BF16 keys/values for
+the first ``--sink`` positions and its last ``--recent``, quantized ones in between, in
+the rotated space. Reported per method, against the BF16 cache on the evaluation text:
+perplexity, ΔPPL, mean KL(BF16 ‖ method) per token and top-1 agreement. Writes
+``fidelity.md``, ``fidelity.json`` and ``fidelity.png`` into ``--output-dir``.
+Rotations are calibrated in the same run on calibration text that never overlaps the
+evaluation text, unless ``--rotations`` gives a folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from oscar_vllm import __version__, corpus
+from oscar_vllm.calibrate import DTYPES, capture_stats, rotations_from_stats, split_sequences
+from oscar_vllm.calibration import fit_clip_ratios, hadamard_rotation_sets
+from oscar_vllm.hf import LoadedModel, MixedCacheHook, attention_hooks, load_model
+from oscar_vllm.mixed_cache import LayerCacheSpec, RowQuantizer
+from oscar_vllm.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
+from oscar_vllm.rotation_io import OscarRotations, RotationSet, load_rotations
+
+logger = logging.getLogger(__name__)
+
+REFERENCE = "bf16"
+POSITION_BIN = 128
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the table: how every layer's K and V are cached."""
+
+    name: str
+    rotation: str  # a key of the rotation variants, or "none"
+    quant: str  # RowQuantizer kind
+    clip: str = "reference"  # "reference" | "fitted" | "none"
+    windows: bool = True
+    scale_dtype: torch.dtype = torch.float16
+
+    def describe(self) -> dict:
+        return {
+            "rotation": self.rotation,
+            "quantizer": self.quant,
+            "clip": self.clip if self.quant == "int2" else "-",
+            "windows": "yes" if self.windows else "no",
+            "scale/zero": {torch.float16: "fp16", torch.float32: "fp32", torch.bfloat16: "bf16"}[self.scale_dtype]
+            if self.quant != "bf16" else "-",
+        }
+
+
+METHODS = [
+    Method("bf16", "none", "bf16"),
+    Method("int4", "none", "int4", windows=False),
+    Method("naive-int2", "none", "naive_int2"),
+    Method("hadamard-int2", "hadamard", "int2"),
+    Method("hadamard-int2-fit", "hadamard", "int2", clip="fitted"),
+    Method("oscar-int2-nowin", "oscar", "int2", windows=False),
+    Method("oscar-int2", "oscar", "int2"),
+    Method("oscar-int2-fp32", "oscar", "int2", scale_dtype=torch.float32),
+    Method("oscar-int2-fit", "oscar", "int2", clip="fitted"),
+    Method("oscar-int2-perhead", "oscar-perhead", "int2"),
+    Method("oscar-int2-softmax", "oscar-softmax", "int2"),
+]
+METHODS_BY_NAME = {m.name: m for m in METHODS}
+
+
+def layer_specs(method: Method, rotations: dict[str, OscarRotations], layer_ids: list[int]) -> dict[int, LayerCacheSpec]:
+    rot = rotations.get(method.rotation)
+    specs = {}
+    for i in layer_ids:
+        if method.quant == "int2":
+            if method.clip == "fitted":
+                if rot.clip_ratios_k is None:
+                    raise ValueError(f"{method.name} needs fitted clip ratios; the rotations have none")
+                ck, cv = rot.clip_ratio("key", i), rot.clip_ratio("value", i)
+            else:
+                ck, cv = REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
+        else:
+            ck = cv = 0.0
+        specs[i] = LayerCacheSpec(
+            rot.key.rotations[i] if rot else None,
+            rot.value.rotations[i] if rot else None,
+            RowQuantizer(method.quant, ck, None, method.scale_dtype),
+            RowQuantizer(method.quant, cv, None, method.scale_dtype),
+        )
+    return specs
+
+
+@dataclass
+class Score:
+    """Running sums over predicted tokens for one method."""
+
+    nll: float = 0.0
+    kl: float = 0.0
+    top1: int = 0
+    tokens: int = 0
+    kl_by_pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    n_by_pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+
+    def add(self, logp: torch.Tensor, ref_logp: torch.Tensor, targets: torch.Tensor) -> None:
+        """logp, ref_logp: f32 ``[T, V]`` log-probs for positions predicting ``targets [T]``."""
+        self.nll -= logp.gather(-1, targets[:, None]).sum().item()
+        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).double().cpu()
+        self.kl += kl.sum().item()
+        self.top1 += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()
+        self.tokens += targets.numel()
+        bins = torch.arange(kl.numel()) // POSITION_BIN
+        nbins = int(bins[-1]) + 1
+        if self.kl_by_pos.numel() < nbins:
+            pad = nbins - self.kl_by_pos.numel()
+            self.kl_by_pos = torch.cat([self.kl_by_pos, torch.zeros(pad, dtype=torch.float64)])
+            self.n_by_pos = torch.cat([self.n_by_pos, torch.zeros(pad, dtype=torch.float64)])
+        self.kl_by_pos.index_add_(0, bins, kl)
+        self.n_by_pos.index_add_(0, bins, torch.ones_like(kl))
+
+    def summary(self, ref: "Score") -> dict:
+        ppl, ref_ppl = math.exp(self.nll / self.tokens), math.exp(ref.nll / ref.tokens)
+        return {
+            "ppl": ppl,
+            "delta_ppl": ppl - ref_ppl,
+            "delta_ppl_pct": 100 * (ppl / ref_ppl - 1),
+            "kl": self.kl / self.tokens,
+            "top1": self.top1 / self.tokens,
+            "tokens": self.tokens,
+            "kl_by_position": (self.kl_by_pos / self.n_by_pos.clamp(min=1)).tolist(),
+        }
+
+
+@torch.no_grad()
+def evaluate(
+    loaded: LoadedModel,
+    eval_ids: torch.Tensor,
+    context: int,
+    methods: list[Method],
+    rotations: dict[str, OscarRotations],
+    sink: int = 64,
+    recent: int = 256,
+) -> dict[str, dict]:
+    """Score every method on consecutive ``context``-token windows of ``eval_ids``."""
+    if methods[0].name != REFERENCE:
+        methods = [METHODS_BY_NAME[REFERENCE]] + [m for m in methods if m.name != REFERENCE]
+    layer_ids = list(range(loaded.shape.num_layers))
+    specs = {m.name: layer_specs(m, rotations, layer_ids) for m in methods}
+    scores = {m.name: Score() for m in methods}
+    windows = [w for w in split_sequences(eval_ids, context) if w.numel() == context]
+    if not windows:
+        raise ValueError(f"{eval_ids.numel()} evaluation tokens make no window of {context}")
+    device = next(loaded.model.parameters()).device
+    bar = tqdm(total=len(windows) * len(methods), desc="evaluating", unit="run")
+    for window in windows:
+        ids = window[None].to(device)
+        targets = ids[0, 1:]
+        ref_logp = None
+        for m in methods:
+            s, r = (sink, recent) if m.windows else (0, 0)
+            with attention_hooks(loaded.model, lambda i: MixedCacheHook(specs[m.name][i], s, r)):
+                logits = loaded.model(ids, use_cache=False).logits[0, :-1].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            if ref_logp is None:
+                ref_logp = logp
+            scores[m.name].add(logp, ref_logp, targets)
+            bar.set_postfix_str(m.name)
+            bar.update()
+    bar.close()
+    ref = scores[REFERENCE]
+    return {m.name: {**m.describe(), **scores[m.name].summary(ref)} for m in methods}
+
+
+# ---------------------------------------------------------------------------- reporting
+
+
+def environment() -> dict:
+    if torch.cuda.is_available():
+        hardware = torch.cuda.get_device_name(0)
+    else:
+        cpu = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        hardware = f"{cpu}, {torch.get_num_threads()} threads"
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "hardware": hardware,
+        "command": shlex.join(["oscar-evaluate", *sys.argv[1:]]),
+        "versions": f"oscar_vllm {__version__}, torch {torch.__version__}, "
+        f"transformers {__import__('transformers').__version__}, python {platform.python_version()}",
+    }
+
+
+def markdown_table(results: dict[str, dict]) -> str:
+    cols = ["method", "rotation", "quantizer", "clip", "scale/zero", "windows", "PPL", "ΔPPL", "KL", "top-1"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {r['rotation']} | {r['quantizer']} | {r['clip']} | {r['scale/zero']} | {r['windows']} "
+            f"| {r['ppl']:.3f} | {r['delta_ppl']:+.3f} ({r['delta_ppl_pct']:+.2f}%) | {r['kl']:.4f} "
+            f"| {100 * r['top1']:.2f}% |"
+        )
+    return "\n".join(lines)
+
+
+def write_report(results: dict, meta: dict, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "fidelity.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    header = [
+        f"# KV-cache fidelity: {meta['model']}",
+        "",
+        f"- date: {meta['date']}",
+        f"- hardware: {meta['hardware']}",
+        f"- command: `{meta['command']}`",
+        f"- {meta['versions']}",
+        f"- evaluation: {meta['eval_tokens']} tokens in windows of {meta['context']} from {meta['eval_corpus']}; "
+        f"sink {meta['sink']}, recent {meta['recent']}",
+        f"- calibration: {meta['calibration']}",
+        "",
+        "KL is the mean KL(BF16 ‖ method) per predicted token (nats); top-1 is agreement with",
+        "the BF16 cache's argmax. ΔPPL is against the bf16 row.",
+        "",
+        "",
+    ]
+    (out_dir / "fidelity.md").write_text("\n".join(header) + markdown_table(results) + "\n")
+    plot(results, meta, out_dir / "fidelity.png")
+    return out_dir
+
+
+def plot(results: dict, meta: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in results if n != REFERENCE]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
+    kls = [results[n]["kl"] for n in names]
+    colors = ["tab:green" if n.startswith("oscar") else "tab:gray" for n in names]
+    ax1.barh(names, kls, color=colors)
+    ax1.set_xscale("log")
+    ax1.invert_yaxis()
+    ax1.set_xlabel("mean KL(BF16 ‖ method) per token, nats (log)")
+    ax1.set_title(f"{meta['model']}: {meta['eval_tokens']} tokens, context {meta['context']}")
+    for y, (n, kl) in enumerate(zip(names, kls)):
+        ax1.text(kl, y, f" {kl:.3g} | PPL {results[n]['ppl']:.2f}", va="center", fontsize=8)
+    for n in names:
+        curve = results[n]["kl_by_position"]
+        x = [(i + 0.5) * POSITION_BIN for i in range(len(curve))]
+        ax2.plot(x, curve, label=n, lw=1.5 if n.startswith("oscar") else 1)
+    ax2.axvline(meta["sink"] + meta["recent"], color="k", ls=":", lw=0.8)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("position in context (tokens); dotted: sink + recent")
+    ax2.set_ylabel("mean KL per token")
+    ax2.set_title("where the error comes from")
+    ax2.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{meta['date']}, {meta['hardware']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def rotation_variants(
+    loaded: LoadedModel, methods: list[Method], calib_ids: torch.Tensor, heldout_ids: torch.Tensor, seq_len: int, info: dict
+) -> dict[str, OscarRotations]:
+    """Calibrate, from one capture, every rotation variant the methods need.
+
+    Every variant gets clip ratios fitted on the held-out tokens, the data-free Hadamard
+    one included, so that "fitted" rows compare rotations under the same clip fit.
+    """
+    wanted = {m.rotation for m in methods} - {"none"}
+    if not wanted:
+        return {}
+    softmax = "oscar-softmax" in wanted
+    stats = capture_stats(loaded, calib_ids, seq_len, softmax, "calibration") if wanted - {"hadamard"} else None
+    heldout = capture_stats(loaded, heldout_ids, seq_len, softmax, "held-out")
+    variants: dict[str, OscarRotations] = {}
+    if "hadamard" in wanted:
+        k, v = hadamard_rotation_sets(list(range(loaded.shape.num_layers)), loaded.shape.head_dim)
+        ck, cv, report = fit_clip_ratios(k, v, heldout)
+        variants["hadamard"] = OscarRotations(k, v, ck, cv, calibration={"clip_fit": report})
+    for name, per_head, weights in (
+        ("oscar", False, "proxy"),
+        ("oscar-perhead", True, "proxy"),
+        ("oscar-softmax", False, "softmax"),
+    ):
+        if name in wanted:
+            variants[name] = rotations_from_stats(loaded, stats, heldout, per_head, weights, calibration_info=info)
+    return variants
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="oscar-evaluate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", help="model folder or Hub id (local cache); default SmolLM2-135M-Instruct")
+    parser.add_argument("--gguf-file")
+    parser.add_argument("--rotations", type=Path,
+                        help="evaluate this rotation folder as 'oscar' instead of calibrating in the run")
+    parser.add_argument("--methods", default=",".join(m.name for m in METHODS),
+                        help=f"comma-separated subset of: {', '.join(METHODS_BY_NAME)}")
+    parser.add_argument("--context", type=int, default=2048, help="tokens per evaluation window")
+    parser.add_argument("--eval-tokens", type=int, default=4096, help="evaluation tokens (whole windows)")
+    parser.add_argument("--calib-tokens", type=int, default=8192)
+    parser.add_argument("--heldout-tokens", type=int, default=2048, help="clip-fit tokens, after the calibration ones")
+    parser.add_argument("--sink", type=int, default=64)
+    parser.add_argument("--recent", type=int, default=256)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model compute dtype")
+    parser.add_argument("--output-dir", type=Path, default=Path("results/fidelity"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    unknown = [n for n in args.methods.split(",") if n not in METHODS_BY_NAME]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; choose from {list(METHODS_BY_NAME)}")
+    methods = [METHODS_BY_NAME[n] for n in args.methods.split(",")]
+    t0 = time.time()
+    loaded = load_model(args.model_path, args.gguf_file, args.device, DTYPES[args.dtype])
+    eval_ids = corpus.tokenize(loaded.tokenizer, corpus.evaluation_text())
+    if eval_ids.numel() < args.eval_tokens:
+        raise SystemExit(f"the evaluation text has {eval_ids.numel()} tokens, fewer than --eval-tokens {args.eval_tokens}")
+    eval_ids = eval_ids[: args.eval_tokens]
+
+    if args.rotations:
+        rot = load_rotations(args.rotations, loaded.shape)
+        k, v = hadamard_rotation_sets(list(range(loaded.shape.num_layers)), loaded.shape.head_dim)
+        rotations = {"oscar": rot, "hadamard": OscarRotations(k, v)}
+        methods = [
+            m for m in methods
+            if m.rotation in ("none", "hadamard", "oscar") and (m.clip != "fitted" or rotations[m.rotation].clip_ratios_k)
+        ]
+        calibration = f"rotations from {args.rotations}"
+    else:
+        calib_ids = corpus.tokenize(loaded.tokenizer, corpus.calibration_text())
+        need = args.calib_tokens + args.heldout_tokens
+        if calib_ids.numel() < need:
+            raise SystemExit(f"the calibration text has {calib_ids.numel()} tokens, fewer than {need}")
+        info = {"corpus": corpus.CALIBRATION_NAME, "seq_len": args.context}
+        rotations = rotation_variants(
+            loaded, methods, calib_ids[: args.calib_tokens], calib_ids[args.calib_tokens : need], args.context, info
+        )
+        calibration = (
+            f"{args.calib_tokens} tokens for the rotations, {args.heldout_tokens} more for the clip fit, "
+            f"from {corpus.CALIBRATION_NAME}"
+        )
+    results = evaluate(loaded, eval_ids, args.context, methods, rotations, args.sink, args.recent)
+    meta = {
+        **environment(),
+        "model": loaded.name,
+        "eval_tokens": args.eval_tokens // args.context * args.context,
+        "eval_corpus": corpus.EVALUATION_NAME,
+        "context": args.context,
+        "sink": args.sink,
+        "recent": args.recent,
+        "calibration": calibration,
+        "seconds": round(time.time() - t0),
+    }
+    out = write_report(results, meta, args.output_dir)
+    print(markdown_table(results))
+    logger.info("wrote %s/fidelity.{md,json,png} in %.0f s", out, time.time() - t0)
+
+
+if __name__ == "__main__":
+    main()
