@@ -33,9 +33,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rotations", help="a rotation folder (ours or RotationZoo); default: calibrate now")
     parser.add_argument("--new-tokens", type=int, default=40)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
-    lm = load_model()
+    lm = load_model(device=args.device)
     if args.rotations:
         rot = load_rotations(args.rotations, lm.shape)
     else:
@@ -52,10 +53,10 @@ def main():
             RowQuantizer("int2", rot.clip_ratio("key", i)), RowQuantizer("int2", rot.clip_ratio("value", i)),
         )
 
-    print("...", lm.tokenizer.decode(prompt[-60:]))
+    print("...", lm.tokenizer.decode(prompt[-60:].tolist()))
     for name, spec in (("BF16 cache", bf16), ("OSCAR INT2 cache", oscar)):
-        out = generate(lm.model, prompt, args.new_tokens, spec)
-        print(f"\n[{name}]", lm.tokenizer.decode(out[len(prompt):]))
+        out = generate(lm.model, prompt.to(args.device), args.new_tokens, spec)
+        print(f"\n[{name}]", lm.tokenizer.decode(out[len(prompt) :].tolist()))
 
 
 if __name__ == "__main__":

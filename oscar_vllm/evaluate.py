@@ -123,11 +123,9 @@ class Score:
         self.top1 += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()
         self.tokens += targets.numel()
         bins = torch.arange(kl.numel()) // POSITION_BIN
-        nbins = int(bins[-1]) + 1
-        if self.kl_by_pos.numel() < nbins:
-            pad = nbins - self.kl_by_pos.numel()
-            self.kl_by_pos = torch.cat([self.kl_by_pos, torch.zeros(pad, dtype=torch.float64)])
-            self.n_by_pos = torch.cat([self.n_by_pos, torch.zeros(pad, dtype=torch.float64)])
+        if self.kl_by_pos.numel() == 0:  # every window has the same length
+            self.kl_by_pos = torch.zeros(int(bins[-1]) + 1, dtype=torch.float64)
+            self.n_by_pos = torch.zeros_like(self.kl_by_pos)
         self.kl_by_pos.index_add_(0, bins, kl)
         self.n_by_pos.index_add_(0, bins, torch.ones_like(kl))
 
@@ -346,10 +344,14 @@ def main(argv: list[str] | None = None) -> None:
         rot = load_rotations(args.rotations, loaded.shape)
         k, v = hadamard_rotation_sets(list(range(loaded.shape.num_layers)), loaded.shape.head_dim)
         rotations = {"oscar": rot, "hadamard": OscarRotations(k, v)}
-        methods = [
+        usable = [
             m for m in methods
             if m.rotation in ("none", "hadamard", "oscar") and (m.clip != "fitted" or rotations[m.rotation].clip_ratios_k)
         ]
+        skipped = [m.name for m in methods if m not in usable]
+        if skipped:
+            logger.info("skipping %s: they need a calibration in this run (drop --rotations)", ", ".join(skipped))
+        methods = usable
         calibration = f"rotations from {args.rotations}"
     else:
         calib_ids = corpus.tokenize(loaded.tokenizer, corpus.calibration_text())
