@@ -148,16 +148,59 @@ def _best_ratio(
     param_dtype: torch.dtype,
 ) -> tuple[float, float]:
     """The candidate clip ratio with the smallest ``error_of(dequant - rows)``."""
-    rows = rows.float()
-    sorted_abs = rows.abs().sort(dim=-1).values  # one sort serves every candidate
+    x = rows.float()
+    sorted_abs = x.abs().sort(dim=-1).values  # one sort serves every candidate
     best = (float("inf"), 0.0)
-    for ratio in clip_candidates(rows.shape[-1]):
-        idx = clip_index(ratio, rows.shape[-1])
+    for ratio in clip_candidates(x.shape[-1]):
+        idx = clip_index(ratio, x.shape[-1])
         thr = sorted_abs[..., idx : idx + 1]
-        codes, scale, bias = minmax_quantize(torch.minimum(torch.maximum(rows, -thr), thr), 2, group_size)
+        codes, scale, bias = minmax_quantize(torch.minimum(torch.maximum(x, -thr), thr), 2, group_size)
         deq = minmax_dequantize(codes, scale.to(param_dtype), bias.to(param_dtype))
-        best = min(best, (error_of((deq - rows).double()), ratio))
+        best = min(best, (error_of(deq.double() - rows.double()), ratio))
     return best[1], best[0]
+
+
+@dataclass
+class LayerErrorMeasure:
+    """OSCAR's error measures for one layer on held-out tokens, in the rotated space.
+
+    Keys: the expected squared logit error ``E[(q'·Δk')²] = Δk' (R_Kᵀ C_Q,h R_K) Δk'ᵀ``.
+    Values: the score-weighted error ``Σ_t w_t ||Δv'_t||² / T`` (the weights of ``C_S``).
+    """
+
+    keys: torch.Tensor  # rotated held-out keys, f64 [T, Hkv, d]
+    values: torch.Tensor  # rotated held-out values, f64 [T, Hkv, d]
+    query_moment: torch.Tensor  # R_Kᵀ C_Q,h R_K per head, f64 [Hkv, d, d]
+    weights: torch.Tensor  # value token weights with mean 1, f64 [T, Hkv]
+
+    @classmethod
+    def build(
+        cls, st: LayerStats, key_rotation: torch.Tensor, value_rotation: torch.Tensor, value_weights: str = "proxy"
+    ) -> "LayerErrorMeasure":
+        rk, rv = key_rotation.double(), value_rotation.double()
+        rk_heads = rk if rk.dim() == 3 else rk.expand(st.num_kv_heads, -1, -1)
+        w = st.value_weights(value_weights)
+        return cls(
+            keys=apply_rotation(st.all_keys().double(), rk),
+            values=apply_rotation(st.all_values().double(), rv),
+            query_moment=rk_heads.transpose(-1, -2) @ st.qtq() @ rk_heads,
+            weights=w / w.mean(dim=0, keepdim=True).clamp(min=1e-12),
+        )
+
+    def key_error(self, delta: torch.Tensor) -> float:
+        d = delta.double().transpose(0, 1)  # [Hkv, T, d]
+        return ((d @ self.query_moment) * d).sum().item() / delta.shape[0]
+
+    def value_error(self, delta: torch.Tensor) -> float:
+        return (self.weights * delta.double().square().sum(-1)).sum().item() / delta.shape[0]
+
+    def errors(
+        self, clip_k: float, clip_v: float, group_size: int | None = None, param_dtype: torch.dtype = torch.float16
+    ) -> tuple[float, float]:
+        """(key error, value error) of the INT2 cache with these clip ratios."""
+        dk = fake_quantize_int2(self.keys, clip_k, group_size, param_dtype) - self.keys
+        dv = fake_quantize_int2(self.values, clip_v, group_size, param_dtype) - self.values
+        return self.key_error(dk), self.value_error(dv)
 
 
 def fit_clip_ratios(
@@ -168,34 +211,17 @@ def fit_clip_ratios(
     group_size: int | None = None,
     param_dtype: torch.dtype = torch.float16,
 ) -> tuple[list[float], list[float], dict]:
-    """Per-layer clip ratios minimizing OSCAR's own error measures on held-out tokens.
+    """Per-layer clip ratios minimizing :class:`LayerErrorMeasure` on held-out tokens.
 
-    Keys: the expected squared logit error ``E[(q'·Δk')²] = Δk' (R_Kᵀ C_Q,h R_K) Δk'ᵀ``.
-    Values: the score-weighted error ``Σ_t w_t ||Δv'_t||²`` (the weights of ``C_S``).
-    Returns ``(ratios_k, ratios_v, report)`` with the reference ratios' errors for comparison.
+    Returns ``(ratios_k, ratios_v, report)``; the report compares with the reference ratios.
     """
     ratios_k, ratios_v = [], []
     gain_k, gain_v = [], []
     for layer_id in key.layer_ids:
-        st = heldout[layer_id]
-        rk, rv = key.rotations[layer_id].double(), value.rotations[layer_id].double()
-        k_rot = apply_rotation(st.all_keys().double(), rk)  # [T, Hkv, d]
-        v_rot = apply_rotation(st.all_values().double(), rv)
-        rk_heads = rk if rk.dim() == 3 else rk.expand(st.num_kv_heads, -1, -1)
-        m = rk_heads.transpose(-1, -2) @ st.qtq() @ rk_heads  # [Hkv, d, d]
-        w = st.value_weights(value_weights)
-        w = w / w.mean(dim=0, keepdim=True).clamp(min=1e-12)
-
-        def key_err(delta: torch.Tensor) -> float:
-            return ((delta.transpose(0, 1) @ m) * delta.transpose(0, 1)).sum().item() / delta.shape[0]
-
-        def value_err(delta: torch.Tensor) -> float:
-            return (w * delta.square().sum(-1)).sum().item() / delta.shape[0]
-
-        best_k, err_k = _best_ratio(k_rot, key_err, group_size, param_dtype)
-        best_v, err_v = _best_ratio(v_rot, value_err, group_size, param_dtype)
-        ref_k = key_err(fake_quantize_int2(k_rot, REFERENCE_CLIP_RATIO_K, group_size, param_dtype) - k_rot)
-        ref_v = value_err(fake_quantize_int2(v_rot, REFERENCE_CLIP_RATIO_V, group_size, param_dtype) - v_rot)
+        em = LayerErrorMeasure.build(heldout[layer_id], key.rotations[layer_id], value.rotations[layer_id], value_weights)
+        best_k, err_k = _best_ratio(em.keys, em.key_error, group_size, param_dtype)
+        best_v, err_v = _best_ratio(em.values, em.value_error, group_size, param_dtype)
+        ref_k, ref_v = em.errors(REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V, group_size, param_dtype)
         ratios_k.append(best_k)
         ratios_v.append(best_v)
         gain_k.append(err_k / ref_k)

@@ -185,7 +185,8 @@ def evaluate(
 # ---------------------------------------------------------------------------- reporting
 
 
-def environment() -> dict:
+def environment(prog: str = "oscar-evaluate") -> dict:
+    """Date, hardware, the command line and versions, for a report header."""
     if torch.cuda.is_available():
         hardware = torch.cuda.get_device_name(0)
     else:
@@ -201,7 +202,7 @@ def environment() -> dict:
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "hardware": hardware,
-        "command": shlex.join(["oscar-evaluate", *sys.argv[1:]]),
+        "command": f"{prog} {shlex.join(sys.argv[1:])}".strip(),
         "versions": f"oscar_vllm {__version__}, torch {torch.__version__}, "
         f"transformers {__import__('transformers').__version__}, python {platform.python_version()}",
     }

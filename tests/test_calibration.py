@@ -164,3 +164,23 @@ def test_unsupported_models_are_refused():
     cfg = LlamaConfig(hidden_size=96 * 4, num_attention_heads=4)
     with pytest.raises(ValueError, match="head_dim 96 is not a power of two"):
         check_supported(cfg)
+
+
+def test_error_measure_is_the_mean_squared_logit_error():
+    from oscar_vllm.calibration import LayerErrorMeasure
+
+    torch.manual_seed(3)
+    t, hq, hkv, d = 20, 6, 2, 16
+    q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    st = LayerStats(hkv)
+    st.add(q, k, v)
+    r, _ = rotation_from_moment(key_moment(st.qtq_sum, st.query_rows, per_head=False))
+    em = LayerErrorMeasure.build(st, r, r)
+    delta = torch.randn(t, hkv, d, dtype=torch.float64)
+    qr = (q.double() @ r).reshape(t, hkv, hq // hkv, d)
+    brute = 0.0
+    for h in range(hkv):
+        queries = qr[:, h].reshape(-1, d)  # every query row of the group
+        brute += ((queries @ delta[:, h].T) ** 2).mean(0).sum().item()
+    assert em.key_error(delta) == pytest.approx(brute / t, rel=1e-9)
+    assert em.value_error(torch.ones(t, hkv, d)) == pytest.approx(d * hkv, rel=1e-9)  # weights have mean 1
