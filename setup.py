@@ -32,6 +32,9 @@ setup(
             "oscar-calibrate=oscar_vllm.calibrate:main",
             "oscar-evaluate=oscar_vllm.evaluate:main",
             "oscar-rotations=oscar_vllm.rotation_io:main",
+            "oscar-vllm=oscar_vllm.serve:main",
         ],
+        # vLLM loads these in every process; register() makes --attention-backend OSCAR work.
+        "vllm.general_plugins": ["oscar = oscar_vllm.plugin:register"],
     },
 )

@@ -6,6 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU the Triton kernels run in the interpreter. This must be set before
+# csrc_triton is imported: triton.jit reads it when the kernels are decorated.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 ROTATIONZOO = Path(os.environ.get("OSCAR_ROTATIONZOO_DIR", REPO.parent / "shared" / "data" / "rotationzoo"))
 

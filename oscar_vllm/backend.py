@@ -1,0 +1,213 @@
+"""The OSCAR attention backend for vLLM 0.26.0: INT2 paged KV with BF16 sink and recent
+windows, in the attention-aware rotated basis.
+
+Order as in vLLM's own backends: metadata, builder, backend, impl. The kernels live in
+``csrc_triton/``; what ties the backend into vLLM beyond this interface (the KV spec, the
+request rows, the weight fold) is in ``vllm_hooks``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from csrc_triton.oscar_attention import DECODE_SPLITS, oscar_attention
+from csrc_triton.oscar_write import oscar_write
+from csrc_triton.paged_layout import int2_slot_bytes
+from oscar_vllm import window_store
+from oscar_vllm.plugin import BACKEND_NAME, check_vllm_version
+from oscar_vllm.quant import PARAM_DTYPES, clip_index
+from oscar_vllm.settings import OscarSettings
+
+check_vllm_version()
+
+from oscar_vllm import vllm_hooks  # noqa: E402  (installs the hooks once the version is right)
+
+vllm_hooks.install()
+
+
+@dataclass
+class OscarAttentionMetadata:
+    num_actual_tokens: int
+    max_query_len: int
+    num_reqs: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs], including this step
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    ring_slots: torch.Tensor  # int32 [num_reqs]: each request's window ring
+    part_out: torch.Tensor  # fp32 [max_num_seqs, Hq, DECODE_SPLITS, d] split-K scratch
+    part_lse: torch.Tensor  # fp32 [max_num_seqs, Hq, DECODE_SPLITS]
+
+
+class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetadata]):
+    # Decode batches replay as full CUDA graphs: every tensor the kernels read lives in a
+    # persistent buffer and the launch depends only on (padded) shapes.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        max_reqs = vllm_config.scheduler_config.max_num_seqs
+        num_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        d = kv_cache_spec.head_size
+        self.ring_slots = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+        self.part_out = torch.empty(max_reqs, num_heads, DECODE_SPLITS, d, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(max_reqs, num_heads, DECODE_SPLITS, dtype=torch.float32, device=device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> OscarAttentionMetadata:
+        m = common_attn_metadata
+        rows = window_store.batch_rows()
+        if rows is None:
+            raise RuntimeError(
+                "OSCAR needs vLLM's V2 model runner (the default for dense models) to know each "
+                "request's window ring; set VLLM_USE_V2_MODEL_RUNNER=1"
+            )
+        n = min(m.num_reqs, rows.shape[0])
+        self.ring_slots[:n].copy_(rows[:n], non_blocking=True)
+        window_store.apply_resets()
+        return OscarAttentionMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            num_reqs=m.num_reqs,
+            query_start_loc=m.query_start_loc,
+            seq_lens=m.seq_lens,
+            block_table=m.block_table_tensor,
+            slot_mapping=m.slot_mapping,
+            ring_slots=self.ring_slots,
+            part_out=self.part_out,
+            part_lse=self.part_lse,
+        )
+
+
+class OscarAttentionBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type["OscarAttentionImpl"]:
+        return OscarAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[OscarAttentionMetadataBuilder]:
+        return OscarAttentionMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [64, 128, 256]
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads, int2_slot_bytes(head_size))
+
+
+class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, **unsupported) -> None:
+        problems = [
+            (alibi_slopes is not None, "ALiBi"),
+            (sliding_window is not None, "sliding-window attention"),
+            (bool(logits_soft_cap), "logit soft-capping"),
+            (attn_type != AttentionType.DECODER, f"{attn_type} attention"),
+            (kv_sharing_target_layer_name is not None, "cross-layer KV sharing"),
+            (kv_cache_dtype != "auto", f"--kv-cache-dtype {kv_cache_dtype} (OSCAR is its own KV format)"),
+            (unsupported.get("sinks") is not None, "learned attention sinks"),
+        ]
+        refused = [what for bad, what in problems if bad]
+        if refused:
+            raise NotImplementedError(f"the OSCAR backend does not serve models with {', '.join(refused)}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+
+        vllm_config = get_current_vllm_config()
+        self.settings = OscarSettings.from_vllm_config(vllm_config)
+        self.sink = self.settings.sink_size
+        self.recent = self.settings.recent_size
+        self.param_dtype = PARAM_DTYPES[self.settings.scale_dtype]
+        # Set by vllm_hooks.prepare_model once the model's weights are loaded.
+        self.layer_id: int | None = None
+        self.rot_k: torch.Tensor | None = None
+        self.clip_idx_k = self.clip_idx_v = -1
+        # One BF16 window ring per running request. Allocated here, during model
+        # construction, so vLLM's memory profiler counts it before sizing the KV cache.
+        rings = vllm_config.scheduler_config.max_num_seqs
+        shape = (rings, self.sink + self.recent, num_kv_heads, head_size)
+        self.window_k = torch.zeros(shape, dtype=torch.bfloat16)
+        self.window_v = torch.zeros(shape, dtype=torch.bfloat16)
+        self.window_pos = torch.full(shape[:2], -1, dtype=torch.int32)
+        window_store.register_window_positions(self.window_pos)
+
+    def set_layer(self, layer_id: int, rot_k: torch.Tensor, clip_ratio_k: float, clip_ratio_v: float) -> None:
+        """The layer's key rotation ``[d, d]`` or ``[Hkv, d, d]`` and clip ratios."""
+        self.layer_id = layer_id
+        self.rot_k = rot_k.to(device=self.window_k.device, dtype=torch.float32).contiguous()
+        self.clip_idx_k = clip_index(clip_ratio_k, self.head_size)
+        self.clip_idx_v = clip_index(clip_ratio_v, self.head_size)
+
+    def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """``q @ R_K`` in fp32 (per KV head when the rotation is per head)."""
+        rot = self.rot_k
+        if rot.dim() == 2:
+            return (q.float() @ rot).to(q.dtype)
+        n = q.shape[0]
+        g = self.num_heads // self.num_kv_heads
+        qg = q.float().view(n, self.num_kv_heads, g, self.head_size)
+        return torch.einsum("thgi,hij->thgj", qg, rot).reshape(q.shape).to(q.dtype)
+
+    def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: OscarAttentionMetadata, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("the OSCAR backend does not fuse output quantization")
+        if attn_metadata is None:  # memory-profiling run
+            return output.fill_(0)
+        if self.rot_k is None:
+            raise RuntimeError(f"OSCAR layer {layer.layer_name} has no rotation: the model was not prepared")
+        md = attn_metadata
+        n = md.num_actual_tokens
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        k = key[:n].view(n, self.num_kv_heads, self.head_size)
+        v = value[:n].view(n, self.num_kv_heads, self.head_size)
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        oscar_attention(
+            out, q, self.rotate_queries(q), k, v, kv_cache, self.window_k, self.window_v, self.window_pos,
+            md.block_table, md.seq_lens, md.query_start_loc, md.ring_slots, md.num_reqs, md.max_query_len,
+            self.scale, self.sink, self.recent, self.param_dtype, part_out=md.part_out, part_lse=md.part_lse,
+        )
+        # After attention: the ring still held the previous window while this step read it.
+        oscar_write(
+            k, v, self.rot_k, md.slot_mapping[:n], md.query_start_loc, md.seq_lens, md.ring_slots, md.num_reqs,
+            kv_cache, self.window_k, self.window_v, self.window_pos, self.clip_idx_k, self.clip_idx_v,
+            self.sink, self.recent, self.param_dtype,
+        )
+        return output

@@ -1,0 +1,6 @@
+"""Plain-PyTorch twins of the Triton kernels in ``csrc_triton/``, one file per kernel.
+
+They take the same arguments as the kernels' launch wrappers, work on the same paged
+layout (``csrc_triton/paged_layout.py``), loop over requests in Python and are meant for
+tests on small shapes, not for speed.
+"""

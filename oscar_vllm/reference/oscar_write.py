@@ -1,0 +1,69 @@
+"""Reference for ``csrc_triton/oscar_write.py``: quantize-on-write into the paged cache."""
+from __future__ import annotations
+
+import torch
+
+from oscar_vllm.quant import quantize_int2
+
+
+def window_index(pos: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
+    """Index of each position in a request's window ring (see ``paged_layout``)."""
+    return torch.where(pos < sink, pos, sink + (pos - sink) % recent)
+
+
+def token_positions(cu_q: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(request, position)`` of every scheduled token, each ``[T]`` int64."""
+    cu = cu_q[: num_reqs + 1].long().cpu()
+    q_lens = cu[1:] - cu[:-1]
+    req = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
+    ctx = seq_lens[:num_reqs].long().cpu() - q_lens
+    pos = ctx[req] + torch.arange(int(cu[-1])) - cu[:-1][req]
+    return req, pos
+
+
+def pack_slot(packed_k, scale_k, min_k, packed_v, scale_v, min_v) -> torch.Tensor:
+    """``[N, int2_slot_bytes(d)]`` uint8 slots from packed codes and 16-bit parameters."""
+    params = torch.stack([scale_k, min_k, scale_v, min_v], dim=-1)  # [N, 4] 16-bit
+    return torch.cat([packed_k, packed_v, params.contiguous().view(torch.uint8)], dim=-1)
+
+
+def oscar_write_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    rot_k: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cu_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    ring_slots: torch.Tensor,
+    num_reqs: int,
+    cache: torch.Tensor,
+    window_k: torch.Tensor,
+    window_v: torch.Tensor,
+    window_pos: torch.Tensor,
+    clip_ratio_k: float,
+    clip_ratio_v: float,
+    sink: int,
+    recent: int,
+    param_dtype: torch.dtype = torch.float16,
+) -> None:
+    """What :func:`csrc_triton.oscar_write.oscar_write` does, in place, with ``quantize_int2``."""
+    t, hkv, d = key.shape
+    live = slot_mapping[:t].long().cpu() >= 0
+    if rot_k.dim() == 2:
+        k_rot = key.float() @ rot_k.float()
+    else:
+        k_rot = torch.einsum("thi,hij->thj", key.float(), rot_k.float())
+    qk = quantize_int2(k_rot, clip_ratio_k, None, param_dtype)
+    qv = quantize_int2(value.float(), clip_ratio_v, None, param_dtype)
+    slots = pack_slot(qk.packed, qk.scale[..., 0], qk.bias[..., 0], qv.packed, qv.scale[..., 0], qv.bias[..., 0])
+    flat = cache.view(-1, hkv, cache.shape[-1])
+    flat[slot_mapping[:t][live].long()] = slots[live].to(cache.device)
+
+    req, pos = token_positions(cu_q, seq_lens, num_reqs)
+    end = seq_lens[:num_reqs].long().cpu()[req]
+    keep = live[: len(req)] & ((pos < sink) | (pos >= end - recent))
+    ring = ring_slots[:num_reqs].long().cpu()[req][keep]
+    idx = window_index(pos[keep], sink, recent)
+    window_k[ring, idx] = k_rot[: len(req)][keep].to(window_k.dtype).to(window_k.device)
+    window_v[ring, idx] = value[: len(req)][keep].to(window_v.dtype).to(window_v.device)
+    window_pos[ring, idx] = pos[keep].to(window_pos.dtype).to(window_pos.device)

@@ -1,0 +1,71 @@
+"""A tiny stand-in for vLLM's scheduler and block manager, to drive the OSCAR kernels and
+their references through the same steps vLLM would: requests with random block tables,
+chunked prefill, decode, mixed batches."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from csrc_triton.paged_layout import int2_slot_bytes
+
+
+@dataclass
+class Step:
+    """One scheduled batch: ``tokens[r]`` new tokens for request ``reqs[r]``."""
+
+    reqs: list[int]
+    cu_q: torch.Tensor  # int32 [R + 1]
+    seq_lens: torch.Tensor  # int32 [R]
+    block_table: torch.Tensor  # int32 [R, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [T]
+    ring_slots: torch.Tensor  # int32 [R]
+    token_index: torch.Tensor  # int64 [T]: position of each token in its request's sequence
+    max_query_len: int
+
+
+class PagedCache:
+    """Paged INT2 cache + BF16 rings for ``num_reqs`` requests of at most ``max_len`` tokens."""
+
+    def __init__(self, num_reqs: int, max_len: int, hkv: int, d: int, block_size: int,
+                 sink: int, recent: int, device: str = "cpu", seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        blocks_per_req = -(-max_len // block_size)
+        num_blocks = num_reqs * blocks_per_req + 3
+        # Random physical blocks, so a kernel that ignores the block table fails.
+        perm = torch.randperm(num_blocks, generator=g)[: num_reqs * blocks_per_req]
+        self.block_table = perm.view(num_reqs, blocks_per_req).to(torch.int32).to(device)
+        self.ring_slots = (torch.randperm(num_reqs + 2, generator=g)[:num_reqs]).to(torch.int32)
+        self.cache = torch.randint(0, 256, (num_blocks, block_size, hkv, int2_slot_bytes(d)),
+                                   dtype=torch.uint8, generator=g).to(device)
+        shape = (num_reqs + 2, sink + recent, hkv, d)
+        self.window_k = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
+        self.window_v = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
+        self.window_pos = torch.full(shape[:2], -1, dtype=torch.int32, device=device)
+        self.block_size = block_size
+        self.done = [0] * num_reqs
+        self.device = device
+
+    def clone(self) -> "PagedCache":
+        other = object.__new__(PagedCache)
+        other.__dict__.update(self.__dict__)
+        for name in ("cache", "window_k", "window_v", "window_pos"):
+            setattr(other, name, getattr(self, name).clone())
+        other.done = list(self.done)
+        return other
+
+    def schedule(self, new_tokens: dict[int, int]) -> Step:
+        """A batch that appends ``new_tokens[r]`` tokens to request ``r``; advances it."""
+        reqs = list(new_tokens)
+        q_lens = [new_tokens[r] for r in reqs]
+        cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+        seq = torch.tensor([self.done[r] + new_tokens[r] for r in reqs], dtype=torch.int32)
+        pos = torch.cat([torch.arange(self.done[r], self.done[r] + new_tokens[r]) for r in reqs])
+        bt = self.block_table[reqs].cpu()
+        row = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(q_lens))
+        slots = bt[row, pos // self.block_size].long() * self.block_size + pos % self.block_size
+        for r in reqs:
+            self.done[r] += new_tokens[r]
+        dev = self.device
+        return Step(reqs, cu.to(dev), seq.to(dev), bt.to(dev), slots.to(dev),
+                    self.ring_slots[reqs].to(dev), pos, max(q_lens))

@@ -1,0 +1,112 @@
+"""Plugin registration (in fresh interpreters, as vLLM's processes do), version check and
+KV-cache spec sizing, with vLLM imported."""
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from oscar_vllm import plugin
+
+
+def run_python(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_entry_point_is_declared():
+    eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert eps.get("oscar") == "oscar_vllm.plugin:register"
+
+
+def test_vllm_loads_the_plugin_and_parses_the_backend_name():
+    out = run_python("""
+        import sys, torch
+        from vllm.plugins import load_general_plugins
+        load_general_plugins(); load_general_plugins()
+        from vllm.config.attention import AttentionConfig
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+        names = [m.name for m in E]
+        assert names.count("OSCAR") == 1, names
+        assert AttentionConfig(backend="OSCAR").backend is E.OSCAR
+        assert AttentionConfig(backend="oscar").backend is E.OSCAR
+        assert E.OSCAR.get_path() == E.CUSTOM.get_path() == "oscar_vllm.backend.OscarAttentionBackend"
+        import pickle
+        assert pickle.loads(pickle.dumps(E.OSCAR)) is E.OSCAR
+        assert not torch.cuda.is_initialized()
+        assert not any(m.startswith(("oscar_vllm.backend", "csrc_triton")) for m in sys.modules)
+        print("ok")
+    """)
+    assert out == "ok"
+
+
+def test_member_unpickles_in_a_process_that_has_not_loaded_plugins():
+    """vLLM's spawned engine core unpickles its config before it loads plugins."""
+    blob = run_python("""
+        import base64, pickle
+        from oscar_vllm.plugin import register
+        register()
+        from vllm.config.attention import AttentionConfig
+        print(base64.b64encode(pickle.dumps(AttentionConfig(backend="OSCAR"))).decode())
+    """)
+    out = run_python(f"""
+        import base64, pickle
+        config = pickle.loads(base64.b64decode("{blob}"))
+        print(config.backend.name, config.backend.get_path())
+    """)
+    assert out == "OSCAR oscar_vllm.backend.OscarAttentionBackend"
+
+
+def test_custom_slot_taken_by_another_plugin_is_left_alone():
+    out = run_python("""
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum as E, register_backend
+        register_backend(E.CUSTOM, "someone.else.Backend")
+        from oscar_vllm.plugin import register
+        register()
+        print(E.CUSTOM.get_path(), E.OSCAR.get_path())
+    """)
+    assert out == "someone.else.Backend oscar_vllm.backend.OscarAttentionBackend"
+
+
+def test_backend_class_resolves_and_installs_its_hooks():
+    out = run_python("""
+        from oscar_vllm.plugin import register
+        register()
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+        backend = E.OSCAR.get_class()
+        from vllm.model_executor.layers.attention.attention import Attention
+        assert Attention.get_kv_cache_spec.__oscar_wrapped__
+        print(backend.get_name(), backend.get_kv_cache_shape(10, 16, 8, 128))
+    """)
+    assert out == "OSCAR (10, 16, 8, 72)"
+
+
+def test_version_check_names_the_versions(monkeypatch):
+    monkeypatch.setattr(plugin, "version", lambda name: "0.25.1")
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.26\.0 exactly, found vLLM 0\.25\.1.*pip install vllm==0\.26\.0"):
+        plugin.check_vllm_version()
+
+
+@pytest.mark.parametrize("head_dim,slot", [(64, 40), (128, 72), (256, 136)])
+def test_int2_page_is_reported_truthfully(head_dim, slot):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    import oscar_vllm.backend  # noqa: F401  (installs the hooks)
+    from oscar_vllm.backend import OscarAttentionBackend
+    from oscar_vllm.vllm_hooks import oscar_kv_cache_spec
+
+    layer = SimpleNamespace(num_kv_heads=8, head_size=head_dim)
+    config = SimpleNamespace(cache_config=SimpleNamespace(block_size=16))
+    spec = oscar_kv_cache_spec(layer, config)
+    assert spec.page_size_bytes == 16 * 8 * slot
+    # The tensor vLLM carves from those bytes has exactly the backend's shape.
+    shape = OscarAttentionBackend.get_kv_cache_shape(5, 16, 8, head_dim)
+    assert torch.Size(shape).numel() == 5 * spec.page_size_bytes
+    bf16 = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=head_dim, dtype=torch.bfloat16)
+    assert bf16.page_size_bytes / spec.page_size_bytes == pytest.approx(4 * head_dim / slot)
+    if head_dim == 128:  # the issue's Qwen3-8B arithmetic: 72 bytes against 512, 7.1x
+        assert bf16.page_size_bytes / spec.page_size_bytes == pytest.approx(512 / 72)
