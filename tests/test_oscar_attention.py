@@ -150,3 +150,40 @@ def test_pipeline_matches_mixed_cache_reference(case):
         assert not outs[r].isnan().any()
         assert err.max() <= 0.1, err.max()
         assert (err > 2e-2).float().mean() <= 1e-2, (err > 2e-2).float().mean()
+
+
+def test_prefix_cache_hit_never_reads_another_requests_window():
+    """A request that reuses another's cached blocks (vLLM prefix caching) and gets a ring row
+    a finished request left behind reads the shared prefix from INT2 where its own ring is
+    empty: exactly the paged reference, whose ring is as the runner leaves it (emptied)."""
+    d, hkv, g, block_size, sink, recent = 64, 1, 2, 16, 4, 8
+    pc = PagedCache(2, 80, hkv, d, block_size, sink, recent, DEVICE)
+    rot = random_rotation(d).to(DEVICE)
+    clip = (clip_index(CLIP_K, d), clip_index(CLIP_V, d))
+    # Request 0 prefills 48 tokens (three full blocks).
+    step = pc.schedule({0: 48})
+    k, v = random_rows((48, hkv, d), torch.float32, 1), random_rows((48, hkv, d), torch.float32, 2)
+    oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, 1, pc.cache,
+                pc.window_k, pc.window_v, pc.window_pos, *clip, sink, recent)
+    # Request 1 hits the first two blocks and takes request 0's ring row after it finished
+    # (the runner empties the row: window_store.apply_resets).
+    pc.block_table[1, :2] = pc.block_table[0, :2]
+    pc.ring_slots[1] = pc.ring_slots[0]
+    pc.window_pos[pc.ring_slots[1]] = -1
+    pc.done[1] = 32
+    step = pc.schedule({1: 5})
+    q = random_rows((5, hkv * g, d), torch.float32, 3)
+    k, v = random_rows((5, hkv, d), torch.float32, 4), random_rows((5, hkv, d), torch.float32, 5)
+    out = torch.full_like(q, float("nan"))
+    args = (pc.cache, pc.window_k, pc.window_v, pc.window_pos, step.block_table, step.seq_lens, step.cu_q,
+            step.ring_slots, 1)
+    oscar_attention(out, q, q @ rot, k, v, *args, step.max_query_len, 0.125, sink, recent)
+    want = oscar_attention_reference(q, q @ rot, k, v, *args, 0.125, sink, recent)
+    torch.testing.assert_close(out.float().cpu(), want, rtol=1e-4, atol=1e-4)
+    # The same query with request 0's stale ring entries left in place would differ: the
+    # emptied row is what keeps request 0's data out.
+    stale = pc.window_pos.clone()
+    stale[pc.ring_slots[1], : sink + recent] = torch.arange(sink + recent, dtype=torch.int32)
+    other = oscar_attention_reference(q, q @ rot, k, v, pc.cache, pc.window_k, pc.window_v, stale,
+                                      *args[4:], 0.125, sink, recent)
+    assert (other - want).abs().max() > 1e-3
