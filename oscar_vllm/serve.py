@@ -14,6 +14,10 @@ import sys
 
 from oscar_vllm.settings import ADDITIONAL_CONFIG_KEY, OscarSettings
 
+# vLLM's default on an H200 is 1024 running requests. Each one holds BF16 windows in every
+# layer (47 MB for Qwen3-8B), so the wrapper starts lower unless told otherwise.
+DEFAULT_MAX_NUM_SEQS = "256"
+
 FLAGS = {
     "--oscar-rotation-path": ("rotation_path", str),
     "--oscar-sink-size": ("sink_size", int),
@@ -48,6 +52,8 @@ def build_vllm_argv(argv: list[str]) -> list[str]:
         oscar[name] = value
     OscarSettings.from_sources({ADDITIONAL_CONFIG_KEY: oscar}, environ={})  # fail here, not in a worker
     extra[ADDITIONAL_CONFIG_KEY] = oscar
+    if not any(a == "--max-num-seqs" or a.startswith("--max-num-seqs=") for a in rest):
+        rest = [*rest, "--max-num-seqs", DEFAULT_MAX_NUM_SEQS]
     return [*rest, "--attention-backend", "OSCAR", "--additional-config", json.dumps(extra)]
 
 

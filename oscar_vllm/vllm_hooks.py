@@ -18,7 +18,8 @@ import torch
 
 from oscar_vllm import window_store
 
-logger = logging.getLogger(__name__)
+# Under vLLM's logger, so its handlers show what the backend loaded.
+logger = logging.getLogger("vllm.oscar_vllm")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 _installed = False
 
@@ -163,8 +164,12 @@ def prepare_model(model: torch.nn.Module) -> None:
             settings.clip_ratio_k or rotations.clip_ratio(KEY, layer_id),
             settings.clip_ratio_v or rotations.clip_ratio(VALUE, layer_id),
         )
+    window_bytes = sum(
+        b.attn.impl.window_k.nbytes + b.attn.impl.window_v.nbytes + b.attn.impl.window_pos.nbytes for _, b in blocks
+    )
     logger.info(
-        "OSCAR: %d layers, rotations %s (%s), sink %d, recent %d, scales %s",
+        "OSCAR: %d layers, rotations %s (%s), sink %d, recent %d, scales %s; BF16 windows for %d "
+        "requests take %.2f GiB (lower --max-num-seqs to give it to the KV cache)",
         len(blocks), settings.rotation_path, rotations.source_format, settings.sink_size,
-        settings.recent_size, settings.scale_dtype,
+        settings.recent_size, settings.scale_dtype, blocks[0][1].attn.impl.window_pos.shape[0], window_bytes / 2**30,
     )
