@@ -4,11 +4,7 @@ import pytest
 import torch
 
 from oscar_vllm.fold import fold_value_rotation, kv_heads_of_shard, per_head
-
-
-def orthogonal(n, d, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.linalg.qr(torch.randn(n, d, d, generator=g, dtype=torch.float64))[0].float()
+from kernel_cases import random_rotation
 
 
 def attention_block(x, w_qkv, b_qkv, w_o, hq, hkv, d, probs):
@@ -29,8 +25,7 @@ def test_fold_preserves_the_output(hq, hkv, per_head_rot, bias):
     b_qkv = torch.randn((hq + 2 * hkv) * d, dtype=torch.float64) if bias else None
     w_o = torch.randn(hidden, hq * d, dtype=torch.float64)
     probs = torch.softmax(torch.randn(hq, t, t, dtype=torch.float64), dim=-1)
-    rot = orthogonal(hkv if per_head_rot else 1, d, 1)
-    rot = rot if per_head_rot else rot[0]
+    rot = random_rotation(d, hkv if per_head_rot else None, seed=1)
     y, v = attention_block(x, w_qkv, b_qkv, w_o, hq, hkv, d, probs)
 
     fw_qkv, fb, fw_o = w_qkv.clone(), None if b_qkv is None else b_qkv.clone(), w_o.clone()

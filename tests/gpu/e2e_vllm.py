@@ -32,13 +32,11 @@ QWEN3_8B = {
 
 
 def result(**kw) -> None:
-    """One JSON line with what a check measured, and where and when."""
-    import torch
+    """One JSON line with what a check measured, and where and when (date, hardware, command,
+    versions: the same header the fidelity reports carry)."""
+    from oscar_vllm.evaluate import environment
 
-    kw.setdefault("hardware", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
-    kw.setdefault("date", time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    kw.setdefault("command", " ".join(sys.argv))
-    print("RESULT " + json.dumps(kw), flush=True)
+    print("RESULT " + json.dumps({**kw, **environment("tests/gpu/e2e_vllm.py")}), flush=True)
 
 
 def oscar_config(rotations: str) -> dict:
