@@ -1,84 +1,282 @@
-"""Attention over the OSCAR mixed cache: one kernel for prefill, chunked prefill, decode
-and mixed batches, as vLLM schedules them.
+"""Attention over the OSCAR mixed cache, as vLLM schedules it: decode batches and prefill
+chunks (the latter with a cached prefix, and mixed batches split into both).
 
 A program owns a q-block (up to ``BLOCK_Q`` query tokens of one request, times the ``G``
-query heads of one KV head, so K/V are loaded once for the whole GQA group) and a split of
-the request's cached prefix:
+query heads of one KV head, so K/V are read once for the whole GQA group) and a split of the
+request's cached prefix ``[0, ctx)``, one kernel block (64 tokens) per step:
 
-* the cached prefix ``[0, ctx)`` is read from the packed INT2 pages, dequantized in
-  registers. Where a key is in the sink or in the query's recent window and the request's
-  ring still holds it, the BF16 copy replaces it (scores and values alike). Queries are
-  in the key-rotated basis (``q_rot``); values stay in the folded value basis.
-* this step's own keys ``[ctx, seq_len)`` come straight from ``k``/``v`` (BF16, causal),
-  with the unrotated ``q``: ``q·k == (qR)·(kR)`` for orthogonal ``R``.
+* INT2 blocks are read packed and never dequantized: the codes become exact small numbers
+  (``_codes``: a few bit operations, no int-to-float conversion) that go straight into the
+  matrix products, and the per-token scale and min are applied outside them,
+  ``score = s_k·(q·c) + m_k·Σq`` and ``out += (p·s_v)·C + Σ p·m_v``.
+* Blocks that touch the sink or some query's recent window also read the request's BF16 ring
+  and use it where it holds the position (scores and values alike); all other blocks take a
+  loop with no ring logic at all.
+* The step's own keys come straight from ``k``/``v`` (causal), or, for prefill, from a
+  FlashAttention pass run before this kernel, whose output and log-sum-exp are merged in.
 
-Everything is done in quarters of the head dimension, which is how the codes are packed
-(byte j holds dims j, j+d/4, j+d/2, j+3d/4), so no dequantized copy is ever assembled.
-
-Decode batches split the prefix over ``NUM_SPLITS`` programs (split-K); partial results
-with their log-sum-exp are merged by ``_merge_splits_kernel``.
+Queries are in the key-rotated basis (``q_rot``) against the cache; ``q·k == (qR)·(kR)``
+lets the step's own keys use the unrotated ``q``. Values stay in the folded value basis.
+Decode splits the prefix over up to ``num_splits`` programs (flash-decoding); the number a
+request uses follows its length, computed on the GPU, so the launch depends only on the batch
+size and replays in CUDA graphs. ``_merge_splits_kernel`` merges them by log-sum-exp.
 
 Reference: :func:`oscar_vllm.reference.oscar_attention.oscar_attention_reference`.
 """
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.paged_layout import find_request, int2_slot_bytes, load_f16_param, window_index
+from csrc_triton.paged_layout import BLOCK_SIZE, check_int2_cache, find_request, param_view, window_index
 
 LOG2E = 1.4426950408889634
-DECODE_SPLITS = 16
+_LOG2E = tl.constexpr(LOG2E)  # the same, readable inside kernels
+MAX_DECODE_SPLITS = 64
+MIN_SPLIT_BLOCKS = tl.constexpr(4)  # a split reads at least 4 blocks (256 tokens): shorter ones cost more to merge
+
+
+def _unpack_asm(shift: int) -> str:
+    """PTX: 4 packed bytes -> their 2-bit codes at bit ``shift``, each as an exact fp16 number.
+
+    A 16-bit pattern whose exponent bits are zero is the subnormal ``mantissa·2^-24``, so a code
+    masked in place, ``c << shift``, *is* the fp16 number ``c·2^shift·2^-24``: two byte permutes
+    (each byte into its own 16-bit lane) and two ANDs for four codes, no conversion at all. The
+    tensor cores take fp16 subnormals exactly; the kernel folds ``2^shift·2^-24`` into its scales.
+    """
+    mask = 0x0003_0003 << shift
+    return (
+        "{ .reg .b32 z;\n"
+        "mov.b32 z, 0;\n"
+        "prmt.b32 $0, z, $2, 0x0504;\n"  # bytes 0, 1 -> the low bytes of two 16-bit lanes
+        "prmt.b32 $1, z, $2, 0x0706;\n"  # bytes 2, 3
+        f"and.b32 $0, $0, {mask:#010x};\n"
+        f"and.b32 $1, $1, {mask:#010x}; }}"
+    )
+
+
+UNPACK_ASM_0 = tl.constexpr(_unpack_asm(0))
+UNPACK_ASM_1 = tl.constexpr(_unpack_asm(2))
+UNPACK_ASM_2 = tl.constexpr(_unpack_asm(4))
+UNPACK_ASM_3 = tl.constexpr(_unpack_asm(6))
+# What one unit of quarter i's codes is worth: c reads as c·UNIT_i (4^i·2^-24).
+UNIT_0 = tl.constexpr(2.0 ** -24)
+UNIT_1 = tl.constexpr(2.0 ** -22)
+UNIT_2 = tl.constexpr(2.0 ** -20)
+UNIT_3 = tl.constexpr(2.0 ** -18)
 
 
 @triton.jit
-def _load_quarters(ptr, row_off, row_mask, Q: tl.constexpr):
-    """Four ``[rows, Q]`` tiles: dims ``[iQ, (i+1)Q)`` of rows at ``ptr + row_off``."""
-    cols = tl.arange(0, Q)[None, :]
-    p = ptr + row_off[:, None] + cols
+def _codes(packed, I: tl.constexpr, DOT_DT: tl.constexpr, USE_ASM: tl.constexpr):
+    """Quarter ``I`` of packed INT2 bytes (bits 2I, 2I+1): the code ``c`` as the exact number
+    ``c·4^I·2^-24`` in ``DOT_DT``."""
+    if USE_ASM:
+        if I == 0:
+            x = tl.inline_asm_elementwise(UNPACK_ASM_0, "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
+        elif I == 1:
+            x = tl.inline_asm_elementwise(UNPACK_ASM_1, "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
+        elif I == 2:
+            x = tl.inline_asm_elementwise(UNPACK_ASM_2, "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            x = tl.inline_asm_elementwise(UNPACK_ASM_3, "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        # The same bits in plain Triton (runs under the interpreter too).
+        bits = (packed.to(tl.int32) & (3 << (2 * I))).to(tl.uint16)
+        x = bits.to(tl.float16, bitcast=True).to(DOT_DT)
+    return x
+
+
+@triton.jit
+def _load_quarters(ptr, row_off, row_mask, Q: tl.constexpr, DT: tl.constexpr):
+    """Four ``[rows, Q]`` tiles in ``DT``: dims ``[iQ, (i+1)Q)`` of rows at ``ptr + row_off``."""
+    p = ptr + row_off[:, None] + tl.arange(0, Q)[None, :]
     m = row_mask[:, None]
-    x0 = tl.load(p, mask=m, other=0.0)
-    x1 = tl.load(p + Q, mask=m, other=0.0)
-    x2 = tl.load(p + 2 * Q, mask=m, other=0.0)
-    x3 = tl.load(p + 3 * Q, mask=m, other=0.0)
+    x0 = tl.load(p, mask=m, other=0.0).to(DT)
+    x1 = tl.load(p + Q, mask=m, other=0.0).to(DT)
+    x2 = tl.load(p + 2 * Q, mask=m, other=0.0).to(DT)
+    x3 = tl.load(p + 3 * Q, mask=m, other=0.0).to(DT)
     return x0, x1, x2, x3
 
 
 @triton.jit
-def _load_int2_quarters(cache_ptr, base, byte_off, param_off, mask, DT: tl.constexpr,
-                        Q: tl.constexpr, PARAM_BF16: tl.constexpr):
-    """Dequantized ``[N, Q]`` quarter tiles of K (``byte_off`` 0) or V (``byte_off`` Q)."""
-    packed = tl.load(cache_ptr + base[:, None] + byte_off + tl.arange(0, Q)[None, :],
-                     mask=mask[:, None], other=0).to(tl.int32)
-    scale = load_f16_param(cache_ptr, base + param_off, mask, PARAM_BF16)[:, None]
-    bias = load_f16_param(cache_ptr, base + param_off + 2, mask, PARAM_BF16)[:, None]
-    x0 = ((packed & 3).to(tl.float32) * scale + bias).to(DT)
-    x1 = (((packed >> 2) & 3).to(tl.float32) * scale + bias).to(DT)
-    x2 = (((packed >> 4) & 3).to(tl.float32) * scale + bias).to(DT)
-    x3 = (((packed >> 6) & 3).to(tl.float32) * scale + bias).to(DT)
+def _load_quarters_t(ptr, col_off, col_mask, Q: tl.constexpr, DT: tl.constexpr):
+    """Four ``[Q, cols]`` tiles: the transposes of ``_load_quarters`` (keys for ``q @ K^T``)."""
+    p = ptr + col_off[None, :] + tl.arange(0, Q)[:, None]
+    m = col_mask[None, :]
+    x0 = tl.load(p, mask=m, other=0.0).to(DT)
+    x1 = tl.load(p + Q, mask=m, other=0.0).to(DT)
+    x2 = tl.load(p + 2 * Q, mask=m, other=0.0).to(DT)
+    x3 = tl.load(p + 3 * Q, mask=m, other=0.0).to(DT)
     return x0, x1, x2, x3
 
 
 @triton.jit
 def _dot4(a0, a1, a2, a3, b0, b1, b2, b3, PRECISION: tl.constexpr):
-    """``sum_i a_i @ b_i^T``: a full-D dot product assembled from quarter tiles."""
-    s = tl.dot(a0, tl.trans(b0), input_precision=PRECISION)
-    s = tl.dot(a1, tl.trans(b1), s, input_precision=PRECISION)
-    s = tl.dot(a2, tl.trans(b2), s, input_precision=PRECISION)
-    return tl.dot(a3, tl.trans(b3), s, input_precision=PRECISION)
+    """``sum_i a_i @ b_i``: a full-D product assembled from quarter tiles."""
+    s = tl.dot(a0, b0, input_precision=PRECISION)
+    s = tl.dot(a1, b1, s, input_precision=PRECISION)
+    s = tl.dot(a2, b2, s, input_precision=PRECISION)
+    return tl.dot(a3, b3, s, input_precision=PRECISION)
+
+
+@triton.jit
+def _online_softmax(m_i, l_i, s):
+    """One step of the online softmax over scores ``s`` (log2 domain, masked with -inf).
+
+    Returns the new running max and sum, the factor ``alpha`` the accumulators are rescaled by,
+    and the tile's probabilities ``p``.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
+
+
+@triton.jit
+def _ring_lookup(window_pos_ptr, ring, kp, k_ok, SINK: tl.constexpr, RECENT: tl.constexpr):
+    """Ring entry of each key position ``kp`` and whether the ring holds that position."""
+    widx = ring * (SINK + RECENT) + window_index(kp, SINK, RECENT)
+    held = tl.load(window_pos_ptr + widx, mask=k_ok, other=-1) == kp
+    return widx, held
+
+
+@triton.jit
+def _attend_int2_block(
+    m_i, l_i, acc0, acc1, acc2, acc3, acc_min,
+    qs0, qs1, qs2, qs3, q_sum, qpos, row_ok,
+    blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring,
+    window_k_ptr, window_v_ptr, window_pos_ptr, qk_scale,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, SINK: tl.constexpr,
+    RECENT: tl.constexpr, WINDOW: tl.constexpr, DOT_DT: tl.constexpr, USE_ASM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Attend to the prefix keys of block ``blk`` (logical index in the request's table).
+
+    ``qs_i`` are query quarters times ``4^-i``, so that ``sum_i qs_i @ codes_i = 2^-24 (q·c)``;
+    ``acc_i`` hold values times ``4^i·2^-24`` (``UNIT_i``), as the INT2 products leave them.
+    With ``WINDOW`` the BF16 ring replaces a key wherever it holds it and the key is in the
+    query's sink or recent window (and a partial last block is masked); without, the block is
+    full and INT2 only, and the loop carries no masks at all.
+    """
+    Q: tl.constexpr = D // 4
+    REGION: tl.constexpr = BLOCK_SIZE * (D // 2 + 8)
+    kp = blk * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    base = tl.load(bt_ptr + blk).to(tl.int64) * stride_cb + h * REGION
+    tok = tl.arange(0, BLOCK_SIZE)
+    j = tl.arange(0, Q)
+    # Whole blocks are read (they are allocated); keys past ctx are masked in window blocks.
+    k_codes = tl.load(codes_ptr + base + tok[None, :] * Q + j[:, None])  # [Q, BS]: K^T, dims contiguous
+    v_codes = tl.load(codes_ptr + base + BLOCK_SIZE * Q + j[None, :] * BLOCK_SIZE + tok[:, None])  # [BS, Q]
+    p_ptr = params_ptr + (base + 2 * BLOCK_SIZE * Q) // 2 + tok
+    # Scales and mins per key, with the softmax scale (and 2^24 for the codes) folded in.
+    k_scale = tl.load(p_ptr).to(tl.float32) * (qk_scale * 16777216.0)
+    k_min = tl.load(p_ptr + BLOCK_SIZE).to(tl.float32) * qk_scale
+    v_scale = tl.load(p_ptr + 2 * BLOCK_SIZE).to(tl.float32)
+    v_min = tl.load(p_ptr + 3 * BLOCK_SIZE).to(tl.float32)
+
+    s = tl.dot(qs0, _codes(k_codes, 0, DOT_DT, USE_ASM), input_precision=PRECISION)
+    s = tl.dot(qs1, _codes(k_codes, 1, DOT_DT, USE_ASM), s, input_precision=PRECISION)
+    s = tl.dot(qs2, _codes(k_codes, 2, DOT_DT, USE_ASM), s, input_precision=PRECISION)
+    s = tl.dot(qs3, _codes(k_codes, 3, DOT_DT, USE_ASM), s, input_precision=PRECISION)
+    s = s * k_scale[None, :] + q_sum[:, None] * k_min[None, :]
+    if WINDOW:
+        k_ok = kp < ctx
+        # Zeroed past ctx, where the bytes are whatever the allocator left (NaN would poison p·s_v).
+        v_scale = tl.where(k_ok, v_scale, 0.0)
+        v_min = tl.where(k_ok, v_min, 0.0)
+        widx, held = _ring_lookup(window_pos_ptr, ring, kp, k_ok, SINK, RECENT)
+        in_window = held[None, :] & ((kp[None, :] < SINK) | (qpos[:, None] - kp[None, :] < RECENT))
+        w_off = (widx * HKV + h) * D
+        rk0, rk1, rk2, rk3 = _load_quarters_t(window_k_ptr, w_off, held, Q, DOT_DT)
+        s_ring = _dot4((qs0 * 1.0).to(DOT_DT), (qs1 * 4.0).to(DOT_DT), (qs2 * 16.0).to(DOT_DT),
+                       (qs3 * 64.0).to(DOT_DT), rk0, rk1, rk2, rk3, PRECISION)
+        s = tl.where(in_window, s_ring * qk_scale, s)
+        s = tl.where(row_ok[:, None] & k_ok[None, :], s, float("-inf"))
+    m_prev = m_i
+    m_i, l_i, alpha, p = _online_softmax(m_i, l_i, s)
+    # Past the first blocks (the sink holds the largest scores) the running max rarely moves:
+    # rescale the accumulators only when it did.
+    if tl.max(m_i - m_prev, axis=0) > 0:
+        acc0 = acc0 * alpha[:, None]
+        acc1 = acc1 * alpha[:, None]
+        acc2 = acc2 * alpha[:, None]
+        acc3 = acc3 * alpha[:, None]
+        acc_min = acc_min * alpha
+    if WINDOW:
+        p_int2 = tl.where(in_window, 0.0, p)
+    else:
+        p_int2 = p
+    acc_min += tl.sum(p_int2 * v_min[None, :], axis=1)
+    pv = (p_int2 * v_scale[None, :]).to(DOT_DT)
+    acc0 = tl.dot(pv, _codes(v_codes, 0, DOT_DT, USE_ASM), acc0, input_precision=PRECISION)
+    acc1 = tl.dot(pv, _codes(v_codes, 1, DOT_DT, USE_ASM), acc1, input_precision=PRECISION)
+    acc2 = tl.dot(pv, _codes(v_codes, 2, DOT_DT, USE_ASM), acc2, input_precision=PRECISION)
+    acc3 = tl.dot(pv, _codes(v_codes, 3, DOT_DT, USE_ASM), acc3, input_precision=PRECISION)
+    if WINDOW:
+        p_ring = tl.where(in_window, p, 0.0).to(DOT_DT)
+        rv0, rv1, rv2, rv3 = _load_quarters(window_v_ptr, w_off, held, Q, DOT_DT)
+        acc0, acc1, acc2, acc3 = _add_true_values(acc0, acc1, acc2, acc3, p_ring, rv0, rv1, rv2, rv3, PRECISION)
+    return m_i, l_i, acc0, acc1, acc2, acc3, acc_min
+
+
+@triton.jit
+def _add_true_values(acc0, acc1, acc2, acc3, p, v0, v1, v2, v3, PRECISION: tl.constexpr):
+    """``acc_i += (p @ v_i)·UNIT_i``: plain values into the accumulators' INT2 units."""
+    acc0 += tl.dot(p, v0, input_precision=PRECISION) * UNIT_0
+    acc1 += tl.dot(p, v1, input_precision=PRECISION) * UNIT_1
+    acc2 += tl.dot(p, v2, input_precision=PRECISION) * UNIT_2
+    acc3 += tl.dot(p, v3, input_precision=PRECISION) * UNIT_3
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _attend_new_keys(
+    m_i, l_i, acc0, acc1, acc2, acc3, acc_min,
+    q_ptr, k_ptr, v_ptr, tok, hq, qi, row_ok, q_start, n_new, h, qk_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Attend to this step's own keys ``[0, n_new)`` of the request, causally, from ``k``/``v``."""
+    Q: tl.constexpr = D // 4
+    q0, q1, q2, q3 = _load_quarters(q_ptr, tok * stride_qt + hq * stride_qh, row_ok, Q, DOT_DT)
+    for j0 in range(0, n_new, BLOCK_N):
+        ki = j0 + tl.arange(0, BLOCK_N)
+        k_ok = ki < n_new
+        ktok = (q_start + ki).to(tl.int64)
+        c0, c1, c2, c3 = _load_quarters_t(k_ptr, ktok * stride_kt + h * stride_kh, k_ok, Q, DOT_DT)
+        s = _dot4(q0, q1, q2, q3, c0, c1, c2, c3, PRECISION)
+        ok = row_ok[:, None] & k_ok[None, :] & (ki[None, :] <= qi[:, None])
+        m_i, l_i, alpha, p = _online_softmax(m_i, l_i, tl.where(ok, s * qk_scale, float("-inf")))
+        u0, u1, u2, u3 = _load_quarters(v_ptr, ktok * stride_vt + h * stride_vh, k_ok, Q, DOT_DT)
+        acc0, acc1, acc2, acc3 = _add_true_values(acc0 * alpha[:, None], acc1 * alpha[:, None],
+                                                  acc2 * alpha[:, None], acc3 * alpha[:, None],
+                                                  p.to(DOT_DT), u0, u1, u2, u3, PRECISION)
+        acc_min = acc_min * alpha
+    return m_i, l_i, acc0, acc1, acc2, acc3, acc_min
+
+
+@triton.jit
+def _store_quarters(ptr, row_off, row_mask, x0, x1, x2, x3, Q: tl.constexpr):
+    p = ptr + row_off[:, None] + tl.arange(0, Q)[None, :]
+    ty = ptr.dtype.element_ty
+    tl.store(p, x0.to(ty), mask=row_mask[:, None])
+    tl.store(p + Q, x1.to(ty), mask=row_mask[:, None])
+    tl.store(p + 2 * Q, x2.to(ty), mask=row_mask[:, None])
+    tl.store(p + 3 * Q, x3.to(ty), mask=row_mask[:, None])
 
 
 @triton.jit
 def _oscar_attention_kernel(
-    out_ptr,  # [T, HQ, D] output (NUM_SPLITS == 1)
-    part_out_ptr,  # fp32 [T, HQ, NUM_SPLITS, D] normalized partial outputs (NUM_SPLITS > 1)
-    part_lse_ptr,  # fp32 [T, HQ, NUM_SPLITS] partial log2-sum-exp2
-    q_ptr,  # [T, HQ, D] queries after RoPE
+    out_ptr,  # [T, HQ, D] output; with MERGE_SELF it holds the step's own-keys attention on entry
+    self_lse_ptr,  # fp32 [HQ, T] natural-log LSE of the step's own-keys attention (MERGE_SELF)
+    part_out_ptr,  # fp32 [T, HQ, num_splits, D] normalized partial outputs (SPLIT)
+    part_lse_ptr,  # fp32 [T, HQ, num_splits] partial log2-sum-exp2 (SPLIT)
+    q_ptr,  # [T, HQ, D] queries after RoPE (NEW_KEYS)
     q_rot_ptr,  # [T, HQ, D] the same queries in the key-rotated basis
-    k_ptr,  # [T, HKV, D] this step's keys (not rotated)
-    v_ptr,  # [T, HKV, D] this step's values (folded basis)
-    cache_ptr,  # uint8 [num_blocks * BLOCK_SIZE * HKV * SLOT] INT2 pages
+    k_ptr,  # [T, HKV, D] this step's keys, not rotated (NEW_KEYS)
+    v_ptr,  # [T, HKV, D] this step's values, folded basis (NEW_KEYS)
+    codes_ptr,  # uint8 [num_blocks, HKV, REGION] INT2 pages (paged_layout)
+    params_ptr,  # 16-bit view of the same pages
     window_k_ptr,  # bf16 [S, SINK + RECENT, HKV, D] rotated keys of the windows
     window_v_ptr,  # bf16 [S, SINK + RECENT, HKV, D]
     window_pos_ptr,  # int32 [S, SINK + RECENT] position held by each ring entry
@@ -87,39 +285,44 @@ def _oscar_attention_kernel(
     cu_q_ptr,  # int32 [R + 1] query start offsets
     ring_slot_ptr,  # int32 [R]
     num_reqs,
+    num_splits,  # most programs a request's prefix is split over (SPLIT)
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_rt, stride_rh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ot, stride_oh, stride_bt,
+    stride_ot, stride_oh, stride_bt, stride_lse_h,
+    stride_cb,  # bytes from one cache block to the next
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
-    SLOT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SINK: tl.constexpr,
     RECENT: tl.constexpr,
-    PARAM_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DECODE: tl.constexpr,  # one query token per request, program 0 indexes requests
+    NEW_KEYS: tl.constexpr,  # attend to this step's own keys here
+    MERGE_SELF: tl.constexpr,  # merge with the own-keys attention already in out / self_lse
+    DOT_DT: tl.constexpr,
+    USE_ASM: tl.constexpr,
     PRECISION: tl.constexpr,
+    BLOCK_N_NEW: tl.constexpr,
 ):
     Q: tl.constexpr = D // 4
-    W: tl.constexpr = SINK + RECENT
-    DT = q_ptr.dtype.element_ty
-    qb = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
-
-    r = find_request(cu_q_ptr, num_reqs, qb, BLOCK_Q, True)
+    if DECODE:
+        r = tl.program_id(0)
+        q_first = 0
+    else:
+        qb = tl.program_id(0)
+        r = find_request(cu_q_ptr, num_reqs, qb, BLOCK_Q, True)
+        q_first = (qb - (tl.load(cu_q_ptr + r) // BLOCK_Q + r)) * BLOCK_Q
     q_start = tl.load(cu_q_ptr + r)
     q_len = tl.load(cu_q_ptr + r + 1) - q_start
-    q_first = (qb - (q_start // BLOCK_Q + r)) * BLOCK_Q
     if q_first >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + r)
-    ctx = seq_len - q_len
+    ctx = tl.load(seq_lens_ptr + r) - q_len
 
     rows = tl.arange(0, BLOCK_M)
     qi = q_first + rows // G
@@ -127,109 +330,93 @@ def _oscar_attention_kernel(
     tok = (q_start + qi).to(tl.int64)
     hq = h * G + rows % G
     qpos = ctx + qi
-    qr0, qr1, qr2, qr3 = _load_quarters(q_rot_ptr, tok * stride_rt + hq * stride_rh, row_ok, Q)
+    # Query quarters times 4^-i, in the unit the INT2 codes come in (see _codes).
+    qr0, qr1, qr2, qr3 = _load_quarters(q_rot_ptr, tok * stride_rt + hq * stride_rh, row_ok, Q, tl.float32)
+    qs0 = qr0.to(DOT_DT)
+    qs1 = (qr1 * 0.25).to(DOT_DT)
+    qs2 = (qr2 * 0.0625).to(DOT_DT)
+    qs3 = (qr3 * 0.015625).to(DOT_DT)
+    # Σq of the very numbers that enter the products, for the min term of the scores.
+    q_sum = (tl.sum(qs0.to(tl.float32), axis=1) + 4.0 * tl.sum(qs1.to(tl.float32), axis=1)
+             + 16.0 * tl.sum(qs2.to(tl.float32), axis=1) + 64.0 * tl.sum(qs3.to(tl.float32), axis=1))
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_min = tl.zeros([BLOCK_M], tl.float32)
     acc0 = tl.zeros([BLOCK_M, Q], tl.float32)
     acc1 = tl.zeros([BLOCK_M, Q], tl.float32)
     acc2 = tl.zeros([BLOCK_M, Q], tl.float32)
     acc3 = tl.zeros([BLOCK_M, Q], tl.float32)
 
-    ring = tl.load(ring_slot_ptr + r).to(tl.int64)
-    n_tiles = tl.cdiv(ctx, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-    tile_lo = split * per_split
-    tile_hi = tl.minimum(n_tiles, tile_lo + per_split)
-    qpos_min = ctx + q_first
-    for tile in range(tile_lo, tile_hi):
-        kp = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        k_ok = kp < ctx
-        blk = tl.load(block_table_ptr + r * stride_bt + kp // BLOCK_SIZE, mask=k_ok, other=0)
-        base = ((blk.to(tl.int64) * BLOCK_SIZE + kp % BLOCK_SIZE) * HKV + h) * SLOT
-        k0, k1, k2, k3 = _load_int2_quarters(cache_ptr, base, 0, 2 * Q, k_ok, DT, Q, PARAM_BF16)
-        s = _dot4(qr0, qr1, qr2, qr3, k0, k1, k2, k3, PRECISION)
-        # A tile needs the ring when it touches the sink or some query's recent window.
-        need_hi = (tile * BLOCK_N < SINK) | (tile * BLOCK_N + BLOCK_N - 1 > qpos_min - RECENT)
-        hi = tl.zeros([BLOCK_M, BLOCK_N], tl.int1)
-        if need_hi:
-            widx = ring * W + window_index(kp, SINK, RECENT)
-            held = tl.load(window_pos_ptr + widx, mask=k_ok, other=-1) == kp
-            hi = held[None, :] & ((kp[None, :] < SINK) | (qpos[:, None] - kp[None, :] < RECENT))
-            w_off = (widx * HKV + h) * D
-            h0, h1, h2, h3 = _load_quarters(window_k_ptr, w_off, held, Q)
-            s_hi = _dot4(qr0, qr1, qr2, qr3, h0.to(DT), h1.to(DT), h2.to(DT), h3.to(DT), PRECISION)
-            s = tl.where(hi, s_hi, s)
-        s = tl.where(row_ok[:, None] & k_ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-        acc0 = acc0 * alpha[:, None]
-        acc1 = acc1 * alpha[:, None]
-        acc2 = acc2 * alpha[:, None]
-        acc3 = acc3 * alpha[:, None]
-        p_lo = tl.where(hi, 0.0, p).to(DT)
-        v0, v1, v2, v3 = _load_int2_quarters(cache_ptr, base, Q, 2 * Q + 4, k_ok, DT, Q, PARAM_BF16)
-        acc0 = tl.dot(p_lo, v0, acc0, input_precision=PRECISION)
-        acc1 = tl.dot(p_lo, v1, acc1, input_precision=PRECISION)
-        acc2 = tl.dot(p_lo, v2, acc2, input_precision=PRECISION)
-        acc3 = tl.dot(p_lo, v3, acc3, input_precision=PRECISION)
-        if need_hi:
-            widx = ring * W + window_index(kp, SINK, RECENT)
-            held = tl.load(window_pos_ptr + widx, mask=k_ok, other=-1) == kp
-            p_hi = tl.where(hi, p, 0.0).to(DT)
-            w0, w1, w2, w3 = _load_quarters(window_v_ptr, (widx * HKV + h) * D, held, Q)
-            acc0 = tl.dot(p_hi, w0.to(DT), acc0, input_precision=PRECISION)
-            acc1 = tl.dot(p_hi, w1.to(DT), acc1, input_precision=PRECISION)
-            acc2 = tl.dot(p_hi, w2.to(DT), acc2, input_precision=PRECISION)
-            acc3 = tl.dot(p_hi, w3.to(DT), acc3, input_precision=PRECISION)
-
-    if split == NUM_SPLITS - 1:
-        # This step's own keys: BF16 from the inputs, causal.
-        q0, q1, q2, q3 = _load_quarters(q_ptr, tok * stride_qt + hq * stride_qh, row_ok, Q)
-        n_new = tl.minimum(q_len, q_first + BLOCK_Q)
-        for j in range(0, tl.cdiv(n_new, BLOCK_N)):
-            ki = j * BLOCK_N + tl.arange(0, BLOCK_N)
-            kc_ok = ki < n_new
-            ktok = (q_start + ki).to(tl.int64)
-            c0, c1, c2, c3 = _load_quarters(k_ptr, ktok * stride_kt + h * stride_kh, kc_ok, Q)
-            s = _dot4(q0, q1, q2, q3, c0, c1, c2, c3, PRECISION)
-            ok = row_ok[:, None] & kc_ok[None, :] & (ki[None, :] <= qi[:, None])
-            s = tl.where(ok, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-            pd = p.to(DT)
-            u0, u1, u2, u3 = _load_quarters(v_ptr, ktok * stride_vt + h * stride_vh, kc_ok, Q)
-            acc0 = tl.dot(pd, u0, acc0 * alpha[:, None], input_precision=PRECISION)
-            acc1 = tl.dot(pd, u1, acc1 * alpha[:, None], input_precision=PRECISION)
-            acc2 = tl.dot(pd, u2, acc2 * alpha[:, None], input_precision=PRECISION)
-            acc3 = tl.dot(pd, u3, acc3 * alpha[:, None], input_precision=PRECISION)
-
-    inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None]
-    cols = tl.arange(0, Q)[None, :]
-    if NUM_SPLITS == 1:
-        o = out_ptr + tok[:, None] * stride_ot + hq[:, None] * stride_oh + cols
-        ty = out_ptr.dtype.element_ty
-        tl.store(o, (acc0 * inv_l).to(ty), mask=row_ok[:, None])
-        tl.store(o + Q, (acc1 * inv_l).to(ty), mask=row_ok[:, None])
-        tl.store(o + 2 * Q, (acc2 * inv_l).to(ty), mask=row_ok[:, None])
-        tl.store(o + 3 * Q, (acc3 * inv_l).to(ty), mask=row_ok[:, None])
+    n_blocks = tl.cdiv(ctx, BLOCK_SIZE)
+    if SPLIT:
+        # As many splits as the request is long, at most num_splits: computed here so that the
+        # launch depends on the batch size only (CUDA graphs).
+        active = tl.minimum(num_splits, tl.maximum(1, tl.cdiv(n_blocks, MIN_SPLIT_BLOCKS)))
+        per_split = tl.cdiv(n_blocks, active)
+        b_lo = split * per_split
+        b_hi = tl.minimum(n_blocks, b_lo + per_split)
     else:
-        part = (tok * HQ + hq) * NUM_SPLITS + split
-        o = part_out_ptr + part[:, None] * D + cols
-        tl.store(o, acc0 * inv_l, mask=row_ok[:, None])
-        tl.store(o + Q, acc1 * inv_l, mask=row_ok[:, None])
-        tl.store(o + 2 * Q, acc2 * inv_l, mask=row_ok[:, None])
-        tl.store(o + 3 * Q, acc3 * inv_l, mask=row_ok[:, None])
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        b_lo = 0
+        b_hi = n_blocks
+    ring = tl.load(ring_slot_ptr + r).to(tl.int64)
+    bt_ptr = block_table_ptr + r * stride_bt
+    # Blocks [0, sink_end) touch the sink, blocks from recent_start touch some row's recent
+    # window or end past ctx; the full blocks between are INT2 for every row of this q-block.
+    sink_end: tl.constexpr = (SINK + BLOCK_SIZE - 1) // BLOCK_SIZE
+    recent_start = tl.maximum(sink_end, tl.minimum(ctx // BLOCK_SIZE,
+                                                   tl.maximum(ctx + q_first - RECENT + 1, 0) // BLOCK_SIZE))
+    for blk in range(b_lo, tl.minimum(b_hi, sink_end)):
+        m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, qpos, row_ok,
+            blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pos_ptr,
+            qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, True, DOT_DT, USE_ASM, PRECISION)
+    for blk in range(tl.maximum(b_lo, sink_end), tl.minimum(b_hi, recent_start)):
+        m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, qpos, row_ok,
+            blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pos_ptr,
+            qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, False, DOT_DT, USE_ASM, PRECISION)
+    for blk in range(tl.maximum(b_lo, recent_start), b_hi):
+        m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, qpos, row_ok,
+            blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pos_ptr,
+            qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, True, DOT_DT, USE_ASM, PRECISION)
+
+    if NEW_KEYS:
+        if split == 0:
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_new_keys(
+                m_i, l_i, acc0, acc1, acc2, acc3, acc_min, q_ptr, k_ptr, v_ptr, tok, hq, qi, row_ok,
+                q_start, tl.minimum(q_len, q_first + BLOCK_Q), h, qk_scale,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                D, BLOCK_N_NEW, DOT_DT, PRECISION)
+
+    # Back from INT2 units; the min term adds the same amount to every dim of a row.
+    acc0 = acc0 * (1.0 / UNIT_0) + acc_min[:, None]
+    acc1 = acc1 * (1.0 / UNIT_1) + acc_min[:, None]
+    acc2 = acc2 * (1.0 / UNIT_2) + acc_min[:, None]
+    acc3 = acc3 * (1.0 / UNIT_3) + acc_min[:, None]
+    o_off = tok * stride_ot + hq * stride_oh
+    if MERGE_SELF:
+        lse_self = tl.load(self_lse_ptr + hq * stride_lse_h + tok, mask=row_ok, other=0.0) * _LOG2E
+        s0, s1, s2, s3 = _load_quarters(out_ptr, o_off, row_ok, Q, tl.float32)
+        mx = tl.maximum(m_i, lse_self)
+        w_pre = tl.exp2(m_i - mx)
+        w_self = tl.exp2(lse_self - mx)
+        inv = 1.0 / (w_pre * l_i + w_self)
+        _store_quarters(out_ptr, o_off, row_ok, (w_pre[:, None] * acc0 + w_self[:, None] * s0) * inv[:, None],
+                        (w_pre[:, None] * acc1 + w_self[:, None] * s1) * inv[:, None],
+                        (w_pre[:, None] * acc2 + w_self[:, None] * s2) * inv[:, None],
+                        (w_pre[:, None] * acc3 + w_self[:, None] * s3) * inv[:, None], Q)
+    else:
+        inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)[:, None]
+        if not SPLIT:
+            _store_quarters(out_ptr, o_off, row_ok, acc0 * inv_l, acc1 * inv_l, acc2 * inv_l, acc3 * inv_l, Q)
+        else:
+            part = (tok * HQ + hq) * num_splits + split
+            _store_quarters(part_out_ptr, part * D, row_ok, acc0 * inv_l, acc1 * inv_l, acc2 * inv_l,
+                            acc3 * inv_l, Q)
+            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
 @triton.jit
@@ -246,18 +433,176 @@ def _merge_splits_kernel(
     hq = tl.program_id(1)
     part = (t * HQ + hq) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     lse = tl.load(part_lse_ptr + part)
+    used = lse > float("-inf")
     mx = tl.max(lse)
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx)))
-    o = tl.load(part_out_ptr + part[:, None] * D + tl.arange(0, D)[None, :])
+    w = tl.where(used, tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx)), 0.0)
+    o = tl.load(part_out_ptr + part[:, None] * D + tl.arange(0, D)[None, :], mask=used[:, None], other=0.0)
     o = tl.sum(w[:, None] * o, axis=0) / tl.maximum(tl.sum(w), 1e-30)
     tl.store(out_ptr + t * stride_ot + hq * stride_oh + tl.arange(0, D), o.to(out_ptr.dtype.element_ty))
 
 
-def launch_shape(num_queries_per_kv: int, max_query_len: int) -> tuple[int, int]:
-    """Fixed heuristic: ``(BLOCK_M, BLOCK_Q)``, small rows for decode, larger for prefill."""
-    block_m = 16 if max_query_len <= 1 else 64
-    block_m = max(block_m, triton.next_power_of_2(num_queries_per_kv))
-    return block_m, block_m // num_queries_per_kv
+# ---------------------------------------------------------------------------- launch choices
+
+# Decode: (num_warps, num_stages, CTAs per SM the split count aims for), by batch bucket. From
+# `benchmarks/kernels/oscar_attention.py sweep` on the H200 (results/kernels/sweep_decode.md):
+# one request gains from more, smaller programs; from 8 requests on, one warp per program
+# issues the fewest instructions per block and two programs per SM already keep it busy.
+DECODE_LAUNCH = {
+    1: (2, 3, 8),
+    8: (1, 3, 2),
+}
+# Prefill (q-blocks over the cached prefix): (BLOCK_M, num_warps, num_stages).
+PREFILL_LAUNCH = (128, 8, 2)
+# At head_dim 64 (quarter tiles of 16) Triton's warpgroup MMA path (BLOCK_M >= 64) computed
+# wrong results and faulted on the H200, with or without the PTX unpacking; the decode kernel's
+# 16-row tiles were right at every launch tried: below head_dim 128 prefill uses those.
+SMALL_HEAD_PREFILL_LAUNCH = (16, 4, 3)
+
+
+def _bucket(table: dict, n: int):
+    keys = sorted(table)
+    return table[max([k for k in keys if k <= n] or keys[:1])]
+
+
+def decode_splits(num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Most splits a decode batch of ``num_reqs`` requests uses (a power of two, >= 1)."""
+    ctas = _bucket(DECODE_LAUNCH, num_reqs)[2] * num_sms
+    want = triton.cdiv(ctas, max(1, num_reqs * num_kv_heads))
+    return max(1, min(MAX_DECODE_SPLITS, triton.next_power_of_2(want)))
+
+
+def decode_split_rows(max_num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Rows of split scratch any decode batch up to ``max_num_reqs`` needs (``tokens * splits``)."""
+    return max(n * decode_splits(n, num_kv_heads, num_sms) for n in range(1, max_num_reqs + 1))
+
+
+def _common(q, k, cache, param_dtype, use_asm):
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if hq % hkv or d % 64:
+        raise ValueError(f"unsupported heads {hq}/{hkv} or head_dim {d} (needs a multiple of 64)")
+    check_int2_cache(cache, d)
+    dot_dt = tl.float32 if q.dtype == torch.float32 else tl.float16
+    if use_asm is None:
+        use_asm = q.is_cuda and dot_dt == tl.float16
+    return hq, hkv, d, dict(
+        HQ=hq, HKV=hkv, G=hq // hkv, D=d, BLOCK_SIZE=BLOCK_SIZE,
+        DOT_DT=dot_dt, USE_ASM=bool(use_asm), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    ), param_view(cache, param_dtype)
+
+
+def oscar_decode_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    q_rot: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    window_k: torch.Tensor,
+    window_v: torch.Tensor,
+    window_pos: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_q: torch.Tensor,
+    ring_slots: torch.Tensor,
+    num_reqs: int,
+    scale: float,
+    sink: int,
+    recent: int,
+    param_dtype: torch.dtype = torch.float16,
+    num_splits: int = 1,
+    part_out: torch.Tensor | None = None,
+    part_lse: torch.Tensor | None = None,
+    launch: tuple[int, int] | None = None,
+    use_asm: bool | None = None,
+) -> torch.Tensor:
+    """Decode attention: every request has at most one query token (``q`` ``[T, Hq, d]``).
+
+    Writes ``out`` ``[T, Hq, d]``. With ``num_splits > 1`` the prefix is split over up to
+    that many programs per (request, KV head), which needs fp32 scratch ``part_out``
+    ``[>= T * Hq * num_splits * d]`` and ``part_lse`` ``[>= T * Hq * num_splits]``.
+    ``launch``: ``(num_warps, num_stages)``, else from ``DECODE_LAUNCH``.
+    """
+    t = q.shape[0]
+    if t == 0 or num_reqs == 0:
+        return out
+    hq, hkv, d, consts, params = _common(q, k, cache, param_dtype, use_asm)
+    num_warps, num_stages = launch or _bucket(DECODE_LAUNCH, num_reqs)[:2]
+    if num_splits > 1:
+        part_out = part_out.view(-1)[: t * hq * num_splits * d].view(t, hq, num_splits, d)
+        part_lse = part_lse.view(-1)[: t * hq * num_splits].view(t, hq, num_splits)
+    block_m = max(16, triton.next_power_of_2(hq // hkv))
+    _oscar_attention_kernel[(num_reqs, hkv, num_splits)](
+        out, out, part_out if num_splits > 1 else out, part_lse if num_splits > 1 else out,
+        q, q_rot, k, v, cache, params, window_k, window_v, window_pos,
+        block_table, seq_lens, cu_q, ring_slots, num_reqs, num_splits, scale * LOG2E,
+        q.stride(0), q.stride(1), q_rot.stride(0), q_rot.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), block_table.stride(0), 0, cache.stride(0),
+        SINK=sink, RECENT=recent, BLOCK_M=block_m, BLOCK_Q=1, SPLIT=num_splits > 1,
+        DECODE=True, NEW_KEYS=True, MERGE_SELF=False, BLOCK_N_NEW=16,
+        num_warps=num_warps, num_stages=num_stages, **consts,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(t, hq)](
+            out, part_out, part_lse, out.stride(0), out.stride(1), HQ=hq, D=d, NUM_SPLITS=num_splits,
+        )
+    return out
+
+
+def oscar_prefill_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    q_rot: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    window_k: torch.Tensor,
+    window_v: torch.Tensor,
+    window_pos: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_q: torch.Tensor,
+    ring_slots: torch.Tensor,
+    num_reqs: int,
+    scale: float,
+    sink: int,
+    recent: int,
+    param_dtype: torch.dtype = torch.float16,
+    self_lse: torch.Tensor | None = None,
+    launch: tuple[int, int, int] | None = None,
+    use_asm: bool | None = None,
+) -> torch.Tensor:
+    """Attention of prefill chunks (any query lengths) over the mixed cache.
+
+    Without ``self_lse`` the kernel also attends to the chunk's own keys ``k``/``v``
+    (causal). With it, ``out`` already holds the chunk's own-keys attention (FlashAttention's
+    output) and ``self_lse`` fp32 ``[Hq, T]`` its natural-log LSE: the kernel adds the prefix.
+    ``launch``: ``(BLOCK_M, num_warps, num_stages)``, else ``PREFILL_LAUNCH``.
+    """
+    t = q.shape[0]
+    if t == 0 or num_reqs == 0:
+        return out
+    hq, hkv, d, consts, params = _common(q, k, cache, param_dtype, use_asm)
+    block_m, num_warps, num_stages = launch or (PREFILL_LAUNCH if d >= 128 else SMALL_HEAD_PREFILL_LAUNCH)
+    g = hq // hkv
+    if q.dtype == torch.float32:
+        block_m = min(block_m, 32)  # fp32 tiles: keep the registers
+    block_m = max(block_m, triton.next_power_of_2(g))
+    block_q = block_m // g
+    merge = self_lse is not None
+    _oscar_attention_kernel[(triton.cdiv(t, block_q) + num_reqs, hkv, 1)](
+        out, self_lse if merge else out, out, out,
+        q, q_rot, k, v, cache, params, window_k, window_v, window_pos,
+        block_table, seq_lens, cu_q, ring_slots, num_reqs, 1, scale * LOG2E,
+        q.stride(0), q.stride(1), q_rot.stride(0), q_rot.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), block_table.stride(0), self_lse.stride(0) if merge else 0, cache.stride(0),
+        SINK=sink, RECENT=recent, BLOCK_M=block_m, BLOCK_Q=block_q, SPLIT=False,
+        DECODE=False, NEW_KEYS=not merge, MERGE_SELF=merge, BLOCK_N_NEW=32,
+        num_warps=num_warps, num_stages=num_stages, **consts,
+    )
+    return out
 
 
 def oscar_attention(
@@ -274,50 +619,47 @@ def oscar_attention(
     seq_lens: torch.Tensor,
     cu_q: torch.Tensor,
     ring_slots: torch.Tensor,
+    num_decodes: int,
     num_reqs: int,
     max_query_len: int,
     scale: float,
     sink: int,
     recent: int,
     param_dtype: torch.dtype = torch.float16,
+    decode_splits: int = 1,
     part_out: torch.Tensor | None = None,
     part_lse: torch.Tensor | None = None,
-    block_n: int = 32,
+    own_keys_attention=None,
+    prefill_has_prefix: bool = True,
 ) -> torch.Tensor:
-    """Attention of ``q`` ``[T, Hq, d]`` over the mixed cache and this step's ``k``/``v``.
+    """A batch as vLLM orders it: ``num_decodes`` requests of one query token, then prefills.
 
-    Writes ``out`` ``[T, Hq, d]``. Decode batches (``max_query_len == 1``) are split over
-    ``DECODE_SPLITS`` programs per (request, KV head) when ``part_out``
-    ``[>=T, Hq, DECODE_SPLITS, d]`` and ``part_lse`` ``[>=T, Hq, DECODE_SPLITS]`` (fp32)
-    are given. The launch depends only on shapes, so it is CUDA-graph capturable.
+    The decode requests go through the split decode kernel, the rest through the prefill
+    kernel. ``own_keys_attention(q, k, v, cu_q, max_query_len, out) -> lse`` (FlashAttention in
+    the backend) computes the prefill chunks' attention to their own keys into ``out`` and
+    returns its natural-log LSE ``[Hq, T]``; without it the prefill kernel does that part.
+    ``prefill_has_prefix=False`` (no prefill request has cached tokens) skips the prefix kernel
+    when ``own_keys_attention`` already did all there is.
     """
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    if t == 0:
-        return out
-    if hq % hkv or d % 64:
-        raise ValueError(f"unsupported heads {hq}/{hkv} or head_dim {d} (needs a multiple of 64)")
-    g = hq // hkv
-    block_m, block_q = launch_shape(g, max_query_len)
-    splits = DECODE_SPLITS if (max_query_len <= 1 and part_out is not None) else 1
-    grid = (triton.cdiv(t, block_q) + num_reqs, hkv, splits)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _oscar_attention_kernel[grid](
-        out, part_out if splits > 1 else out, part_lse if splits > 1 else out,
-        q, q_rot, k, v, cache, window_k, window_v, window_pos,
-        block_table, seq_lens, cu_q, ring_slots,
-        num_reqs, scale * LOG2E,
-        q.stride(0), q.stride(1), q_rot.stride(0), q_rot.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), block_table.stride(0),
-        HQ=hq, HKV=hkv, G=g, D=d, SLOT=int2_slot_bytes(d), BLOCK_SIZE=cache.shape[1],
-        SINK=sink, RECENT=recent, PARAM_BF16=param_dtype == torch.bfloat16,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=splits,
-        PRECISION=precision,
-    )
-    if splits > 1:
-        _merge_splits_kernel[(t, hq)](
-            out, part_out, part_lse, out.stride(0), out.stride(1),
-            HQ=hq, D=d, NUM_SPLITS=splits,
+    d = num_decodes  # decode requests come first and hold one token each
+    if d:
+        dec = slice(None, d) if d < num_reqs else slice(None)
+        oscar_decode_attention(
+            out[dec], q[dec], q_rot[dec], k[dec], v[dec], cache, window_k, window_v, window_pos, block_table,
+            seq_lens, cu_q, ring_slots, d, scale, sink, recent, param_dtype, decode_splits, part_out, part_lse,
+        )
+    if d < num_reqs:
+        pre = slice(d, None)
+        cu = cu_q[d: num_reqs + 1] - d
+        out_p, q_p, k_p, v_p = out[pre], q[pre], k[pre], v[pre]
+        lse = None
+        if own_keys_attention is not None:
+            lse = own_keys_attention(q_p, k_p, v_p, cu, max_query_len, out_p)
+            if not prefill_has_prefix:
+                return out
+        oscar_prefill_attention(
+            out_p, q_p, q_rot[pre], k_p, v_p, cache, window_k, window_v, window_pos, block_table[d:num_reqs],
+            seq_lens[d:num_reqs], cu, ring_slots[d:num_reqs], num_reqs - d, scale, sink, recent, param_dtype,
+            self_lse=lse,
         )
     return out

@@ -7,40 +7,78 @@ recent window needs no demotion pass, its reader simply stops trusting the ring 
 positions a later step can still need: the sink and the last ``recent`` positions of the
 sequence after this step.
 
-Values arrive already rotated (the value rotation is folded into the model's weights), so
-only K is rotated here. Reference: :func:`oscar_vllm.reference.oscar_write.oscar_write_reference`.
+A program owns ``BLOCK_T`` tokens of one KV head, so the key rotation ``[d, d]`` is read once
+per tile and applied as one fp32 matrix product. Values arrive already rotated (the value
+rotation is folded into the model's weights). Reference:
+:func:`oscar_vllm.reference.oscar_write.oscar_write_reference`.
 """
 import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.paged_layout import find_request, int2_slot_bytes, store_f16_param, to_bf16_rne, window_index
+from csrc_triton.paged_layout import (
+    BLOCK_SIZE,
+    check_int2_cache,
+    find_requests,
+    param_view,
+    to_bf16_rne,
+    window_index,
+)
+
+BLOCK_T = 16  # tokens per program (the smallest tile tl.dot takes)
+SEARCH_STEPS = 16  # bisection steps of the token -> request lookup: up to 65535 requests
 
 
 @triton.jit
-def _quantize_row(x, clip_idx, D: tl.constexpr):
-    """OSCAR INT2 of one fp32 row ``[D]``: clip, min-max, round; returns (codes, scale, min)."""
+def _kth_smallest_abs(x, k):
+    """The ``k``-th smallest (0-based) ``|x|`` of each row of ``[N, D]``, exactly.
+
+    Bisection on the bit pattern (ordered like the values for non-negative floats): the
+    smallest pattern with more than ``k`` entries at or below it is the k-th smallest value.
+    31 counting passes, no sort network.
+    """
+    bits = tl.abs(x).to(tl.int32, bitcast=True)
+    lo = tl.zeros([x.shape[0]], tl.int32)
+    hi = tl.max(bits, axis=1)
+    for _ in tl.static_range(31):
+        mid = lo + (hi - lo) // 2
+        enough = tl.sum((bits <= mid[:, None]).to(tl.int32), axis=1) > k
+        hi = tl.where(enough, mid, hi)
+        lo = tl.where(enough, lo, mid + 1)
+    return hi.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_rows(x, clip_idx, D: tl.constexpr):
+    """OSCAR INT2 of fp32 rows ``[N, D]``: clip, min-max, round; returns (codes, scale, min)."""
     if clip_idx >= 0:
-        # The clip threshold is the clip_idx-th smallest |x| of the row.
-        srt = tl.sort(tl.abs(x))
-        thr = tl.sum(tl.where(tl.arange(0, D) == clip_idx, srt, 0.0))
+        thr = _kth_smallest_abs(x, clip_idx)[:, None]
         x = tl.minimum(tl.maximum(x, -thr), thr)
-    lo = tl.min(x)
-    hi = tl.max(x)
+    lo = tl.min(x, axis=1)
+    hi = tl.max(x, axis=1)
     scale = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), 3.0)
     zero = tl.math.div_rn(-lo, scale)
     # IEEE division, as the PyTorch reference: a fast division flips codes at .5 ties.
-    codes = tl.floor(tl.math.div_rn(x, scale) + zero + 0.5)
+    codes = tl.floor(tl.math.div_rn(x, scale[:, None]) + zero[:, None] + 0.5)
     codes = tl.minimum(tl.maximum(codes, 0.0), 3.0).to(tl.int32)
     return codes, scale, lo
 
 
 @triton.jit
-def _pack_quartered(codes, D: tl.constexpr):
-    """``[D]`` codes -> ``[D/4]`` bytes, byte j = dims j, j+D/4, j+D/2, j+3D/4."""
-    c = tl.reshape(codes, (4, D // 4))
-    shifts = (2 * tl.arange(0, 4))[:, None]
-    return tl.sum(c << shifts, axis=0).to(tl.uint8)
+def _pack_quartered(codes, N: tl.constexpr, D: tl.constexpr):
+    """``[N, D]`` codes -> ``[N, D/4]`` bytes, byte j = dims j, j+D/4, j+D/2, j+3D/4."""
+    c = tl.reshape(codes, (N, 4, D // 4))
+    shifts = (2 * tl.arange(0, 4))[None, :, None]
+    return tl.sum(c << shifts, axis=1).to(tl.uint8)
+
+
+@triton.jit
+def _to_param(x, PARAM_BF16: tl.constexpr):
+    if PARAM_BF16:
+        y = to_bf16_rne(x)
+    else:
+        y = x.to(tl.float16)
+    return y
 
 
 @triton.jit
@@ -52,61 +90,77 @@ def _oscar_write_kernel(
     cu_q_ptr,  # int32 [R + 1] query start offsets
     seq_lens_ptr,  # int32 [R] sequence length after this step
     ring_slot_ptr,  # int32 [R] window ring of each request
-    cache_ptr,  # uint8 [num_blocks * BLOCK_SIZE * HKV * SLOT]
+    codes_ptr,  # uint8 [num_blocks, HKV, REGION] INT2 pages (paged_layout)
+    params_ptr,  # 16-bit view of the same pages
     window_k_ptr,  # bf16 [S, SINK + RECENT, HKV, D]
     window_v_ptr,  # bf16 [S, SINK + RECENT, HKV, D]
     window_pos_ptr,  # int32 [S, SINK + RECENT]
+    num_tokens,
     num_reqs,
-    clip_idx_k,  # int: sorted-|x| index of the K clip threshold, -1 = no clip
+    clip_idx_k,  # sorted-|x| index of the K clip threshold, -1 = no clip
     clip_idx_v,
     stride_kt,
     stride_kh,
     stride_vt,
     stride_vh,
+    stride_cb,  # bytes from one cache block to the next
     ROT_HEAD_STRIDE: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
-    SLOT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     SINK: tl.constexpr,
     RECENT: tl.constexpr,
     PARAM_BF16: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
     Q: tl.constexpr = D // 4
+    REGION: tl.constexpr = BLOCK_SIZE * (D // 2 + 8)
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_mapping_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
+    live = slot >= 0
     dims = tl.arange(0, D)
+    t64 = t.to(tl.int64)
+    v = tl.load(value_ptr + t64[:, None] * stride_vt + h * stride_vh + dims[None, :], mask=live[:, None], other=0.0)
+    v = v.to(tl.float32)
+    # k @ R in fp32, over row slices of R small enough for shared memory at head_dim 256.
+    KC: tl.constexpr = D if D <= 128 else 128
+    kc = tl.arange(0, KC)
+    k_rot = tl.zeros([BLOCK_T, D], tl.float32)
+    for c in tl.static_range(D // KC):
+        k = tl.load(key_ptr + t64[:, None] * stride_kt + h * stride_kh + c * KC + kc[None, :], mask=live[:, None],
+                    other=0.0)
+        rot = tl.load(rot_k_ptr + h * ROT_HEAD_STRIDE + (c * KC + kc[:, None]) * D + dims[None, :])
+        k_rot = tl.dot(k.to(tl.float32), rot, k_rot, input_precision="ieee")
 
-    k = tl.load(key_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + dims).to(tl.float32)
-    v = tl.load(value_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + dims).to(tl.float32)
-    rot = tl.load(rot_k_ptr + h * ROT_HEAD_STRIDE + dims[:, None] * D + dims[None, :])
-    k_rot = tl.sum(k[:, None] * rot, axis=0)  # k @ R, exact fp32 products
+    codes_k, scale_k, min_k = _quantize_rows(k_rot, clip_idx_k, D)
+    codes_v, scale_v, min_v = _quantize_rows(v, clip_idx_v, D)
+    base = (slot // BLOCK_SIZE) * stride_cb + h * REGION
+    tok = slot % BLOCK_SIZE
+    j = tl.arange(0, Q)[None, :]
+    tl.store(codes_ptr + base[:, None] + tok[:, None] * Q + j, _pack_quartered(codes_k, BLOCK_T, D), mask=live[:, None])
+    tl.store(codes_ptr + base[:, None] + BLOCK_SIZE * Q + j * BLOCK_SIZE + tok[:, None],
+             _pack_quartered(codes_v, BLOCK_T, D), mask=live[:, None])
+    p = params_ptr + (base + 2 * BLOCK_SIZE * Q) // 2 + tok
+    tl.store(p, _to_param(scale_k, PARAM_BF16), mask=live)
+    tl.store(p + BLOCK_SIZE, _to_param(min_k, PARAM_BF16), mask=live)
+    tl.store(p + 2 * BLOCK_SIZE, _to_param(scale_v, PARAM_BF16), mask=live)
+    tl.store(p + 3 * BLOCK_SIZE, _to_param(min_v, PARAM_BF16), mask=live)
 
-    base = (slot * HKV + h) * SLOT
-    codes_k, scale_k, min_k = _quantize_row(k_rot, clip_idx_k, D)
-    codes_v, scale_v, min_v = _quantize_row(v, clip_idx_v, D)
-    tl.store(cache_ptr + base + tl.arange(0, Q), _pack_quartered(codes_k, D))
-    tl.store(cache_ptr + base + Q + tl.arange(0, Q), _pack_quartered(codes_v, D))
-    store_f16_param(cache_ptr, base + 2 * Q, scale_k, PARAM_BF16)
-    store_f16_param(cache_ptr, base + 2 * Q + 2, min_k, PARAM_BF16)
-    store_f16_param(cache_ptr, base + 2 * Q + 4, scale_v, PARAM_BF16)
-    store_f16_param(cache_ptr, base + 2 * Q + 6, min_v, PARAM_BF16)
-
-    r = find_request(cu_q_ptr, num_reqs, t, 1, False)
-    q_start = tl.load(cu_q_ptr + r)
-    q_len = tl.load(cu_q_ptr + r + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + r)
+    r = find_requests(cu_q_ptr, num_reqs, t, SEARCH_STEPS)
+    r_ok = live & (r >= 0)
+    q_start = tl.load(cu_q_ptr + r, mask=r_ok, other=0)
+    q_len = tl.load(cu_q_ptr + r + 1, mask=r_ok, other=0) - q_start
+    seq_len = tl.load(seq_lens_ptr + r, mask=r_ok, other=0)
     pos = seq_len - q_len + (t - q_start)
-    if (pos < SINK) | (pos >= seq_len - RECENT):
-        ring = tl.load(ring_slot_ptr + r).to(tl.int64)
-        idx = ring * (SINK + RECENT) + window_index(pos, SINK, RECENT)
-        w = (idx * HKV + h) * D + dims
-        tl.store(window_k_ptr + w, to_bf16_rne(k_rot))
-        tl.store(window_v_ptr + w, to_bf16_rne(v))
-        if h == 0:
-            tl.store(window_pos_ptr + idx, pos)
+    keep = r_ok & ((pos < SINK) | (pos >= seq_len - RECENT))
+    ring = tl.load(ring_slot_ptr + r, mask=keep, other=0).to(tl.int64)
+    idx = ring * (SINK + RECENT) + window_index(pos, SINK, RECENT)
+    w = (idx * HKV + h)[:, None] * D + dims[None, :]
+    tl.store(window_k_ptr + w, to_bf16_rne(k_rot), mask=keep[:, None])
+    tl.store(window_v_ptr + w, to_bf16_rne(v), mask=keep[:, None])
+    tl.store(window_pos_ptr + idx, pos, mask=keep & (h == 0))
 
 
 def oscar_write(
@@ -130,25 +184,24 @@ def oscar_write(
 ) -> None:
     """Write ``key``/``value`` ``[T, Hkv, d]`` into the INT2 ``cache`` and the BF16 windows.
 
-    ``cache``: uint8 ``[num_blocks, block_size, Hkv, int2_slot_bytes(d)]``; the other
+    ``cache``: uint8 ``[num_blocks, Hkv, int2_region_bytes(d)]`` (``paged_layout``); the other
     arguments as documented on the kernel; ``clip_idx_*`` as ``oscar_vllm.quant.clip_index``
     gives them. Tokens whose slot is negative are skipped.
     """
     t, hkv, d = key.shape
     if t == 0:
         return
-    if cache.shape[-1] != int2_slot_bytes(d) or cache.dtype != torch.uint8:
-        raise ValueError(f"cache {tuple(cache.shape)} {cache.dtype} is not an INT2 cache for head_dim {d}")
-    if param_dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"the paged cache stores 16-bit scales, not {param_dtype}")
+    check_int2_cache(cache, d)
+    if num_reqs >= 2**SEARCH_STEPS:
+        raise ValueError(f"at most {2**SEARCH_STEPS - 1} requests per batch, got {num_reqs}")
     if window_k.dtype != torch.bfloat16 or window_v.dtype != torch.bfloat16:
         raise ValueError(f"the windows are bf16, got {window_k.dtype}/{window_v.dtype}")
-    _oscar_write_kernel[(t, hkv)](
+    _oscar_write_kernel[(triton.cdiv(t, BLOCK_T), hkv)](
         key, value, rot_k.contiguous(), slot_mapping, cu_q, seq_lens, ring_slots,
-        cache, window_k, window_v, window_pos,
-        num_reqs, clip_idx_k, clip_idx_v,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        cache, param_view(cache, param_dtype), window_k, window_v, window_pos,
+        t, num_reqs, clip_idx_k, clip_idx_v,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), cache.stride(0),
         ROT_HEAD_STRIDE=d * d if rot_k.dim() == 3 else 0,
-        HKV=hkv, D=d, SLOT=int2_slot_bytes(d), SINK=sink, RECENT=recent,
-        PARAM_BF16=param_dtype == torch.bfloat16,
+        HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, SINK=sink, RECENT=recent,
+        PARAM_BF16=param_dtype == torch.bfloat16, BLOCK_T=BLOCK_T, SEARCH_STEPS=SEARCH_STEPS,
     )

@@ -1,14 +1,17 @@
-"""The OSCAR paged KV layout and the small device helpers both kernels share.
+"""The OSCAR paged KV layout and the small device helpers the kernels share.
 
-One cache slot holds one (token, KV head) of one layer, ``int2_slot_bytes(d)`` bytes::
+A kernel block holds ``BLOCK_SIZE`` (64) tokens of one layer. Inside it, each KV head owns one
+contiguous region of ``BLOCK_SIZE * int2_slot_bytes(d)`` bytes, laid out so that every read of
+the attention kernels is a contiguous, 16-byte aligned run (d = head_dim, Q = d/4)::
 
-    [0, d/4)         K codes, quartered INT2 (byte j: dims j, j+d/4, j+d/2, j+3d/4)
-    [d/4, d/2)       V codes, same packing
-    [d/2, d/2 + 8)   K scale, K min, V scale, V min: 16-bit floats, little endian
+    [0, B*Q)                 K codes, token-major: token t at t*Q (byte j: dims j, j+Q, j+2Q, j+3Q)
+    [B*Q, 2*B*Q)             V codes, dim-major: byte j of every token at j*B .. j*B + B
+    [2*B*Q, 2*B*Q + 8*B)     four [B] arrays of 16-bit floats: K scale, K min, V scale, V min
 
-A layer's cache is a uint8 tensor ``[num_blocks, block_size, num_kv_heads, slot_bytes]``.
-The 16-bit parameters are assembled from bytes so that the kernels need no pointer casts
-(and behave the same under ``TRITON_INTERPRET=1``).
+K is token-major and V dim-major because that is what each matrix product wants contiguous:
+``q @ K^T`` reduces over dims, ``p @ V`` over tokens. A layer's cache is a uint8 tensor
+``[num_blocks, num_kv_heads, BLOCK_SIZE * int2_slot_bytes(d)]``; the kernels read the parameters
+through a 16-bit view of the same memory.
 
 The BF16 windows live beside it, per running request ("ring slot"):
 ``window_k``/``window_v`` ``[num_slots, sink + recent, num_kv_heads, d]`` bf16 and
@@ -17,17 +20,46 @@ The BF16 windows live beside it, per running request ("ring slot"):
 ``sink + (p - sink) % recent``. A reader trusts an entry only when ``window_pos`` equals
 the position it wants, so a stale or missing entry falls back to the INT2 copy.
 """
+import torch
 import triton
 import triton.language as tl
 
-PARAM_BYTES = 8
+BLOCK_SIZE = 64  # tokens per kernel block: one block is one attention tile
+PARAM_BYTES = 8  # K scale, K min, V scale, V min, 16 bits each
 
 
 def int2_slot_bytes(head_dim: int) -> int:
-    """Bytes of one (token, KV head) slot: K and V codes plus four 16-bit parameters."""
+    """Bytes of one (token, KV head): K and V codes plus four 16-bit parameters."""
     if head_dim % 4:
         raise ValueError(f"head_dim must be a multiple of 4 to pack INT2, got {head_dim}")
     return head_dim // 2 + PARAM_BYTES
+
+
+def int2_region_bytes(head_dim: int, block_size: int = BLOCK_SIZE) -> int:
+    """Bytes of one (block, KV head) region."""
+    return block_size * int2_slot_bytes(head_dim)
+
+
+def int2_cache_shape(num_blocks: int, num_kv_heads: int, head_dim: int, block_size: int = BLOCK_SIZE) -> tuple[int, int, int]:
+    return (num_blocks, num_kv_heads, int2_region_bytes(head_dim, block_size))
+
+
+def check_int2_cache(cache: torch.Tensor, head_dim: int) -> None:
+    """A layer's pages: blocks may sit apart (vLLM pads pages in some layouts), heads may not."""
+    region = int2_region_bytes(head_dim)
+    if (cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[-1] != region
+            or cache.stride()[1:] != (region, 1) or cache.stride(0) % 16):
+        raise ValueError(
+            f"cache {tuple(cache.shape)} {cache.dtype} is not an OSCAR INT2 cache for head_dim {head_dim} "
+            f"(uint8 [num_blocks, num_kv_heads, {int2_region_bytes(head_dim)}])"
+        )
+
+
+def param_view(cache: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
+    """The cache's 16-bit view, through which the kernels read and write scales and mins."""
+    if param_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the paged cache stores 16-bit scales, not {param_dtype}")
+    return cache.view(param_dtype)
 
 
 @triton.jit
@@ -52,20 +84,27 @@ def find_request(cu_q_ptr, num_reqs, target, BLOCK_Q: tl.constexpr, Q_BLOCK_MODE
 
 
 @triton.jit
-def window_index(pos, SINK: tl.constexpr, RECENT: tl.constexpr):
-    """Index of position ``pos`` in a request's window ring."""
-    return tl.where(pos < SINK, pos, SINK + (pos - SINK) % RECENT)
+def find_requests(cu_q_ptr, num_reqs, tokens, STEPS: tl.constexpr):
+    """Vector form of ``find_request``: the request of each token in ``tokens`` ``[N]``.
+
+    A fixed number of bisection steps (``STEPS >= log2(num_reqs + 1)``) keeps it branch-free.
+    """
+    lo = tl.zeros_like(tokens)
+    hi = tl.zeros_like(tokens) + num_reqs
+    for _ in tl.static_range(STEPS):
+        live = lo < hi
+        mid = (lo + hi) // 2
+        start = tl.load(cu_q_ptr + mid, mask=live, other=0)
+        go_right = live & (start <= tokens)
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(live & ~go_right, mid, hi)
+    return lo - 1
 
 
 @triton.jit
-def load_f16_param(ptr, offset, mask, PARAM_BF16: tl.constexpr):
-    """A 16-bit float stored as two bytes at ``ptr + offset`` -> fp32."""
-    lo = tl.load(ptr + offset, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(ptr + offset + 1, mask=mask, other=0).to(tl.uint16)
-    bits = lo | (hi << 8)
-    if PARAM_BF16:
-        return bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+def window_index(pos, SINK: tl.constexpr, RECENT: tl.constexpr):
+    """Index of position ``pos`` in a request's window ring."""
+    return tl.where(pos < SINK, pos, SINK + (pos - SINK) % RECENT)
 
 
 @triton.jit
@@ -84,14 +123,3 @@ def bf16_bits_rne(x):
 def to_bf16_rne(x):
     """fp32 -> bf16, rounding to nearest even on the GPU and in the interpreter alike."""
     return bf16_bits_rne(x).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def store_f16_param(ptr, offset, value, PARAM_BF16: tl.constexpr):
-    """Store fp32 ``value`` as a 16-bit float in two bytes at ``ptr + offset``."""
-    if PARAM_BF16:
-        bits = bf16_bits_rne(value)
-    else:
-        bits = value.to(tl.float16).to(tl.uint16, bitcast=True)
-    tl.store(ptr + offset, (bits & 0xFF).to(tl.uint8))
-    tl.store(ptr + offset + 1, (bits >> 8).to(tl.uint8))

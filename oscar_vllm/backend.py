@@ -21,11 +21,12 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from csrc_triton.oscar_attention import DECODE_SPLITS, oscar_attention
+from csrc_triton.oscar_attention import decode_split_rows, decode_splits, oscar_attention
 from csrc_triton.oscar_write import oscar_write
-from csrc_triton.paged_layout import int2_slot_bytes
+from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape
 from oscar_vllm import window_store
 from oscar_vllm.plugin import BACKEND_NAME, check_vllm_version
 from oscar_vllm.quant import PARAM_DTYPES, clip_index
@@ -43,29 +44,37 @@ class OscarAttentionMetadata:
     num_actual_tokens: int
     max_query_len: int
     num_reqs: int
+    num_decodes: int  # the batch's first requests, one query token each (vLLM orders them so)
+    decode_splits: int  # most programs a decode request's prefix is split over
+    prefill_has_prefix: bool  # some prefill request has cached tokens (or may: an upper bound)
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs], including this step
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     ring_slots: torch.Tensor  # int32 [num_reqs]: each request's window ring
-    part_out: torch.Tensor  # fp32 [max_num_seqs, Hq, DECODE_SPLITS, d] split-K scratch
-    part_lse: torch.Tensor  # fp32 [max_num_seqs, Hq, DECODE_SPLITS]
+    part_out: torch.Tensor  # fp32 split-K scratch, [decode tokens * Hq * decode_splits * d] used
+    part_lse: torch.Tensor  # fp32 [decode tokens * Hq * decode_splits] used
 
 
 class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetadata]):
     # Decode batches replay as full CUDA graphs: every tensor the kernels read lives in a
-    # persistent buffer and the launch depends only on (padded) shapes.
+    # persistent buffer and the launch depends only on the (padded) batch size.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Decodes first: they take the split decode kernel, the rest the prefill path.
+        self._init_reorder_batch_threshold(1)
         max_reqs = vllm_config.scheduler_config.max_num_seqs
         num_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        self.num_kv_heads = kv_cache_spec.num_kv_heads
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        rows = decode_split_rows(max_reqs, self.num_kv_heads, self.num_sms)
         d = kv_cache_spec.head_size
         self.ring_slots = torch.zeros(max_reqs, dtype=torch.int32, device=device)
-        self.part_out = torch.empty(max_reqs, num_heads, DECODE_SPLITS, d, dtype=torch.float32, device=device)
-        self.part_lse = torch.empty(max_reqs, num_heads, DECODE_SPLITS, dtype=torch.float32, device=device)
+        self.part_out = torch.empty(rows * num_heads * d, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> OscarAttentionMetadata:
@@ -79,10 +88,22 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         n = min(m.num_reqs, rows.shape[0])
         self.ring_slots[:n].copy_(rows[:n], non_blocking=True)
         window_store.apply_resets()
+        num_decodes, _, _, _ = split_decodes_and_prefills(m, decode_threshold=1)
+        # From CPU copies (no sync): seq_lens_cpu_upper_bound can only overstate a prefix.
+        seq_cpu = m.seq_lens_cpu_upper_bound
+        q_cpu = m.query_start_loc_cpu
+        prefill_has_prefix = (
+            seq_cpu is None
+            or bool((seq_cpu[num_decodes:m.num_reqs]
+                     > q_cpu[num_decodes + 1:m.num_reqs + 1] - q_cpu[num_decodes:m.num_reqs]).any())
+        )
         return OscarAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
             num_reqs=m.num_reqs,
+            num_decodes=num_decodes,
+            decode_splits=decode_splits(num_decodes, self.num_kv_heads, self.num_sms),
+            prefill_has_prefix=prefill_has_prefix,
             query_start_loc=m.query_start_loc,
             seq_lens=m.seq_lens,
             block_table=m.block_table_tensor,
@@ -113,7 +134,12 @@ class OscarAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
-        return [MultipleOf(16)]
+        # One kernel block is one attention tile; larger --block-size values are split into it.
+        return [BLOCK_SIZE]
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        return BLOCK_SIZE
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -122,7 +148,31 @@ class OscarAttentionBackend(AttentionBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                            cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        return (num_blocks, block_size, num_kv_heads, int2_slot_bytes(head_size))
+        if block_size != BLOCK_SIZE:
+            raise ValueError(f"OSCAR kernel blocks hold {BLOCK_SIZE} tokens, vLLM asked for {block_size}")
+        return int2_cache_shape(num_blocks, num_kv_heads, head_size)
+
+
+def _flash_attention_own_keys(scale: float, dtype: torch.dtype):
+    """``(q, k, v, cu_q, max_query_len, out) -> lse`` through vLLM's FlashAttention, or None
+    where it cannot run (fp32 models, no CUDA build): the OSCAR kernel then does that part."""
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version, is_flash_attn_varlen_func_available
+
+    if dtype not in (torch.float16, torch.bfloat16) or not is_flash_attn_varlen_func_available():
+        return None
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+    fa_version = get_flash_attn_version()
+    version = {} if fa_version is None else {"fa_version": fa_version}
+
+    def own_keys(q, k, v, cu_q, max_query_len, out):
+        _, lse = flash_attn_varlen_func(
+            q=q, k=k, v=v, max_seqlen_q=max_query_len, cu_seqlens_q=cu_q, max_seqlen_k=max_query_len,
+            cu_seqlens_k=cu_q, softmax_scale=scale, causal=True, return_softmax_lse=True, out=out, **version,
+        )
+        return lse
+
+    return own_keys
 
 
 class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
@@ -165,6 +215,9 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         self.window_v = torch.zeros(shape, dtype=torch.bfloat16)
         self.window_pos = torch.full(shape[:2], -1, dtype=torch.int32)
         window_store.register_window_positions(self.window_pos)
+        # A prefill chunk's attention to its own (BF16) keys is plain causal attention:
+        # FlashAttention does it, the OSCAR kernel adds the cached prefix and merges.
+        self.own_keys_attention = _flash_attention_own_keys(self.scale, vllm_config.model_config.dtype)
 
     def set_layer(self, layer_id: int, rot_k: torch.Tensor, clip_ratio_k: float, clip_ratio_v: float) -> None:
         """The layer's key rotation ``[d, d]`` or ``[Hkv, d, d]`` and clip ratios."""
@@ -201,8 +254,9 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         out = output[:n].view(n, self.num_heads, self.head_size)
         oscar_attention(
             out, q, self.rotate_queries(q), k, v, kv_cache, self.window_k, self.window_v, self.window_pos,
-            md.block_table, md.seq_lens, md.query_start_loc, md.ring_slots, md.num_reqs, md.max_query_len,
-            self.scale, self.sink, self.recent, self.param_dtype, part_out=md.part_out, part_lse=md.part_lse,
+            md.block_table, md.seq_lens, md.query_start_loc, md.ring_slots, md.num_decodes, md.num_reqs,
+            md.max_query_len, self.scale, self.sink, self.recent, self.param_dtype, md.decode_splits,
+            md.part_out, md.part_lse, self.own_keys_attention, md.prefill_has_prefix,
         )
         # After attention: the ring still held the previous window while this step read it.
         oscar_write(

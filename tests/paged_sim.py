@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from csrc_triton.paged_layout import int2_slot_bytes
+from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape
 
 
 @dataclass
@@ -27,8 +27,9 @@ class Step:
 class PagedCache:
     """Paged INT2 cache + BF16 rings for ``num_reqs`` requests of at most ``max_len`` tokens."""
 
-    def __init__(self, num_reqs: int, max_len: int, hkv: int, d: int, block_size: int,
-                 sink: int, recent: int, device: str = "cpu", seed: int = 0):
+    def __init__(self, num_reqs: int, max_len: int, hkv: int, d: int, sink: int, recent: int,
+                 device: str = "cpu", seed: int = 0):
+        block_size = BLOCK_SIZE
         g = torch.Generator().manual_seed(seed)
         blocks_per_req = -(-max_len // block_size)
         num_blocks = num_reqs * blocks_per_req + 3
@@ -36,8 +37,9 @@ class PagedCache:
         perm = torch.randperm(num_blocks, generator=g)[: num_reqs * blocks_per_req]
         self.block_table = perm.view(num_reqs, blocks_per_req).to(torch.int32).to(device)
         self.ring_slots = (torch.randperm(num_reqs + 2, generator=g)[:num_reqs]).to(torch.int32)
-        self.cache = torch.randint(0, 256, (num_blocks, block_size, hkv, int2_slot_bytes(d)),
-                                   dtype=torch.uint8, generator=g).to(device)
+        # Random bytes, NaN parameters included: a kernel that reads an unwritten slot shows.
+        self.cache = torch.randint(0, 256, int2_cache_shape(num_blocks, hkv, d), dtype=torch.uint8,
+                                   generator=g).to(device)
         shape = (num_reqs + 2, sink + recent, hkv, d)
         self.window_k = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
         self.window_v = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)

@@ -80,9 +80,9 @@ def test_backend_class_resolves_and_installs_its_hooks():
         backend = E.OSCAR.get_class()
         from vllm.model_executor.layers.attention.attention import Attention
         assert Attention.get_kv_cache_spec.__oscar_wrapped__
-        print(backend.get_name(), backend.get_kv_cache_shape(10, 16, 8, 128))
+        print(backend.get_name(), backend.get_kv_cache_shape(10, 64, 8, 128))
     """)
-    assert out == "OSCAR (10, 16, 8, 72)"
+    assert out == "OSCAR (10, 8, 4608)"
 
 
 def test_version_check_names_the_versions(monkeypatch):
@@ -100,13 +100,15 @@ def test_int2_page_is_reported_truthfully(head_dim, slot):
     from oscar_vllm.vllm_hooks import oscar_kv_cache_spec
 
     layer = SimpleNamespace(num_kv_heads=8, head_size=head_dim)
-    config = SimpleNamespace(cache_config=SimpleNamespace(block_size=16))
+    config = SimpleNamespace(cache_config=SimpleNamespace(block_size=64))
     spec = oscar_kv_cache_spec(layer, config)
-    assert spec.page_size_bytes == 16 * 8 * slot
+    assert spec.page_size_bytes == 64 * 8 * slot
     # The tensor vLLM carves from those bytes has exactly the backend's shape.
-    shape = OscarAttentionBackend.get_kv_cache_shape(5, 16, 8, head_dim)
+    shape = OscarAttentionBackend.get_kv_cache_shape(5, 64, 8, head_dim)
     assert torch.Size(shape).numel() == 5 * spec.page_size_bytes
-    bf16 = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=head_dim, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="64 tokens"):
+        OscarAttentionBackend.get_kv_cache_shape(5, 16, 8, head_dim)
+    bf16 = FullAttentionSpec(block_size=64, num_kv_heads=8, head_size=head_dim, dtype=torch.bfloat16)
     assert bf16.page_size_bytes / spec.page_size_bytes == pytest.approx(4 * head_dim / slot)
     if head_dim == 128:  # the issue's Qwen3-8B arithmetic: 72 bytes against 512, 7.1x
         assert bf16.page_size_bytes / spec.page_size_bytes == pytest.approx(512 / 72)

@@ -3,19 +3,21 @@ from __future__ import annotations
 
 import torch
 
+from csrc_triton.paged_layout import BLOCK_SIZE
 from oscar_vllm.quant import dequantize_int2, Int2Rows
+from oscar_vllm.reference.paged import layout_views
 from oscar_vllm.reference.oscar_write import window_index
 
 
 def read_int2_slots(cache: torch.Tensor, slots: torch.Tensor, param_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized K and V (fp32 ``[N, Hkv, d]``) of cache slots ``slots`` ``[N]``."""
-    hkv, nbytes = cache.shape[-2:]
-    d = 2 * (nbytes - 8)
-    raw = cache.view(-1, hkv, nbytes)[slots.long()]
-    params = raw[..., d // 2 :].contiguous().view(param_dtype)  # [N, Hkv, 4]
-    k = dequantize_int2(Int2Rows(raw[..., : d // 4], params[..., 0:1], params[..., 1:2]))
-    v = dequantize_int2(Int2Rows(raw[..., d // 4 : d // 2], params[..., 2:3], params[..., 3:4]))
-    return k, v
+    k_codes, v_codes, params = layout_views(cache, param_dtype)
+    slots = slots.long().to(cache.device)
+    blk, tok = slots // BLOCK_SIZE, slots % BLOCK_SIZE
+    p = params[blk, :, :, tok]  # [N, Hkv, 4]
+    k = dequantize_int2(Int2Rows(k_codes[blk, :, tok], p[..., 0:1], p[..., 1:2]))
+    v = dequantize_int2(Int2Rows(v_codes[blk, :, :, tok], p[..., 2:3], p[..., 3:4]))
+    return k.cpu(), v.cpu()
 
 
 def oscar_attention_reference(
@@ -41,7 +43,6 @@ def oscar_attention_reference(
     t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    block_size = cache.shape[1]
     out = torch.zeros(t, hq, d, dtype=torch.float32)
     for r in range(num_reqs):
         q0, q1 = int(cu_q[r]), int(cu_q[r + 1])
@@ -50,8 +51,8 @@ def oscar_attention_reference(
         ctx = int(seq_lens[r]) - (q1 - q0)
         kp = torch.arange(ctx)
         qpos = ctx + torch.arange(q1 - q0)
-        slots = block_table[r].long().cpu()[kp // block_size] * block_size + kp % block_size
-        k_lo, v_lo = read_int2_slots(cache.cpu(), slots, param_dtype)
+        slots = block_table[r].long().cpu()[kp // BLOCK_SIZE] * BLOCK_SIZE + kp % BLOCK_SIZE
+        k_lo, v_lo = read_int2_slots(cache, slots, param_dtype)
         ring = int(ring_slots[r])
         idx = window_index(kp, sink, recent)
         held = window_pos[ring].long().cpu()[idx] == kp
@@ -73,3 +74,26 @@ def oscar_attention_reference(
         o = (p_pre * hi) @ heads(v_hi) + (p_pre * ~hi) @ heads(v_lo) + p_new @ heads(v[q0:q1])
         out[q0:q1] = o.transpose(0, 1)
     return out
+
+
+def own_keys_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, num_reqs: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of each request's query tokens to its own new keys only (what the
+    backend asks of FlashAttention): fp32 output ``[T, Hq, d]`` and natural-log LSE ``[Hq, T]``."""
+    t, hq, d = q.shape
+    g = hq // k.shape[1]
+    out = torch.zeros(t, hq, d, dtype=torch.float32)
+    lse = torch.full((hq, t), float("-inf"), dtype=torch.float32)
+    for r in range(num_reqs):
+        a, b = int(cu_q[r]), int(cu_q[r + 1])
+        if a == b:
+            continue
+        qq = q[a:b].float().cpu().transpose(0, 1)  # [Hq, n, d]
+        kk = k[a:b].float().cpu().repeat_interleave(g, dim=1).transpose(0, 1)
+        vv = v[a:b].float().cpu().repeat_interleave(g, dim=1).transpose(0, 1)
+        s = (qq @ kk.transpose(1, 2)) * scale
+        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        lse[:, a:b] = torch.logsumexp(s, dim=-1)
+        out[a:b] = (torch.softmax(s, dim=-1) @ vv).transpose(0, 1)
+    return out, lse

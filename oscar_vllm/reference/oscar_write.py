@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from csrc_triton.paged_layout import BLOCK_SIZE
 from oscar_vllm.quant import quantize_int2
+from oscar_vllm.reference.paged import layout_views
 
 
 def window_index(pos: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
@@ -19,12 +21,6 @@ def token_positions(cu_q: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int) -
     ctx = seq_lens[:num_reqs].long().cpu() - q_lens
     pos = ctx[req] + torch.arange(int(cu[-1])) - cu[:-1][req]
     return req, pos
-
-
-def pack_slot(packed_k, scale_k, min_k, packed_v, scale_v, min_v) -> torch.Tensor:
-    """``[N, int2_slot_bytes(d)]`` uint8 slots from packed codes and 16-bit parameters."""
-    params = torch.stack([scale_k, min_k, scale_v, min_v], dim=-1)  # [N, 4] 16-bit
-    return torch.cat([packed_k, packed_v, params.contiguous().view(torch.uint8)], dim=-1)
 
 
 def oscar_write_reference(
@@ -55,9 +51,14 @@ def oscar_write_reference(
         k_rot = torch.einsum("thi,hij->thj", key.float(), rot_k.float())
     qk = quantize_int2(k_rot, clip_ratio_k, None, param_dtype)
     qv = quantize_int2(value.float(), clip_ratio_v, None, param_dtype)
-    slots = pack_slot(qk.packed, qk.scale[..., 0], qk.bias[..., 0], qv.packed, qv.scale[..., 0], qv.bias[..., 0])
-    flat = cache.view(-1, hkv, cache.shape[-1])
-    flat[slot_mapping[:t][live].long()] = slots[live].to(cache.device)
+    k_codes, v_codes, params = layout_views(cache, param_dtype)
+    slots = slot_mapping[:t].long().cpu()[live].to(cache.device)
+    blk, tok = slots // BLOCK_SIZE, slots % BLOCK_SIZE
+    dev = lambda x: x[live].to(cache.device)  # noqa: E731
+    k_codes[blk, :, tok] = dev(qk.packed)
+    v_codes[blk, :, :, tok] = dev(qv.packed)
+    for i, x in enumerate((qk.scale, qk.bias, qv.scale, qv.bias)):
+        params[blk, :, i, tok] = dev(x[..., 0])
 
     req, pos = token_positions(cu_q, seq_lens, num_reqs)
     end = seq_lens[:num_reqs].long().cpu()[req]

@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Everything this project checks on a GPU (see README, "GPU checks"). Stages:
 #   tests   the kernel tests on the GPU: against their references at real shapes
+#   kernels the kernel benchmarks (decode, prefill, write) against vLLM's FA3 and Triton
+#           attention, with the copy bandwidth of the same run; instruction mix of the kernels
+#   sweep   the decode/prefill launch sweep that fills csrc_triton/oscar_attention.py's table
+#   ab      benchmarks/ab_throughput.py: OSCAR against vLLM's KV caches, one engine each
 #   suite   the whole test suite on the GPU
+#   ppl     SmolLM2 perplexity through OSCAR (fp32 eager, bf16 with CUDA graphs) only
 #   e2e     vLLM end to end: SmolLM2 perplexity through OSCAR vs the reference simulation,
 #           greedy text, CUDA graphs, the Qwen3-8B shape (generation, KV capacity)
 #   serve   `oscar-vllm serve` on the Qwen3-8B shape, answered by the openai client
@@ -24,11 +29,31 @@ zoo=${OSCAR_ROTATIONZOO_DIR:-../shared/data/rotationzoo}/Qwen3-8B-LongBench
 smol_rot=${OSCAR_SMOLLM2_ROTATIONS:-results/smollm2_rotations}
 e2e="timeout 420 python3 tests/gpu/e2e_vllm.py"
 status=0
+# Kernel tests compile many variants: spread them over processes when pytest-xdist is there.
+xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8")
 for stage in $stages; do
   case $stage in
     tests)
       { python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print(torch.cuda.get_device_name(0))' &&
-        python3 -m pytest -q tests/test_oscar_write.py tests/test_oscar_attention.py; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
+        python3 -m pytest -q -p no:warnings $xdist tests/test_oscar_write.py tests/test_oscar_attention.py \
+          tests/test_launch_table.py; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
+    kernels)
+      { (cd benchmarks/kernels &&
+         python3 oscar_attention.py decode --out "$out/kernels" ${OSCAR_KERNEL_ARGS:-} &&
+         python3 oscar_attention.py prefill --out "$out/kernels" --shapes qwen3-8b &&
+         python3 oscar_write.py --out "$out/kernels" --shapes qwen3-8b &&
+         python3 sass_histogram.py _oscar_attention_kernel); } 2>&1 | tee "$out/kernels.log" || status=1 ;;
+    sweep)
+      (cd benchmarks/kernels && python3 oscar_attention.py sweep --out "$out/sweep" --batches 1 8 32 \
+         --contexts 8192 32768 131072) 2>&1 | grep --line-buffered -v '^{' | tee "$out/sweep.log" || status=1 ;;
+    ab)
+      python3 benchmarks/ab_throughput.py --out "$out/ab" ${OSCAR_AB_ARGS:-} 2>&1 | tee "$out/ab.log" || status=1 ;;
+    ppl)
+      {
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
+        $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype float32 --eager
+        $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16
+      } 2>&1 | tee "$out/ppl.log" || status=1 ;;
     suite)
       python3 -m pytest -q tests 2>&1 | tee "$out/pytest_suite.log" || status=1 ;;
     e2e)

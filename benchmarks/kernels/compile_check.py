@@ -1,0 +1,115 @@
+"""Compile the OSCAR kernels for Hopper (sm_90) on any machine, no GPU needed, and show what
+came out: registers, spills, shared memory and, for every loop of the SASS, its instruction
+mix (are the loads 16 bytes wide and asynchronous, how many HMMA, barriers, conversions).
+Arguments are specialized as a real launch would be (pointers and strides 16-aligned).
+
+    python benchmarks/kernels/compile_check.py decode --num-warps 4 --num-stages 3
+    python benchmarks/kernels/compile_check.py prefill --block-m 128 --num-warps 8 --dump /tmp/prefill.sass
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from csrc_triton import oscar_attention, oscar_write
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+# Integer arguments a launch passes as multiples of 16 (Triton specializes those).
+ALIGNED_INTS = {"stride_cb", "stride_qt", "stride_rt", "stride_kt", "stride_vt", "stride_ot", "stride_qh",
+                "stride_rh", "stride_oh", "stride_kh", "stride_vh", "stride_bt"}
+TYPES = {
+    "out_ptr": "*bf16", "self_lse_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
+    "q_ptr": "*bf16", "q_rot_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "key_ptr": "*bf16",
+    "value_ptr": "*bf16", "rot_k_ptr": "*fp32", "slot_mapping_ptr": "*i64", "codes_ptr": "*u8",
+    "params_ptr": "*fp16", "window_k_ptr": "*bf16", "window_v_ptr": "*bf16", "window_pos_ptr": "*i32",
+    "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_q_ptr": "*i32", "ring_slot_ptr": "*i32",
+    "qk_scale": "fp32", "num_splits": "i32",
+}
+
+
+def compile_kernel(fn, consts: dict, num_warps: int, num_stages: int):
+    names = list(inspect.signature(fn.fn).parameters)
+    signature = {n: "constexpr" if n in consts else TYPES.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in consts and (signature[n].startswith("*") or n in ALIGNED_INTS)}
+    src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def decode_consts(args) -> dict:
+    return dict(HQ=8 * args.g, HKV=8, G=args.g, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, BLOCK_M=16, BLOCK_Q=1,
+                SPLIT=True, DECODE=True, NEW_KEYS=True, MERGE_SELF=False, DOT_DT=tl.float16, USE_ASM=not args.no_asm,
+                PRECISION="tf32", BLOCK_N_NEW=16)
+
+
+def prefill_consts(args) -> dict:
+    return dict(HQ=8 * args.g, HKV=8, G=args.g, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, BLOCK_M=args.block_m,
+                BLOCK_Q=args.block_m // args.g, SPLIT=False, DECODE=False, NEW_KEYS=False, MERGE_SELF=True,
+                DOT_DT=tl.float16, USE_ASM=not args.no_asm, PRECISION="tf32", BLOCK_N_NEW=32)
+
+
+def write_consts(args) -> dict:
+    return dict(ROT_HEAD_STRIDE=0, HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, PARAM_BF16=False,
+                BLOCK_T=oscar_write.BLOCK_T, SEARCH_STEPS=oscar_write.SEARCH_STEPS)
+
+
+def sass_loops(sass: str) -> list[tuple[int, int, collections.Counter]]:
+    """``(start, end, opcode counts)`` of every backward branch's body."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            text = m.group(2).strip()
+            ins.append((int(m.group(1), 16), re.sub(r"^@!?U?P[0-9T]+\s+", "", text).split()[0], text))
+    loops = []
+    for addr, op, text in ins:
+        target = text.split()[-1]
+        if op == "BRA" and target.startswith("0x") and int(target, 16) < addr:
+            start = int(target, 16)
+            loops.append((start, addr, collections.Counter(o for a, o, _ in ins if start <= a <= addr)))
+    return loops
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("kernel", choices=["decode", "prefill", "write"])
+    p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--num-stages", type=int, default=3)
+    p.add_argument("--block-m", type=int, default=64)
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--g", type=int, default=4)
+    p.add_argument("--no-asm", action="store_true")
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--dump", help="write the SASS here")
+    args = p.parse_args()
+    fn, consts = {
+        "decode": (oscar_attention._oscar_attention_kernel, decode_consts),
+        "prefill": (oscar_attention._oscar_attention_kernel, prefill_consts),
+        "write": (oscar_write._oscar_write_kernel, write_consts),
+    }[args.kernel]
+    k = compile_kernel(fn, consts(args), args.num_warps, args.num_stages)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([BIN / "cuobjdump", "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([BIN / "cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+    if args.dump:
+        Path(args.dump).write_text(sass)
+    print(re.search(r"REG:.*", usage).group(0), f"| triton shared {k.metadata.shared} B")
+    for start, end, ops in sass_loops(sass):
+        print(f"loop {start:#x}-{end:#x}, {sum(ops.values())} instructions:")
+        print("   " + ", ".join(f"{op} {n}" for op, n in ops.most_common(args.top)))
+
+
+if __name__ == "__main__":
+    main()

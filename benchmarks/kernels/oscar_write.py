@@ -1,0 +1,75 @@
+"""Benchmark of ``csrc_triton/oscar_write.py`` (rotate, clip, quantize, pack and store K/V and
+the BF16 windows) against vLLM's BF16 cache write (``reshape_and_cache_flash``), same run.
+
+    python benchmarks/kernels/oscar_write.py --out results/kernels
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+
+from common import SHAPES, copy_bandwidth_gbs, environment, make_int2_batch, time_calls, write_reports
+from csrc_triton.oscar_write import oscar_write
+from oscar_vllm.quant import clip_index
+
+SINK, RECENT = 64, 256
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="results/kernels")
+    p.add_argument("--shapes", nargs="+", default=["qwen3-8b", "smollm2"], choices=list(SHAPES))
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 32, 256, 8192, 16384],
+                   help="new tokens per step; one request each below 256, else 256-token chunks of 16 requests")
+    args = p.parse_args()
+    bw = copy_bandwidth_gbs()
+    env = environment()
+    try:
+        from vllm import _custom_ops as ops
+    except Exception as e:  # noqa: BLE001
+        print(f"vLLM baseline unavailable: {e}")
+        ops = None
+    rows = []
+    for key in args.shapes:
+        s = SHAPES[key]
+        hkv, d = s.num_kv_heads, s.head_dim
+        for t in args.tokens:
+            reqs = t if t <= 256 else 16
+            q_lens = [1] * t if t <= 256 else [t // reqs] * reqs
+            b = make_int2_batch([1000] * len(q_lens), q_lens, hkv, d, SINK, RECENT)
+            k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            rot = torch.linalg.qr(torch.randn(d, d, device="cuda"))[0]
+            pos = torch.cat([torch.arange(1000, 1000 + n) for n in q_lens])
+            row_of = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+            blocks = b.block_table.cpu()[row_of, pos // 64].long()
+            slots = (blocks * 64 + pos % 64).cuda()
+            row = {"shape": s.name, "tokens": t, "requests": len(q_lens)}
+            row["oscar_ms"] = time_calls([lambda: oscar_write(
+                k, v, rot, slots, b.cu_q, b.seq_lens, b.ring_slots, len(q_lens), b.cache, b.window_k, b.window_v,
+                b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT)])
+            # Reads K and V (bf16), writes the INT2 slots and, for window positions, bf16 ring rows.
+            ring_rows = sum(min(n, RECENT) for n in q_lens)
+            nbytes = t * hkv * (4 * d + d // 2 + 8) + ring_rows * hkv * 4 * d
+            row["oscar_GBps"] = nbytes / row["oscar_ms"] / 1e6
+            row["oscar_pct_copy"] = 100 * row["oscar_GBps"] / bw
+            if ops is not None:
+                kc = torch.empty(math.ceil(t / 16) + 1, 16, hkv, d, device="cuda", dtype=torch.bfloat16)
+                vc = torch.empty_like(kc)
+                flat = torch.arange(t, device="cuda")
+                scale = torch.ones((), device="cuda")
+                row["vllm_bf16_ms"] = time_calls([lambda: ops.reshape_and_cache_flash(
+                    k, v, kc, vc, flat, "auto", scale, scale)])
+            rows.append(row)
+            print(row, flush=True)
+    write_reports(Path(args.out), "write", rows, env, "Cache write: OSCAR quantize-on-write against vLLM BF16",
+                  ["shape", "tokens", "requests", "oscar_ms", "vllm_bf16_ms", "oscar_GBps", "oscar_pct_copy"],
+                  [f"copy bandwidth in this run: {bw:,.0f} GB/s",
+                   "OSCAR bytes: K and V read (bf16), INT2 slots and BF16 window rows written"])
+
+
+if __name__ == "__main__":
+    main()

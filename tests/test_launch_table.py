@@ -1,0 +1,36 @@
+"""The decode and prefill launch choices are a fixed table (filled by
+``benchmarks/kernels/oscar_attention.py sweep``), not autotuning on the serving path."""
+import triton
+
+from csrc_triton.oscar_attention import (
+    DECODE_LAUNCH,
+    MAX_DECODE_SPLITS,
+    PREFILL_LAUNCH,
+    SMALL_HEAD_PREFILL_LAUNCH,
+    _bucket,
+    decode_split_rows,
+    decode_splits,
+)
+
+
+def test_decode_table_covers_every_batch_with_valid_choices():
+    assert min(DECODE_LAUNCH) == 1
+    for n in range(1, 2049):
+        warps, stages, ctas = _bucket(DECODE_LAUNCH, n)
+        assert warps in (1, 2, 4, 8) and 1 <= stages <= 5 and ctas >= 1
+
+
+def test_prefill_choices_are_valid():
+    for block_m, warps, stages in (PREFILL_LAUNCH, SMALL_HEAD_PREFILL_LAUNCH):
+        assert block_m >= 16 and triton.next_power_of_2(block_m) == block_m
+        assert warps in (1, 2, 4, 8) and 1 <= stages <= 5
+    # Below head_dim 128 prefill keeps the 16-row tiles decode runs with (see the table's note).
+    assert SMALL_HEAD_PREFILL_LAUNCH[0] == 16
+
+
+def test_split_scratch_covers_every_batch_size():
+    """The builder sizes its scratch once with decode_split_rows: no batch may need more."""
+    for hkv in (1, 2, 4, 8):
+        rows = decode_split_rows(256, hkv, 132)
+        assert all(n * decode_splits(n, hkv, 132) <= rows for n in range(1, 257))
+        assert rows <= 256 * MAX_DECODE_SPLITS
