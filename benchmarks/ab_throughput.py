@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -253,10 +254,19 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--worker", name, "--result", str(dest),
                *[a for a in sys.argv[1:] if a not in ("--configs", *CONFIGS)]]
         t0 = time.perf_counter()
+        # Its own process group: vLLM's engine core is a child process that keeps the GPU's
+        # memory until it exits, so a timeout must end the whole group before the next engine.
+        proc = subprocess.Popen(cmd, start_new_session=True)
         try:
-            subprocess.run(cmd, timeout=args.timeout, check=False)
+            proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             dest.write_text(json.dumps({"config": name, "error": f"timed out after {args.timeout} s"}))
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
         if not dest.exists():
             dest.write_text(json.dumps({"config": name, "error": "the worker died (see its log)"}))
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)

@@ -188,6 +188,7 @@ def decode(args, bw: float, env: dict) -> list[dict]:
                          "bytes: what each kernel must read (OSCAR: whole INT2 blocks, the BF16 window "
                          "entries, K and V; BF16: K and V of every token)",
                          "oscar_vs_fa3: OSCAR time / FA3 time (lower is faster)"])
+    plot_decode(Path(args.out))
     return rows
 
 
@@ -384,9 +385,42 @@ def once(args, bw: float, env: dict) -> None:
     print(f"{s.name} batch {n} context {ctx}: {splits} splits", flush=True)
 
 
+def plot_decode(out_dir: Path) -> None:
+    """``decode.png`` from ``decode.csv``: time per call, OSCAR against FA3, by batch and context."""
+    import csv
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(csv.DictReader(open(out_dir / "decode.csv")))
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        mine = [r for r in rows if r["shape"] == shape]
+        for batch in sorted({int(r["batch"]) for r in mine}):
+            pts = sorted((int(r["context"]), r) for r in mine if int(r["batch"]) == batch)
+            ctx = [c for c, _ in pts]
+            line, = ax.plot(ctx, [float(r["oscar_ms"]) for _, r in pts], "o-", label=f"OSCAR, batch {batch}")
+            if all(r.get("fa3_ms", "").replace(".", "", 1).isdigit() for _, r in pts):
+                ax.plot(ctx, [float(r["fa3_ms"]) for _, r in pts], "s--", color=line.get_color(),
+                        label=f"FA3 BF16, batch {batch}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("ms per layer call")
+        ax.set_title(f"decode attention, {shape}", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "decode.png", dpi=110)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["decode", "prefill", "sweep", "once"])
+    p.add_argument("mode", choices=["decode", "prefill", "sweep", "once", "plot"],
+                   help="plot: redraw decode.png from the decode.csv in --out")
     p.add_argument("--out", default="results/kernels")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
@@ -397,6 +431,9 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=8, help="processes compiling sweep variants")
     args = p.parse_args()
     args.chunks = [tuple(int(x) for x in c.split(":")) for c in args.chunks]
+    if args.mode == "plot":
+        plot_decode(Path(args.out))
+        return
     bw = copy_bandwidth_gbs()
     env = environment()
     print(f"{env}; copy bandwidth {bw:,.0f} GB/s", flush=True)
