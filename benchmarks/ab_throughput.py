@@ -42,14 +42,8 @@ CONFIGS = {
     "turboquant": {"kv_cache_dtype": "turboquant_4bit_nc"},
 }
 BASELINE = "FLASH_ATTN"
-QWEN3_8B = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
-    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "vocab_size": 151936, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False, "bos_token_id": 151643,
-    "eos_token_id": 151645,
-}
+# The Qwen3-8B architecture (its config.json), for runs with dummy weights.
+QWEN3_8B_CONFIG = Path(__file__).parent / "configs" / "qwen3-8b.json"
 
 
 def distinct_prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
@@ -233,7 +227,7 @@ def main() -> None:
     if args.model is None:
         args.model = str(out / "qwen3-8b-shape")
         Path(args.model).mkdir(exist_ok=True)
-        (Path(args.model) / "config.json").write_text(json.dumps(QWEN3_8B, indent=1))
+        (Path(args.model) / "config.json").write_text(QWEN3_8B_CONFIG.read_text())
     if args.worker:
         try:
             res = run_worker(args)

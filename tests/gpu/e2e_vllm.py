@@ -21,14 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-QWEN3_8B = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
-    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "vocab_size": 151936, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False, "bos_token_id": 151643,
-    "eos_token_id": 151645,
-}
+# The Qwen3-8B architecture (its config.json), for runs with dummy weights.
+QWEN3_8B_CONFIG = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "qwen3-8b.json"
 
 
 def result(**kw) -> None:
@@ -62,7 +56,7 @@ def cmd_prepare(args) -> None:
     tok.save_pretrained(out / "smollm2")
     qwen = out / "qwen3-8b-shape"
     qwen.mkdir(parents=True, exist_ok=True)
-    (qwen / "config.json").write_text(json.dumps(QWEN3_8B, indent=1))
+    (qwen / "config.json").write_text(QWEN3_8B_CONFIG.read_text())
     tok.save_pretrained(qwen)
     result(check="prepare", smollm2=str(out / "smollm2"), qwen3=str(qwen))
 
