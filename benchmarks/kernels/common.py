@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import triton
 
-from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape, param_view
+from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape
 from oscar_vllm.reference.paged import layout_views
 
 L2_BYTES = 60 << 20  # H200; reads are spread over 4x this before a buffer is read again
@@ -148,10 +148,6 @@ def make_int2_batch(ctx: list[int], q_lens: list[int], hkv: int, d: int, sink: i
     return PagedInt2(cache, window_k, window_v, pos.cuda(), block_table,
                      torch.tensor(seq, dtype=torch.int32, device="cuda"), cu.cuda(),
                      torch.arange(len(ctx), dtype=torch.int32, device="cuda"))
-
-
-def cache_param_view(batch: PagedInt2, param_dtype=torch.float16) -> torch.Tensor:
-    return param_view(batch.cache, param_dtype)
 
 
 def write_reports(out_dir: Path, stem: str, rows: list[dict], env: dict, title: str, columns: list[str],

@@ -59,18 +59,24 @@ def prefill_consts(args) -> dict:
 
 
 def write_consts(args) -> dict:
-    return dict(ROT_HEAD_STRIDE=0, HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, PARAM_BF16=False,
+    return dict(ROT_HEAD_STRIDE=0, HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, PARAM_BF16=args.bf16_params,
                 BLOCK_T=oscar_write.BLOCK_T, SEARCH_STEPS=oscar_write.SEARCH_STEPS)
 
 
-def sass_loops(sass: str) -> list[tuple[int, int, collections.Counter]]:
-    """``(start, end, opcode counts)`` of every backward branch's body."""
+def sass_instructions(sass: str) -> list[tuple[int, str, str]]:
+    """``(address, opcode, text)`` of every instruction in ``cuobjdump -sass`` output."""
     ins = []
     for line in sass.splitlines():
         m = re.match(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m:
             text = m.group(2).strip()
             ins.append((int(m.group(1), 16), re.sub(r"^@!?U?P[0-9T]+\s+", "", text).split()[0], text))
+    return ins
+
+
+def sass_loops(sass: str) -> list[tuple[int, int, collections.Counter]]:
+    """``(start, end, opcode counts)`` of every backward branch's body."""
+    ins = sass_instructions(sass)
     loops = []
     for addr, op, text in ins:
         target = text.split()[-1]
@@ -89,6 +95,7 @@ def main() -> None:
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--g", type=int, default=4)
     p.add_argument("--no-asm", action="store_true")
+    p.add_argument("--bf16-params", action="store_true", help="write: bf16 scales and mins")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--dump", help="write the SASS here")
     args = p.parse_args()

@@ -11,12 +11,11 @@ import argparse
 import collections
 import json
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
 
-OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+from compile_check import sass_instructions
 
 
 def main() -> None:
@@ -32,7 +31,7 @@ def main() -> None:
         if not cubin.exists():
             continue
         sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True).stdout
-        ops = collections.Counter(m.group(1) for line in sass.splitlines() if (m := OPCODE.match(line)))
+        ops = collections.Counter(op for _, op, _ in sass_instructions(sass))
         head = {k: meta.get(k) for k in ("num_warps", "num_stages", "shared", "n_regs", "n_spills")}
         consts = {k: v for k, v in (meta.get("constants") or {}).items()
                   if k in ("BLOCK_M", "DECODE", "SPLIT", "USE_ASM", "MERGE_SELF", "NEW_KEYS", "D", "G")}
