@@ -8,7 +8,9 @@ decode sees it (:mod:`oscar_vllm.mixed_cache`): token ``t`` reads BF16 keys/valu
 the first ``--sink`` positions and its last ``--recent``, quantized ones in between, in
 the rotated space. Reported per method, against the BF16 cache on the evaluation text:
 perplexity, ΔPPL, mean KL(BF16 ‖ method) per token and top-1 agreement. Writes
-``fidelity.md``, ``fidelity.json`` and ``fidelity.png`` into ``--output-dir``.
+``fidelity.md``, ``fidelity.json`` and ``fidelity.png`` into ``--output-dir`` (default
+``runs/fidelity``, which git ignores; the committed ``results/fidelity`` is regenerated
+with ``bash benchmarks/main_job.sh``).
 Rotations are calibrated in the same run on calibration text that never overlaps the
 evaluation text, unless ``--rotations`` gives a folder.
 """
@@ -43,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 REFERENCE = "bf16"
 POSITION_BIN = 128
-DEFAULT_OUTPUT_DIR = Path("results/fidelity")
+# A user's run never writes over the committed results/fidelity (the README's table source).
+DEFAULT_OUTPUT_DIR = Path("runs/fidelity")
 
 
 @dataclass(frozen=True)
@@ -335,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="model compute dtype (default: %(default)s)")
     parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR,
-                        help="where fidelity.{md,json,png} go (default: %(default)s)")
+                        help="where fidelity.{md,json,png} go (default: %(default)s, ignored by git)")
     parser.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
     return parser
 

@@ -1,4 +1,5 @@
-"""The command lines as a user meets them: one-line errors, --debug and help texts."""
+"""The command lines as a user meets them: one-line errors, --debug, help texts, and the
+main job writing outside the committed results."""
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,12 @@ def test_every_option_says_its_default(parser):
             continue
         text = (action.help or "") % {"default": action.default}
         assert "default" in text or "required" in text, f"{action.option_strings}: {action.help!r}"
+
+
+def test_the_main_job_writes_outside_the_committed_results():
+    out = evaluate.build_parser().parse_args([]).output_dir
+    assert out == Path("runs/fidelity")
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git clone: nothing to keep clean")
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(out / "fidelity.md")], cwd=REPO)
+    assert ignored.returncode == 0, f"{out} is not ignored by git"
