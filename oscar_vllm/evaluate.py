@@ -354,6 +354,8 @@ def main(argv: list[str] | None = None) -> None:
     methods = [METHODS_BY_NAME[n] for n in args.methods.split(",")]
     if args.eval_tokens < args.context:
         raise OscarError(f"--eval-tokens {args.eval_tokens} is less than one window of --context {args.context}")
+    if args.rotations is not None and not args.rotations.is_dir():
+        load_rotations(args.rotations)  # says why (missing, not a folder) before the model loads
     t0 = time.time()
     eval_text = corpus.evaluation_text()  # before the model loads, so a missing corpus fails at once
     loaded = load_model(args.model_path, args.gguf_file, args.device, DTYPES[args.dtype])

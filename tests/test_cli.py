@@ -64,6 +64,8 @@ def test_evaluate_errors_are_one_line(tmp_path, capsys, monkeypatch):
     assert "unknown methods ['int3']; choose from bf16, int4," in err
     err = one_line_error(capsys, evaluate.main, ["--eval-tokens", "100"])
     assert "--eval-tokens 100 is less than one window of --context 2048" in err
+    err = one_line_error(capsys, evaluate.main, ["--rotations", str(tmp_path / "nope")])
+    assert err == f"error: {tmp_path / 'nope'}: rotation path does not exist\n"
     monkeypatch.setenv("OSCAR_CORPUS_DIR", str(tmp_path))
     err = one_line_error(capsys, evaluate.main, ["--output-dir", str(tmp_path / "out")])
     assert "not found: fetch the corpus once with `python -m oscar_vllm.corpus install`" in err
