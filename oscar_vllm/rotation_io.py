@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from oscar_vllm import __version__
+from oscar_vllm.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
 from oscar_vllm.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ ORTHOGONALITY_TOL = 1e-4
 _OBJECTIVE_KIND = {"qqt": KEY, "ktk": KEY, "sst": VALUE, "vtv": VALUE}
 
 
-class RotationFileError(ValueError):
+class RotationFileError(OscarError, ValueError):
     """A rotation file or folder that cannot be used; the message names file and problem."""
 
 
@@ -239,6 +240,13 @@ def validate_rotations(rot: OscarRotations, shape: ModelShape | None = None) -> 
         )
 
 
+def _first_line(e: Exception) -> str:
+    """The problem as torch or safetensors names it, without the advice they add after it
+    (a truncated file gets a paragraph about checkpoints, a refused pickle a whole page)."""
+    line = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    return line.split(". ", 1)[0].rstrip(".")
+
+
 def _ranges(ids: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
     out, start = [], None
@@ -262,7 +270,7 @@ def load_rotationzoo_file(path: str | Path) -> RotationSet:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a pickle torch refuses, a truncated file, not a torch file
-        raise _fail(str(path), f"is not a readable torch.save file ({type(e).__name__}: {e})") from e
+        raise _fail(str(path), f"is not a readable torch.save file ({type(e).__name__}: {_first_line(e)})") from e
     if not isinstance(state, Mapping) or "layers" not in state or "format_version" not in state:
         raise _fail(str(path), "is not a RotationZoo file (expected keys format_version, objective, layers)")
     version = state["format_version"]
@@ -344,7 +352,7 @@ def _load_our_file(path: Path, kind: str) -> RotationSet:
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
-        raise _fail(str(path), f"is not a readable safetensors file ({e})") from e
+        raise _fail(str(path), f"is not a readable safetensors file ({_first_line(e)})") from e
     if meta.get("format") != FORMAT_NAME:
         raise _fail(str(path), f"is not an {FORMAT_NAME} file (metadata format={meta.get('format')!r})")
     if int(meta.get("format_version", -1)) != FORMAT_VERSION:
@@ -464,25 +472,40 @@ def _summary(rot: OscarRotations) -> str:
     return "\n".join(lines)
 
 
+def _read_config(path: str) -> ModelShape:
+    try:
+        config = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise OscarError(f"{path}: cannot read the model config ({e.strerror or e})") from e
+    except json.JSONDecodeError as e:
+        raise OscarError(f"{path}: the model config is not valid JSON ({e})") from e
+    try:
+        return ModelShape.from_hf_config(config, name=str(Path(path).parent))
+    except (AttributeError, TypeError) as e:  # not a dict, or no head counts to divide by
+        raise OscarError(f"{path}: not a model config.json (needs num_hidden_layers, num_attention_heads, ...)") from e
+
+
+@cli
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="oscar-rotations", description="Inspect, validate and convert OSCAR rotation folders."
     )
+    # --debug is taken before or after the subcommand: the error handler reads argv itself.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("inspect", help="validate a folder and print what it holds")
-    p.add_argument("path")
-    p.add_argument("--config", help="a model's config.json to validate against")
-    p = sub.add_parser("convert", help="convert between our format and RotationZoo")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--to", choices=["oscar", "rotationzoo"], required=True)
-    p.add_argument("--config", help="a model's config.json: validates and records the model")
+    p = sub.add_parser("inspect", parents=[common], help="validate a folder and print what it holds")
+    p.add_argument("path", help="a rotation folder: ours or RotationZoo files")
+    p.add_argument("--config", help="a model's config.json to validate against (default: no model check)")
+    p = sub.add_parser("convert", parents=[common], help="convert between our format and RotationZoo")
+    p.add_argument("src", help="the rotation folder to read")
+    p.add_argument("dst", help="the folder to write (created)")
+    p.add_argument("--to", choices=["oscar", "rotationzoo"], required=True, help="the format to write")
+    p.add_argument("--config", help="a model's config.json: validates and records the model (default: none)")
     args = parser.parse_args(argv)
 
-    shape = None
-    if args.config:
-        config = json.loads(Path(args.config).read_text())
-        shape = ModelShape.from_hf_config(config, name=str(Path(args.config).parent))
+    shape = _read_config(args.config) if args.config else None
     rot = load_rotations(args.path if args.command == "inspect" else args.src, shape)
     if args.command == "inspect":
         print(_summary(rot))

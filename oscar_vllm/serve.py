@@ -10,45 +10,77 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 
-from oscar_vllm.settings import ADDITIONAL_CONFIG_KEY, OscarSettings
+from oscar_vllm.errors import DEBUG_FLAG, DEBUG_HELP, cli
+from oscar_vllm.settings import ADDITIONAL_CONFIG_KEY, OscarSettings, OscarSettingsError
 
 # vLLM's default on an H200 is 1024 running requests. Each one holds BF16 windows in every
 # layer (47 MB for Qwen3-8B), so the wrapper starts lower unless told otherwise.
 DEFAULT_MAX_NUM_SEQS = "256"
 
 FLAGS = {
-    "--oscar-rotation-path": ("rotation_path", str),
-    "--oscar-sink-size": ("sink_size", int),
-    "--oscar-recent-size": ("recent_size", int),
-    "--oscar-clip-ratio-k": ("clip_ratio_k", float),
-    "--oscar-clip-ratio-v": ("clip_ratio_v", float),
-    "--oscar-scale-dtype": ("scale_dtype", str),
+    "--oscar-rotation-path": ("rotation_path", str, "DIR",
+                              "rotation folder, hf://ORG/REPO[/SUB][@REV], or 'hadamard' (no default: required)"),
+    "--oscar-sink-size": ("sink_size", int, "N", "first tokens kept in BF16 (default: 64)"),
+    "--oscar-recent-size": ("recent_size", int, "N", "last tokens kept in BF16 (default: 256)"),
+    "--oscar-clip-ratio-k": ("clip_ratio_k", float, "R",
+                             "INT2 key clip ratio (default: the rotation file's, else 0.96)"),
+    "--oscar-clip-ratio-v": ("clip_ratio_v", float, "R",
+                             "INT2 value clip ratio (default: the rotation file's, else 0.92)"),
+    "--oscar-scale-dtype": ("scale_dtype", str, "{fp16,bf16}", "INT2 scale and min dtype (default: fp16)"),
 }
+HELP_FLAGS = ("-h", "--help")
+USAGE = (f"oscar-vllm serve MODEL {' '.join(f'[{flag} {metavar}]' for flag, (_, _, metavar, _) in FLAGS.items())} "
+         "[vllm serve arguments...]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments ``oscar-vllm`` reads itself; everything else goes to ``vllm serve``."""
+    parser = argparse.ArgumentParser(
+        prog="oscar-vllm", add_help=False,
+        usage=USAGE,
+        description="`vllm serve` with the OSCAR 2-bit KV-cache backend. Each --oscar-* flag may also "
+                    "come from its OSCAR_* variable or from --additional-config '{\"oscar\": {...}}'. "
+                    f"--max-num-seqs is {DEFAULT_MAX_NUM_SEQS} unless given (vLLM's own default on an H200, "
+                    "1024, would spend 48 GB on Qwen3-8B's BF16 windows).",
+    )
+    oscar = parser.add_argument_group("OSCAR flags")
+    for flag, (name, kind, metavar, text) in FLAGS.items():
+        oscar.add_argument(flag, type=kind, metavar=metavar, help=f"{text}; variable {OscarSettings.env_name(name)}")
+    given = parser.add_argument_group("vllm serve flags that oscar-vllm reads too")
+    given.add_argument("--additional-config", default=None, metavar="JSON",
+                       help="merged with the --oscar-* flags; a setting given both ways is an error")
+    given.add_argument("--attention-backend", default=None, metavar="OSCAR",
+                       help="always OSCAR (set for you; another backend is an error)")
+    other = parser.add_argument_group("other")
+    other.add_argument("-h", "--help", action="store_true", help="this help, then vllm serve's")
+    other.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
+    return parser
 
 
 def build_vllm_argv(argv: list[str]) -> list[str]:
     """``oscar-vllm`` arguments -> ``vllm`` arguments (``serve MODEL ... --attention-backend OSCAR``)."""
-    parser = argparse.ArgumentParser(prog="oscar-vllm", add_help=False)
-    for flag, (_, kind) in FLAGS.items():
-        parser.add_argument(flag, type=kind)
-    parser.add_argument("--additional-config", default=None)
-    parser.add_argument("--attention-backend", default=None)
+    parser = build_parser()
     ours, rest = parser.parse_known_args(argv)
     if not rest or rest[0] != "serve":
-        raise SystemExit("usage: oscar-vllm serve MODEL [--oscar-rotation-path DIR] [--oscar-sink-size N] "
-                         "[--oscar-recent-size N] [vllm serve arguments...]")
+        raise OscarSettingsError(f"oscar-vllm runs `serve` only; usage: {USAGE}")
     if ours.attention_backend not in (None, "OSCAR"):
-        raise SystemExit(f"oscar-vllm serves with the OSCAR backend, not {ours.attention_backend}")
-    extra = json.loads(ours.additional_config) if ours.additional_config else {}
+        raise OscarSettingsError(f"oscar-vllm serves with the OSCAR backend, not {ours.attention_backend}")
+    try:
+        extra = json.loads(ours.additional_config) if ours.additional_config else {}
+    except json.JSONDecodeError as e:
+        raise OscarSettingsError(f"--additional-config is not valid JSON ({e})") from e
+    if not isinstance(extra, dict):
+        raise OscarSettingsError(f"--additional-config must be a JSON object, got {ours.additional_config}")
     oscar = dict(extra.get(ADDITIONAL_CONFIG_KEY) or {})
-    for flag, (name, _) in FLAGS.items():
+    for flag, (name, *_) in FLAGS.items():
         value = getattr(ours, flag[2:].replace("-", "_"))
         if value is None:
             continue
         if name in oscar:
-            raise SystemExit(f"{flag} and --additional-config both set {name}")
+            raise OscarSettingsError(f"{flag} and --additional-config both set {name}")
         oscar[name] = value
     OscarSettings.from_sources({ADDITIONAL_CONFIG_KEY: oscar}, environ={})  # fail here, not in a worker
     extra[ADDITIONAL_CONFIG_KEY] = oscar
@@ -57,8 +89,41 @@ def build_vllm_argv(argv: list[str]) -> list[str]:
     return [*rest, "--attention-backend", "OSCAR", "--additional-config", json.dumps(extra)]
 
 
+def vllm_serve_help(help_arg: str) -> int:
+    """Show ``vllm serve --help``; where vLLM cannot start (no CUDA GPU), say so in one line.
+
+    vLLM picks its platform before it parses arguments, so even its help needs a GPU. It runs
+    in a child process so that its traceback can be kept from the user.
+    """
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", help_arg], capture_output=True, text=True,
+    )
+    if proc.returncode == 0:
+        print(proc.stdout, end="")
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"vLLM's own help (`vllm serve {help_arg}`) needs a CUDA GPU, and this machine has none. "
+              "Every argument not listed above goes to `vllm serve` unchanged.")
+        return 0
+    sys.stderr.write(proc.stderr)
+    return proc.returncode
+
+
+def print_help(argv: list[str]) -> int:
+    print(build_parser().format_help())
+    help_arg = next((a for a in argv if a in HELP_FLAGS or a.startswith("--help=")), "--help")
+    print(f"--- vllm serve {help_arg} ---", flush=True)
+    return vllm_serve_help(help_arg)
+
+
+@cli
 def main(argv: list[str] | None = None) -> None:
-    vllm_argv = build_vllm_argv(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in HELP_FLAGS or a.startswith("--help=") for a in argv):
+        raise SystemExit(print_help(argv))
+    vllm_argv = build_vllm_argv(argv)
     # The request rows OSCAR keys its windows on come from the V2 model runner.
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     from vllm.entrypoints.cli.main import main as vllm_main

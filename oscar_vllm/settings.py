@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from oscar_vllm.errors import OscarError
+
 ADDITIONAL_CONFIG_KEY = "oscar"
 ENV_PREFIX = "OSCAR_"
 HADAMARD = "hadamard"
@@ -20,8 +22,8 @@ HOW_TO_GET_ROTATIONS = (
 )
 
 
-class OscarSettingsError(ValueError):
-    pass
+class OscarSettingsError(OscarError, ValueError):
+    """A setting that is missing, unknown or out of range; the message names it."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Shared fixtures: the published rotation files, the real model and the corpus."""
+"""Shared fixtures: RotationZoo files (written here, and the published ones where present),
+the real model and the corpus."""
 
 import os
 from pathlib import Path
@@ -11,18 +12,41 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from rotationzoo_files import write_published_files  # noqa: E402  (after TRITON_INTERPRET is set)
+
 REPO = Path(__file__).resolve().parents[1]
 ROTATIONZOO = Path(os.environ.get("OSCAR_ROTATIONZOO_DIR", REPO.parent / "shared" / "data" / "rotationzoo"))
+PUBLISHED_SOURCE = (
+    "github.com/FutureMLS-Lab/OSCAR, branch zhongzhu/VL, "
+    "rotation/qwen3-8B/LongBench/seq150000_prompt44_group128/rotations/"
+)
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 
 @pytest.fixture(scope="session")
 def qwen3_8b_rotations() -> Path:
+    """The published Qwen3-8B RotationZoo files; tests that need them skip without them."""
     path = ROTATIONZOO / "Qwen3-8B-LongBench"
     if not path.is_dir():
-        pytest.fail(f"{path} is missing: the published Qwen3-8B rotations (set OSCAR_ROTATIONZOO_DIR)")
+        pytest.skip(
+            f"the published Qwen3-8B rotations are not at {path}: copy k_rotation_qqt_r_h_pbr.pt and "
+            f"v_rotation_sst_r_h_pbr.pt from {PUBLISHED_SOURCE} into a folder Qwen3-8B-LongBench/ "
+            f"and set OSCAR_ROTATIONZOO_DIR to the folder above it (default ../shared/data/rotationzoo)"
+        )
     return path
+
+
+@pytest.fixture(scope="session")
+def written_qwen3_8b_rotations(tmp_path_factory) -> Path:
+    """Format 1 files at Qwen3-8B's shape (36 layers, head_dim 128), written in the published layout."""
+    return write_published_files(tmp_path_factory.mktemp("zoo") / "Qwen3-8B-LongBench", 36, 128)
+
+
+@pytest.fixture(params=["written", "published"])
+def qwen3_8b_zoo(request) -> Path:
+    """Qwen3-8B RotationZoo files: ours in the published layout, then the published ones (if present)."""
+    return request.getfixturevalue({"written": "written_qwen3_8b_rotations", "published": "qwen3_8b_rotations"}[request.param])
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from rotationzoo_files import write_published_files
 
 from oscar_vllm.calibration import hadamard_rotation_sets
 from oscar_vllm.rotation import rotation_from_moment
@@ -45,12 +46,12 @@ def small_rotations(per_head=False, **kw):
     )
 
 
-def test_published_qwen3_8b_files(qwen3_8b_rotations):
-    rot = load_rotations(qwen3_8b_rotations, QWEN3_8B)
+def test_qwen3_8b_rotationzoo_files(qwen3_8b_zoo):
+    rot = load_rotations(qwen3_8b_zoo, QWEN3_8B)
     assert rot.source_format == "rotationzoo"
     assert rot.layer_ids == list(range(36)) and rot.key.head_dim == 128 and not rot.key.per_head
     assert (rot.key.objective, rot.value.objective) == ("qqt_r_h_pbr", "sst_r_h_pbr")
-    raw = torch.load(qwen3_8b_rotations / "k_rotation_qqt_r_h_pbr.pt", weights_only=True)
+    raw = torch.load(qwen3_8b_zoo / "k_rotation_qqt_r_h_pbr.pt", weights_only=True)
     assert raw["format_version"] == 1 and raw["source_grouping"] == "layer"
     assert torch.equal(rot.key.rotations[7], raw["layers"][7]["rotation"])
     assert torch.equal(rot.key.eigenvalues[7], raw["layers"][7]["eigenvalues"])
@@ -59,8 +60,8 @@ def test_published_qwen3_8b_files(qwen3_8b_rotations):
     assert rot.clip_ratio("key", 0) == 0.96 and rot.clip_ratio("value", 3) == 0.92
 
 
-def test_published_files_convert_to_ours_and_back(qwen3_8b_rotations, tmp_path):
-    rot = load_rotations(qwen3_8b_rotations, QWEN3_8B)
+def test_rotationzoo_files_convert_to_ours_and_back(qwen3_8b_zoo, tmp_path):
+    rot = load_rotations(qwen3_8b_zoo, QWEN3_8B)
     ours = load_rotations(save_rotations(rot, tmp_path / "ours"), QWEN3_8B)
     back = load_rotations(save_rotationzoo(ours, tmp_path / "zoo"), QWEN3_8B)
     for a, b in ((rot, ours), (rot, back)):
@@ -69,6 +70,33 @@ def test_published_files_convert_to_ours_and_back(qwen3_8b_rotations, tmp_path):
             assert torch.equal(a.value.eigenvalues[i], b.value.eigenvalues[i])
     raw = torch.load(tmp_path / "zoo" / "v_rotation_sst_r_h_pbr.pt", weights_only=True)
     assert set(raw) == {"format_version", "objective", "source_grouping", "layers"}
+
+
+def test_written_files_have_the_published_layout(qwen3_8b_rotations, written_qwen3_8b_rotations):
+    """What the other tests read in place of the published files is laid out like them."""
+    for name in ("k_rotation_qqt_r_h_pbr.pt", "v_rotation_sst_r_h_pbr.pt"):
+        published = torch.load(qwen3_8b_rotations / name, weights_only=True)
+        written = torch.load(written_qwen3_8b_rotations / name, weights_only=True)
+        assert {k: v for k, v in written.items() if k != "layers"} == {k: v for k, v in published.items() if k != "layers"}
+        assert list(written["layers"]) == list(published["layers"])  # the same int keys, in order
+        for i, entry in published["layers"].items():
+            ours = written["layers"][i]
+            assert set(ours) == set(entry) and type(ours["layer_id"]) is type(entry["layer_id"])
+            assert ours["layer_id"] == entry["layer_id"]
+            for key in ("rotation", "eigenvalues"):
+                assert (ours[key].dtype, ours[key].shape) == (entry[key].dtype, entry[key].shape)
+
+
+def test_published_format_2_per_head_files(tmp_path):
+    """Format 2 as published: one rotation per KV head, read by the same loader."""
+    write_published_files(tmp_path, num_layers=4, head_dim=16, num_kv_heads=2)
+    raw = torch.load(tmp_path / "v_rotation_sst_r_h_pbr.pt", weights_only=True)
+    rot = load_rotations(tmp_path, SMALL)
+    assert rot.key.per_head and rot.value.per_head and rot.layer_ids == [0, 1, 2, 3]
+    assert rot.value.rotations[2].shape == (2, 16, 16) and rot.value.eigenvalues[2].shape == (2, 16)
+    assert torch.equal(rot.value.rotations[2], raw["layers"][2]["rotation"])
+    with pytest.raises(RotationFileError, match="per-head rotations for 2 KV heads but the model has 8"):
+        load_rotations(tmp_path, ModelShape(4, 8, 16))
 
 
 @pytest.mark.parametrize("per_head", [False, True])
@@ -94,11 +122,11 @@ def test_format_2_per_head_rotationzoo(tmp_path):
     assert load_rotations(tmp_path, SMALL).key.per_head
 
 
-def test_convert_cli(qwen3_8b_rotations, tmp_path, capsys):
+def test_convert_cli(qwen3_8b_zoo, tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 4096,
                                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}))
-    main(["convert", str(qwen3_8b_rotations), str(tmp_path / "out"), "--to", "oscar", "--config", str(config)])
+    main(["convert", str(qwen3_8b_zoo), str(tmp_path / "out"), "--to", "oscar", "--config", str(config)])
     info = json.loads((tmp_path / "out" / METADATA_FILE).read_text())
     assert info["model_fingerprint"]["num_hidden_layers"] == 36
     main(["inspect", str(tmp_path / "out")])

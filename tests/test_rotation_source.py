@@ -12,8 +12,8 @@ from oscar_vllm.settings import OscarSettings, OscarSettingsError
 QWEN3_8B = ModelShape(36, 8, 128, "Qwen/Qwen3-8B")
 
 
-def test_local_rotationzoo_folder(qwen3_8b_rotations):
-    rot = rotations_for_model(OscarSettings(rotation_path=str(qwen3_8b_rotations)), QWEN3_8B)
+def test_local_rotationzoo_folder(qwen3_8b_zoo):
+    rot = rotations_for_model(OscarSettings(rotation_path=str(qwen3_8b_zoo)), QWEN3_8B)
     assert rot.layer_ids == list(range(36)) and rot.key.rotations[0].shape == (128, 128)
 
 
@@ -28,9 +28,9 @@ def test_no_rotation_path_is_an_error_with_the_fix():
         rotations_for_model(OscarSettings(), QWEN3_8B)
 
 
-def test_wrong_model_is_refused(qwen3_8b_rotations):
+def test_wrong_model_is_refused(qwen3_8b_zoo):
     with pytest.raises(RotationFileError):
-        rotations_for_model(OscarSettings(rotation_path=str(qwen3_8b_rotations)), ModelShape(30, 3, 64, "SmolLM2"))
+        rotations_for_model(OscarSettings(rotation_path=str(qwen3_8b_zoo)), ModelShape(30, 3, 64, "SmolLM2"))
 
 
 @pytest.mark.parametrize("spec,want", [
@@ -53,8 +53,8 @@ def make_hub_cache(cache, files, repo="oscar-org/rotation-zoo", commit="01234567
     return snap
 
 
-def test_hub_spec_resolves_from_the_local_hub_cache(tmp_path, monkeypatch, qwen3_8b_rotations):
-    files = [(p, f"Qwen3-8B/{p.name}") for p in qwen3_8b_rotations.glob("*.pt")]
+def test_hub_spec_resolves_from_the_local_hub_cache(tmp_path, monkeypatch, qwen3_8b_zoo):
+    files = [(p, f"Qwen3-8B/{p.name}") for p in qwen3_8b_zoo.glob("*.pt")]
     snap = make_hub_cache(tmp_path, files)
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)

@@ -54,13 +54,23 @@ def test_serve_keeps_the_users_max_num_seqs():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["Qwen/Qwen3-8B"], "usage"),
+    (["Qwen/Qwen3-8B"], "runs `serve` only; usage: oscar-vllm serve MODEL"),
     (["serve", "m", "--attention-backend", "FLASH_ATTN"], "OSCAR backend"),
     (["serve", "m", "--oscar-sink-size", "8", "--additional-config", '{"oscar": {"sink_size": 4}}'], "both set"),
+    (["serve", "m", "--additional-config", "{oscar"], "--additional-config is not valid JSON"),
+    (["serve", "m", "--additional-config", "[1]"], "--additional-config must be a JSON object"),
 ])
 def test_serve_refuses_conflicts(argv, message):
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(OscarSettingsError, match=message):
         build_vllm_argv(argv)
+
+
+def test_serve_passes_every_setting_as_a_flag():
+    argv = build_vllm_argv(["serve", "m", "--oscar-rotation-path", "hadamard", "--oscar-clip-ratio-k", "0.9",
+                            "--oscar-clip-ratio-v", "0.8", "--oscar-scale-dtype", "bf16"])
+    extra = json.loads(argv[argv.index("--additional-config") + 1])
+    assert extra == {"oscar": {"rotation_path": "hadamard", "clip_ratio_k": 0.9, "clip_ratio_v": 0.8,
+                               "scale_dtype": "bf16"}}
 
 
 def test_serve_validates_before_starting_vllm():
