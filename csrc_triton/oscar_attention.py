@@ -491,6 +491,19 @@ def _common(q, k, cache, param_dtype, use_asm):
     ), param_view(cache, param_dtype)
 
 
+def _tensor_args(q, q_rot, k, v, cache, params, window_k, window_v, window_pos, block_table, seq_lens, cu_q,
+                 ring_slots, out) -> dict:
+    """The kernel arguments both launches pass alike: tensors and their strides."""
+    return dict(
+        q_ptr=q, q_rot_ptr=q_rot, k_ptr=k, v_ptr=v, codes_ptr=cache, params_ptr=params, window_k_ptr=window_k,
+        window_v_ptr=window_v, window_pos_ptr=window_pos, block_table_ptr=block_table, seq_lens_ptr=seq_lens,
+        cu_q_ptr=cu_q, ring_slot_ptr=ring_slots,
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_rt=q_rot.stride(0), stride_rh=q_rot.stride(1),
+        stride_kt=k.stride(0), stride_kh=k.stride(1), stride_vt=v.stride(0), stride_vh=v.stride(1),
+        stride_ot=out.stride(0), stride_oh=out.stride(1), stride_bt=block_table.stride(0), stride_cb=cache.stride(0),
+    )
+
+
 def oscar_decode_attention(
     out: torch.Tensor,
     q: torch.Tensor,
@@ -532,20 +545,20 @@ def oscar_decode_attention(
         part_out = part_out.view(-1)[: t * hq * num_splits * d].view(t, hq, num_splits, d)
         part_lse = part_lse.view(-1)[: t * hq * num_splits].view(t, hq, num_splits)
     block_m = max(16, triton.next_power_of_2(hq // hkv))
+    split = num_splits > 1
     _oscar_attention_kernel[(num_reqs, hkv, num_splits)](
-        out, out, part_out if num_splits > 1 else out, part_lse if num_splits > 1 else out,
-        q, q_rot, k, v, cache, params, window_k, window_v, window_pos,
-        block_table, seq_lens, cu_q, ring_slots, num_reqs, num_splits, scale * LOG2E,
-        q.stride(0), q.stride(1), q_rot.stride(0), q_rot.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), block_table.stride(0), 0, cache.stride(0),
-        SINK=sink, RECENT=recent, BLOCK_M=block_m, BLOCK_Q=1, SPLIT=num_splits > 1,
+        out_ptr=out, self_lse_ptr=out, part_out_ptr=part_out if split else out,
+        part_lse_ptr=part_lse if split else out, **_tensor_args(q, q_rot, k, v, cache, params, window_k, window_v,
+                                                                 window_pos, block_table, seq_lens, cu_q, ring_slots, out),
+        num_reqs=num_reqs, num_splits=num_splits, qk_scale=scale * LOG2E, stride_lse_h=0,
+        SINK=sink, RECENT=recent, BLOCK_M=block_m, BLOCK_Q=1, SPLIT=split,
         DECODE=True, NEW_KEYS=True, MERGE_SELF=False, BLOCK_N_NEW=16,
         num_warps=num_warps, num_stages=num_stages, **consts,
     )
     if num_splits > 1:
         _merge_splits_kernel[(t, hq)](
-            out, part_out, part_lse, out.stride(0), out.stride(1), HQ=hq, D=d, NUM_SPLITS=num_splits,
+            out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse, stride_ot=out.stride(0),
+            stride_oh=out.stride(1), HQ=hq, D=d, NUM_SPLITS=num_splits,
         )
     return out
 
@@ -592,12 +605,10 @@ def oscar_prefill_attention(
     block_q = block_m // g
     merge = self_lse is not None
     _oscar_attention_kernel[(triton.cdiv(t, block_q) + num_reqs, hkv, 1)](
-        out, self_lse if merge else out, out, out,
-        q, q_rot, k, v, cache, params, window_k, window_v, window_pos,
-        block_table, seq_lens, cu_q, ring_slots, num_reqs, 1, scale * LOG2E,
-        q.stride(0), q.stride(1), q_rot.stride(0), q_rot.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), block_table.stride(0), self_lse.stride(0) if merge else 0, cache.stride(0),
+        out_ptr=out, self_lse_ptr=self_lse if merge else out, part_out_ptr=out, part_lse_ptr=out,
+        **_tensor_args(q, q_rot, k, v, cache, params, window_k, window_v, window_pos, block_table, seq_lens, cu_q,
+                       ring_slots, out),
+        num_reqs=num_reqs, num_splits=1, qk_scale=scale * LOG2E, stride_lse_h=self_lse.stride(0) if merge else 0,
         SINK=sink, RECENT=recent, BLOCK_M=block_m, BLOCK_Q=block_q, SPLIT=False,
         DECODE=False, NEW_KEYS=not merge, MERGE_SELF=merge, BLOCK_N_NEW=32,
         num_warps=num_warps, num_stages=num_stages, **consts,

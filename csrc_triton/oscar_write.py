@@ -197,10 +197,12 @@ def oscar_write(
     if window_k.dtype != torch.bfloat16 or window_v.dtype != torch.bfloat16:
         raise ValueError(f"the windows are bf16, got {window_k.dtype}/{window_v.dtype}")
     _oscar_write_kernel[(triton.cdiv(t, BLOCK_T), hkv)](
-        key, value, rot_k.contiguous(), slot_mapping, cu_q, seq_lens, ring_slots,
-        cache, param_view(cache, param_dtype), window_k, window_v, window_pos,
-        t, num_reqs, clip_idx_k, clip_idx_v,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1), cache.stride(0),
+        key_ptr=key, value_ptr=value, rot_k_ptr=rot_k.contiguous(), slot_mapping_ptr=slot_mapping, cu_q_ptr=cu_q,
+        seq_lens_ptr=seq_lens, ring_slot_ptr=ring_slots, codes_ptr=cache, params_ptr=param_view(cache, param_dtype),
+        window_k_ptr=window_k, window_v_ptr=window_v, window_pos_ptr=window_pos,
+        num_tokens=t, num_reqs=num_reqs, clip_idx_k=clip_idx_k, clip_idx_v=clip_idx_v,
+        stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
+        stride_cb=cache.stride(0),
         ROT_HEAD_STRIDE=d * d if rot_k.dim() == 3 else 0,
         HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, SINK=sink, RECENT=recent,
         PARAM_BF16=param_dtype == torch.bfloat16, BLOCK_T=BLOCK_T, SEARCH_STEPS=SEARCH_STEPS,
