@@ -1,4 +1,8 @@
 """csrc_triton/oscar_write.py against its PyTorch reference."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -48,7 +52,8 @@ def test_write_matches_reference(case, dtype, param_dtype):
     if param_dtype == torch.bfloat16 and case is not CASES[0] and not ON_GPU:
         pytest.skip("bf16 scales: one case is enough under the (slow) interpreter")
     pc, ref = run_both(*case, dtype, param_dtype)
-    got, want = layout_views(pc.cache.cpu(), param_dtype), layout_views(ref.cache.cpu(), param_dtype)
+    d = case[0]
+    got, want = layout_views(pc.cache.cpu(), d, param_dtype), layout_views(ref.cache.cpu(), d, param_dtype)
     for codes_got, codes_want in zip(got[:2], want[:2]):
         # k @ R sums in another order than the reference: a code may flip at a rounding tie.
         assert (unpack_int2(codes_got) != unpack_int2(codes_want)).float().mean() <= 1e-3
@@ -82,3 +87,12 @@ def test_padding_tokens_are_skipped():
                 clip_index(0.96, 64), clip_index(0.92, 64), 2, 4)
     assert torch.equal(before, pc.cache)
     assert bool((pc.window_pos == -1).all())
+
+
+def test_twins_depend_on_torch_only():
+    """The PyTorch twins read the paged layout on their own: no Triton, no kernels module."""
+    code = ("import sys, oscar_vllm.reference.oscar_attention, oscar_vllm.reference.oscar_write; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'triton', 'csrc_triton', 'vllm', 'transformers'}))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.strip() == "[]", out

@@ -126,7 +126,7 @@ def make_int2_batch(ctx: list[int], q_lens: list[int], hkv: int, d: int, sink: i
     per_req = [math.ceil(s / BLOCK_SIZE) for s in seq]
     num_blocks = sum(per_req)
     cache = torch.randint(0, 256, int2_cache_shape(num_blocks, hkv, d), dtype=torch.uint8, device="cuda", generator=g)
-    _, _, params = layout_views(cache, param_dtype)
+    _, _, params = layout_views(cache, d, param_dtype)
     params[:, :, 0::2].uniform_(0.02, 0.2, generator=g)  # scales
     params[:, :, 1::2].uniform_(-0.4, -0.1, generator=g)  # mins
     perm = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32)

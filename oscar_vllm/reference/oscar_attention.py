@@ -3,17 +3,18 @@ from __future__ import annotations
 
 import torch
 
-from csrc_triton.paged_layout import BLOCK_SIZE
 from oscar_vllm.quant import dequantize_int2, Int2Rows
-from oscar_vllm.reference.paged import layout_views
+from oscar_vllm.reference.paged import block_size_of, layout_views
 from oscar_vllm.reference.oscar_write import window_index
 
 
-def read_int2_slots(cache: torch.Tensor, slots: torch.Tensor, param_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def read_int2_slots(cache: torch.Tensor, slots: torch.Tensor, head_dim: int,
+                    param_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized K and V (fp32 ``[N, Hkv, d]``) of cache slots ``slots`` ``[N]``."""
-    k_codes, v_codes, params = layout_views(cache, param_dtype)
+    k_codes, v_codes, params = layout_views(cache, head_dim, param_dtype)
+    bs = k_codes.shape[2]
     slots = slots.long().to(cache.device)
-    blk, tok = slots // BLOCK_SIZE, slots % BLOCK_SIZE
+    blk, tok = slots // bs, slots % bs
     p = params[blk, :, :, tok]  # [N, Hkv, 4]
     k = dequantize_int2(Int2Rows(k_codes[blk, :, tok], p[..., 0:1], p[..., 1:2]))
     v = dequantize_int2(Int2Rows(v_codes[blk, :, :, tok], p[..., 2:3], p[..., 3:4]))
@@ -43,6 +44,7 @@ def oscar_attention_reference(
     t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
+    bs = block_size_of(cache, d)
     out = torch.zeros(t, hq, d, dtype=torch.float32)
     for r in range(num_reqs):
         q0, q1 = int(cu_q[r]), int(cu_q[r + 1])
@@ -51,8 +53,8 @@ def oscar_attention_reference(
         ctx = int(seq_lens[r]) - (q1 - q0)
         kp = torch.arange(ctx)
         qpos = ctx + torch.arange(q1 - q0)
-        slots = block_table[r].long().cpu()[kp // BLOCK_SIZE] * BLOCK_SIZE + kp % BLOCK_SIZE
-        k_lo, v_lo = read_int2_slots(cache, slots, param_dtype)
+        slots = block_table[r].long().cpu()[kp // bs] * bs + kp % bs
+        k_lo, v_lo = read_int2_slots(cache, slots, d, param_dtype)
         ring = int(ring_slots[r])
         idx = window_index(kp, sink, recent)
         held = window_pos[ring].long().cpu()[idx] == kp

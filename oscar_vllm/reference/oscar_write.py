@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 
-from csrc_triton.paged_layout import BLOCK_SIZE
 from oscar_vllm.quant import quantize_int2
 from oscar_vllm.reference.paged import layout_views
 
@@ -51,9 +50,10 @@ def oscar_write_reference(
         k_rot = torch.einsum("thi,hij->thj", key.float(), rot_k.float())
     qk = quantize_int2(k_rot, clip_ratio_k, None, param_dtype)
     qv = quantize_int2(value.float(), clip_ratio_v, None, param_dtype)
-    k_codes, v_codes, params = layout_views(cache, param_dtype)
+    k_codes, v_codes, params = layout_views(cache, d, param_dtype)
+    bs = k_codes.shape[2]
     slots = slot_mapping[:t].long().cpu()[live].to(cache.device)
-    blk, tok = slots // BLOCK_SIZE, slots % BLOCK_SIZE
+    blk, tok = slots // bs, slots % bs
     dev = lambda x: x[live].to(cache.device)  # noqa: E731
     k_codes[blk, :, tok] = dev(qk.packed)
     v_codes[blk, :, :, tok] = dev(qv.packed)

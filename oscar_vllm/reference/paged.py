@@ -1,26 +1,36 @@
-"""The paged INT2 layout of ``csrc_triton/paged_layout.py`` as PyTorch views, for the twins."""
+"""The paged INT2 layout of ``csrc_triton/paged_layout.py`` as PyTorch views, for the twins.
+
+Torch only: the block size follows from the cache's region size and the head dimension, so the
+twins read the layout on their own rather than through the kernels' module.
+"""
 from __future__ import annotations
 
 import torch
 
-from csrc_triton.paged_layout import BLOCK_SIZE, PARAM_BYTES
+PARAM_BYTES = 8  # K scale, K min, V scale, V min, 16 bits each
 
 
-def head_dim_of(cache: torch.Tensor) -> int:
-    return 2 * (cache.shape[-1] // BLOCK_SIZE - PARAM_BYTES)
+def block_size_of(cache: torch.Tensor, head_dim: int) -> int:
+    """Tokens per block of a uint8 ``[num_blocks, Hkv, region]`` cache at ``head_dim``."""
+    slot = head_dim // 2 + PARAM_BYTES
+    if cache.shape[-1] % slot:
+        raise ValueError(f"a region of {cache.shape[-1]} bytes is not whole slots of {slot} (head_dim {head_dim})")
+    return cache.shape[-1] // slot
 
 
-def layout_views(cache: torch.Tensor, param_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Writable views of a uint8 ``[num_blocks, Hkv, region]`` cache.
+def layout_views(cache: torch.Tensor, head_dim: int, param_dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Writable views of a uint8 ``[num_blocks, Hkv, region]`` cache (B tokens per block).
 
-    ``k_codes`` ``[num_blocks, Hkv, BLOCK_SIZE, d/4]`` (token-major), ``v_codes``
-    ``[num_blocks, Hkv, d/4, BLOCK_SIZE]`` (dim-major) and ``params``
-    ``[num_blocks, Hkv, 4, BLOCK_SIZE]`` (K scale, K min, V scale, V min) in ``param_dtype``.
+    ``k_codes`` ``[num_blocks, Hkv, B, d/4]`` (token-major), ``v_codes``
+    ``[num_blocks, Hkv, d/4, B]`` (dim-major) and ``params``
+    ``[num_blocks, Hkv, 4, B]`` (K scale, K min, V scale, V min) in ``param_dtype``.
     """
     nb, hkv, _ = cache.shape
-    q = head_dim_of(cache) // 4
-    codes = BLOCK_SIZE * q
-    k_codes = cache[:, :, :codes].view(nb, hkv, BLOCK_SIZE, q)
-    v_codes = cache[:, :, codes: 2 * codes].view(nb, hkv, q, BLOCK_SIZE)
-    params = cache[:, :, 2 * codes:].view(param_dtype).view(nb, hkv, 4, BLOCK_SIZE)
+    bs = block_size_of(cache, head_dim)
+    q = head_dim // 4
+    codes = bs * q
+    k_codes = cache[:, :, :codes].view(nb, hkv, bs, q)
+    v_codes = cache[:, :, codes: 2 * codes].view(nb, hkv, q, bs)
+    params = cache[:, :, 2 * codes:].view(param_dtype).view(nb, hkv, 4, bs)
     return k_codes, v_codes, params
