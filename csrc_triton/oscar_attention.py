@@ -14,6 +14,9 @@ request's cached prefix ``[0, ctx)``, one kernel block (64 tokens) per step:
   loop with no ring logic at all.
 * The step's own keys come straight from ``k``/``v`` (causal), or, for prefill, from a
   FlashAttention pass run before this kernel, whose output and log-sum-exp are merged in.
+* Where the backend can run FlashAttention, prefill chunks over a cached prefix skip this
+  kernel: ``oscar_dense_prefill_attention`` dequantizes the prefix (``oscar_dense_kv``) and
+  runs one causal FlashAttention pass over prefix and chunk, at FlashAttention's speed.
 
 Queries are in the key-rotated basis (``q_rot``) against the cache; ``q·k == (qR)·(kR)``
 lets the step's own keys use the unrotated ``q``. Values stay in the folded value basis.
@@ -23,10 +26,14 @@ size and replays in CUDA graphs. ``_merge_splits_kernel`` merges them by log-sum
 
 Reference: :func:`oscar_vllm.reference.oscar_attention.oscar_attention_reference`.
 """
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
 
+from csrc_triton.oscar_dense_kv import oscar_dense_kv
 from csrc_triton.paged_layout import BLOCK_SIZE, check_int2_cache, find_request, param_view, window_index
 
 LOG2E = 1.4426950408889634
@@ -143,7 +150,7 @@ def _ring_lookup(window_pos_ptr, ring, kp, k_ok, SINK: tl.constexpr, RECENT: tl.
 @triton.jit
 def _attend_int2_block(
     m_i, l_i, acc0, acc1, acc2, acc3, acc_min,
-    qs0, qs1, qs2, qs3, q_sum, qpos, row_ok,
+    qs0, qs1, qs2, qs3, q_sum, row_ok,
     blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring,
     window_k_ptr, window_v_ptr, window_pos_ptr, qk_scale,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, SINK: tl.constexpr,
@@ -155,7 +162,8 @@ def _attend_int2_block(
     ``qs_i`` are query quarters times ``4^-i``, so that ``sum_i qs_i @ codes_i = 2^-24 (q·c)``;
     ``acc_i`` hold values times ``4^i·2^-24`` (``UNIT_i``), as the INT2 products leave them.
     With ``WINDOW`` the BF16 ring replaces a key wherever it holds it and the key is in the
-    query's sink or recent window (and a partial last block is masked); without, the block is
+    sink or the ``RECENT`` keys before ``ctx`` (the window as the step found it, the same for
+    every query of a prefill chunk; a partial last block is masked); without, the block is
     full and INT2 only, and the loop carries no masks at all.
     """
     Q: tl.constexpr = D // 4
@@ -185,7 +193,7 @@ def _attend_int2_block(
         v_scale = tl.where(k_ok, v_scale, 0.0)
         v_min = tl.where(k_ok, v_min, 0.0)
         widx, held = _ring_lookup(window_pos_ptr, ring, kp, k_ok, SINK, RECENT)
-        in_window = held[None, :] & ((kp[None, :] < SINK) | (qpos[:, None] - kp[None, :] < RECENT))
+        in_window = (held & ((kp < SINK) | (ctx - kp < RECENT)))[None, :]
         w_off = (widx * HKV + h) * D
         rk0, rk1, rk2, rk3 = _load_quarters_t(window_k_ptr, w_off, held, Q, DOT_DT)
         s_ring = _dot4((qs0 * 1.0).to(DOT_DT), (qs1 * 4.0).to(DOT_DT), (qs2 * 16.0).to(DOT_DT),
@@ -329,7 +337,6 @@ def _oscar_attention_kernel(
     row_ok = (rows // G < BLOCK_Q) & (qi < q_len)
     tok = (q_start + qi).to(tl.int64)
     hq = h * G + rows % G
-    qpos = ctx + qi
     # Query quarters times 4^-i, in the unit the INT2 codes come in (see _codes).
     qr0, qr1, qr2, qr3 = _load_quarters(q_rot_ptr, tok * stride_rt + hq * stride_rh, row_ok, Q, tl.float32)
     qs0 = qr0.to(DOT_DT)
@@ -361,24 +368,23 @@ def _oscar_attention_kernel(
         b_hi = n_blocks
     ring = tl.load(ring_slot_ptr + r).to(tl.int64)
     bt_ptr = block_table_ptr + r * stride_bt
-    # Blocks [0, sink_end) touch the sink, blocks from recent_start touch some row's recent
-    # window or end past ctx; the full blocks between are INT2 for every row of this q-block.
+    # Blocks [0, sink_end) touch the sink, blocks from recent_start touch the recent window or
+    # end past ctx; the full blocks between are INT2 for every row.
     sink_end: tl.constexpr = (SINK + BLOCK_SIZE - 1) // BLOCK_SIZE
-    recent_start = tl.maximum(sink_end, tl.minimum(ctx // BLOCK_SIZE,
-                                                   tl.maximum(ctx + q_first - RECENT + 1, 0) // BLOCK_SIZE))
+    recent_start = tl.maximum(sink_end, tl.minimum(ctx // BLOCK_SIZE, tl.maximum(ctx - RECENT + 1, 0) // BLOCK_SIZE))
     for blk in range(b_lo, tl.minimum(b_hi, sink_end)):
         m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
-            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, qpos, row_ok,
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, row_ok,
             blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pos_ptr,
             qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, True, DOT_DT, USE_ASM, PRECISION)
     for blk in range(tl.maximum(b_lo, sink_end), tl.minimum(b_hi, recent_start)):
         m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
-            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, qpos, row_ok,
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, row_ok,
             blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pos_ptr,
             qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, False, DOT_DT, USE_ASM, PRECISION)
     for blk in range(tl.maximum(b_lo, recent_start), b_hi):
         m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
-            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, qpos, row_ok,
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, row_ok,
             blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pos_ptr,
             qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, True, DOT_DT, USE_ASM, PRECISION)
 
@@ -616,6 +622,49 @@ def oscar_prefill_attention(
     return out
 
 
+@dataclass
+class DensePrefill:
+    """The dense path for prefill chunks over a cached prefix (``oscar_dense_kv``), from the
+    backend: buffers of at least ``sum(seq_lens)`` rows of the prefill requests, and the
+    attention that runs over them."""
+
+    k_rot: torch.Tensor  # [T - num_decodes, Hkv, d] the prefill tokens' keys, rotated
+    k_buf: torch.Tensor  # [rows, Hkv, d] model dtype, contiguous
+    v_buf: torch.Tensor  # [rows, Hkv, d]
+    max_seq_len: int  # at least the longest prefill sequence
+    # (q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out): causal varlen attention into out
+    attention: Callable[..., None]
+
+
+def oscar_dense_prefill_attention(
+    out: torch.Tensor,
+    q_rot: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    window_k: torch.Tensor,
+    window_v: torch.Tensor,
+    window_pos: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_q: torch.Tensor,
+    ring_slots: torch.Tensor,
+    num_reqs: int,
+    max_query_len: int,
+    sink: int,
+    recent: int,
+    dense: DensePrefill,
+    param_dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:
+    """Prefill chunks as the OSCAR reference runs them: the cached prefix dequantized into
+    ``dense``'s buffers beside the chunk's own keys, then one causal attention over both."""
+    cu_k = torch.zeros(num_reqs + 1, dtype=torch.int32, device=seq_lens.device)
+    torch.cumsum(seq_lens[:num_reqs], 0, dtype=torch.int32, out=cu_k[1:])
+    oscar_dense_kv(dense.k_buf, dense.v_buf, dense.k_rot, v, cache, window_k, window_v, window_pos, block_table,
+                   seq_lens, cu_q, cu_k, ring_slots, num_reqs, dense.max_seq_len, sink, recent, param_dtype)
+    dense.attention(q_rot, dense.k_buf, dense.v_buf, cu_q, cu_k, max_query_len, dense.max_seq_len, out)
+    return out
+
+
 def oscar_attention(
     out: torch.Tensor,
     q: torch.Tensor,
@@ -642,6 +691,7 @@ def oscar_attention(
     part_lse: torch.Tensor | None = None,
     own_keys_attention=None,
     prefill_has_prefix: bool = True,
+    dense: DensePrefill | None = None,
 ) -> torch.Tensor:
     """A batch as vLLM orders it: ``num_decodes`` requests of one query token, then prefills.
 
@@ -650,7 +700,8 @@ def oscar_attention(
     the backend) computes the prefill chunks' attention to their own keys into ``out`` and
     returns its natural-log LSE ``[Hq, T]``; without it the prefill kernel does that part.
     ``prefill_has_prefix=False`` (no prefill request has cached tokens) skips the prefix kernel
-    when ``own_keys_attention`` already did all there is.
+    when ``own_keys_attention`` already did all there is. With ``dense``, prefill chunks over a
+    cached prefix take the dense path (``oscar_dense_prefill_attention``) instead.
     """
     d = num_decodes  # decode requests come first and hold one token each
     if d:
@@ -663,6 +714,12 @@ def oscar_attention(
         pre = slice(d, None)
         cu = cu_q[d: num_reqs + 1] - d
         out_p, q_p, k_p, v_p = out[pre], q[pre], k[pre], v[pre]
+        if dense is not None and prefill_has_prefix:
+            oscar_dense_prefill_attention(
+                out_p, q_rot[pre], v_p, cache, window_k, window_v, window_pos, block_table[d:num_reqs],
+                seq_lens[d:num_reqs], cu, ring_slots[d:num_reqs], num_reqs - d, max_query_len, sink, recent,
+                dense, param_dtype)
+            return out
         lse = None
         if own_keys_attention is not None:
             lse = own_keys_attention(q_p, k_p, v_p, cu, max_query_len, out_p)

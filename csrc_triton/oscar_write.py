@@ -27,6 +27,10 @@ from csrc_triton.paged_layout import (
 
 BLOCK_T = 16  # tokens per program (the smallest tile tl.dot takes)
 SEARCH_STEPS = 16  # bisection steps of the token -> request lookup: up to 65535 requests
+# A program is one long dependent chain (rotate, two 31-step clip searches, quantize): at decode
+# there are few programs and the chain's length is the kernel's time, so spread each tile over
+# many warps (fewer instructions per thread). From `benchmarks/kernels/oscar_write.py`.
+NUM_WARPS = 16
 
 
 @triton.jit
@@ -97,6 +101,7 @@ def _oscar_write_kernel(
     window_pos_ptr,  # int32 [S, SINK + RECENT]
     num_tokens,
     num_reqs,
+    num_decodes,  # the first num_decodes tokens are one request each (vLLM orders decodes first)
     clip_idx_k,  # sorted-|x| index of the K clip threshold, -1 = no clip
     clip_idx_v,
     stride_kt,
@@ -148,7 +153,10 @@ def _oscar_write_kernel(
     tl.store(p + 2 * BLOCK_SIZE, _to_param(scale_v, PARAM_BF16), mask=live)
     tl.store(p + 3 * BLOCK_SIZE, _to_param(min_v, PARAM_BF16), mask=live)
 
-    r = find_requests(cu_q_ptr, num_reqs, t, SEARCH_STEPS)
+    if (tl.program_id(0) + 1) * BLOCK_T <= num_decodes:
+        r = t  # a decode tile: token i is request i, no search
+    else:
+        r = find_requests(cu_q_ptr, num_reqs, t, SEARCH_STEPS)
     r_ok = live & (r >= 0)
     q_start = tl.load(cu_q_ptr + r, mask=r_ok, other=0)
     q_len = tl.load(cu_q_ptr + r + 1, mask=r_ok, other=0) - q_start
@@ -181,12 +189,15 @@ def oscar_write(
     sink: int,
     recent: int,
     param_dtype: torch.dtype = torch.float16,
+    num_decodes: int = 0,
+    num_warps: int = NUM_WARPS,
 ) -> None:
     """Write ``key``/``value`` ``[T, Hkv, d]`` into the INT2 ``cache`` and the BF16 windows.
 
     ``cache``: uint8 ``[num_blocks, Hkv, int2_region_bytes(d)]`` (``paged_layout``); the other
     arguments as documented on the kernel; ``clip_idx_*`` as ``oscar_vllm.quant.clip_index``
-    gives them. Tokens whose slot is negative are skipped.
+    gives them. Tokens whose slot is negative are skipped. ``num_decodes``: the batch's first
+    requests have one token each (a hint that skips the token -> request search; 0 is always right).
     """
     t, hkv, d = key.shape
     if t == 0:
@@ -200,10 +211,11 @@ def oscar_write(
         key_ptr=key, value_ptr=value, rot_k_ptr=rot_k.contiguous(), slot_mapping_ptr=slot_mapping, cu_q_ptr=cu_q,
         seq_lens_ptr=seq_lens, ring_slot_ptr=ring_slots, codes_ptr=cache, params_ptr=param_view(cache, param_dtype),
         window_k_ptr=window_k, window_v_ptr=window_v, window_pos_ptr=window_pos,
-        num_tokens=t, num_reqs=num_reqs, clip_idx_k=clip_idx_k, clip_idx_v=clip_idx_v,
+        num_tokens=t, num_reqs=num_reqs, num_decodes=num_decodes, clip_idx_k=clip_idx_k, clip_idx_v=clip_idx_v,
         stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
         stride_cb=cache.stride(0),
         ROT_HEAD_STRIDE=d * d if rot_k.dim() == 3 else 0,
         HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, SINK=sink, RECENT=recent,
         PARAM_BF16=param_dtype == torch.bfloat16, BLOCK_T=BLOCK_T, SEARCH_STEPS=SEARCH_STEPS,
+        num_warps=num_warps,
     )

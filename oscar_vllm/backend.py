@@ -7,6 +7,7 @@ request rows, the weight fold) is in ``vllm_hooks``.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -24,7 +25,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from csrc_triton.oscar_attention import decode_split_rows, decode_splits, oscar_attention
+from csrc_triton.oscar_attention import DensePrefill, decode_split_rows, decode_splits, oscar_attention
 from csrc_triton.oscar_write import oscar_write
 from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape
 from oscar_vllm import window_store
@@ -47,6 +48,8 @@ class OscarAttentionMetadata:
     num_decodes: int  # the batch's first requests, one query token each (vLLM orders them so)
     decode_splits: int  # most programs a decode request's prefix is split over
     prefill_has_prefix: bool  # some prefill request has cached tokens (or may: an upper bound)
+    prefill_kv_rows: int  # sum of the prefill requests' lengths (upper bound; -1: unknown)
+    prefill_max_seq: int  # longest prefill request (upper bound)
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs], including this step
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
@@ -92,11 +95,12 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         # From CPU copies (no sync): seq_lens_cpu_upper_bound can only overstate a prefix.
         seq_cpu = m.seq_lens_cpu_upper_bound
         q_cpu = m.query_start_loc_cpu
+        prefill_seq = None if seq_cpu is None else seq_cpu[num_decodes:m.num_reqs]
         prefill_has_prefix = (
-            seq_cpu is None
-            or bool((seq_cpu[num_decodes:m.num_reqs]
-                     > q_cpu[num_decodes + 1:m.num_reqs + 1] - q_cpu[num_decodes:m.num_reqs]).any())
+            prefill_seq is None
+            or bool((prefill_seq > q_cpu[num_decodes + 1:m.num_reqs + 1] - q_cpu[num_decodes:m.num_reqs]).any())
         )
+        known = prefill_seq is not None and len(prefill_seq) > 0
         return OscarAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
@@ -104,6 +108,8 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
             num_decodes=num_decodes,
             decode_splits=decode_splits(num_decodes, self.num_kv_heads, self.num_sms),
             prefill_has_prefix=prefill_has_prefix,
+            prefill_kv_rows=int(prefill_seq.sum()) if known else -1,
+            prefill_max_seq=int(prefill_seq.max()) if known else 0,
             query_start_loc=m.query_start_loc,
             seq_lens=m.seq_lens,
             block_table=m.block_table_tensor,
@@ -153,9 +159,10 @@ class OscarAttentionBackend(AttentionBackend):
         return int2_cache_shape(num_blocks, num_kv_heads, head_size)
 
 
-def _flash_attention_own_keys(scale: float, dtype: torch.dtype):
-    """``(q, k, v, cu_q, max_query_len, out) -> lse`` through vLLM's FlashAttention, or None
-    where it cannot run (fp32 models, no CUDA build): the OSCAR kernel then does that part."""
+def _flash_attention(scale: float, dtype: torch.dtype):
+    """Varlen causal attention through vLLM's FlashAttention, or None where it cannot run (fp32
+    models, no CUDA build): ``(q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out,
+    return_lse=False) -> natural-log LSE [Hq, T] or None``, queries the last positions of keys."""
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version, is_flash_attn_varlen_func_available
 
     if dtype not in (torch.float16, torch.bfloat16) or not is_flash_attn_varlen_func_available():
@@ -165,14 +172,19 @@ def _flash_attention_own_keys(scale: float, dtype: torch.dtype):
     fa_version = get_flash_attn_version()
     version = {} if fa_version is None else {"fa_version": fa_version}
 
-    def own_keys(q, k, v, cu_q, max_query_len, out):
-        _, lse = flash_attn_varlen_func(
-            q=q, k=k, v=v, max_seqlen_q=max_query_len, cu_seqlens_q=cu_q, max_seqlen_k=max_query_len,
-            cu_seqlens_k=cu_q, softmax_scale=scale, causal=True, return_softmax_lse=True, out=out, **version,
+    def attend(q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out, return_lse=False):
+        res = flash_attn_varlen_func(
+            q=q, k=k, v=v, max_seqlen_q=max_query_len, cu_seqlens_q=cu_q, max_seqlen_k=max_seq_len,
+            cu_seqlens_k=cu_k, softmax_scale=scale, causal=True, return_softmax_lse=return_lse, out=out, **version,
         )
-        return lse
+        return res[1] if return_lse else None
 
-    return own_keys
+    return attend
+
+
+def _own_keys(attend, q, k, v, cu_q, max_query_len, out):
+    """A prefill chunk's attention to its own keys only, with its LSE (for the INT2 kernel's merge)."""
+    return attend(q, k, v, cu_q, cu_q, max_query_len, max_query_len, out, return_lse=True)
 
 
 class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
@@ -215,9 +227,14 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         self.window_v = torch.zeros(shape, dtype=torch.bfloat16)
         self.window_pos = torch.full(shape[:2], -1, dtype=torch.int32)
         window_store.register_window_positions(self.window_pos)
-        # A prefill chunk's attention to its own (BF16) keys is plain causal attention:
-        # FlashAttention does it, the OSCAR kernel adds the cached prefix and merges.
-        self.own_keys_attention = _flash_attention_own_keys(self.scale, vllm_config.model_config.dtype)
+        # Prefill runs through FlashAttention where it can: over a cached prefix dequantized
+        # into dense_kv (shared by all layers, given by vllm_hooks.prepare_model), or, where the
+        # batch does not fit it, over the chunk's own keys with the INT2 kernel adding the prefix.
+        self.flash_attention = _flash_attention(self.scale, vllm_config.model_config.dtype)
+        self.own_keys_attention = None
+        if self.flash_attention is not None:
+            self.own_keys_attention = functools.partial(_own_keys, self.flash_attention)
+        self.dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def set_layer(self, layer_id: int, rot_k: torch.Tensor, clip_ratio_k: float, clip_ratio_v: float) -> None:
         """The layer's key rotation ``[d, d]`` or ``[Hkv, d, d]`` and clip ratios."""
@@ -226,15 +243,23 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         self.clip_idx_k = clip_index(clip_ratio_k, self.head_size)
         self.clip_idx_v = clip_index(clip_ratio_v, self.head_size)
 
-    def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
-        """``q @ R_K`` in fp32 (per KV head when the rotation is per head)."""
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ R_K`` in fp32 for queries ``[T, Hq, d]`` or keys ``[T, Hkv, d]`` (per KV head
+        when the rotation is per head)."""
         rot = self.rot_k
         if rot.dim() == 2:
-            return (q.float() @ rot).to(q.dtype)
-        n = q.shape[0]
-        g = self.num_heads // self.num_kv_heads
-        qg = q.float().view(n, self.num_kv_heads, g, self.head_size)
-        return torch.einsum("thgi,hij->thgj", qg, rot).reshape(q.shape).to(q.dtype)
+            return (x.float() @ rot).to(x.dtype)
+        n, heads, d = x.shape
+        xg = x.float().view(n, self.num_kv_heads, heads // self.num_kv_heads, d)
+        return torch.einsum("thgi,hij->thgj", xg, rot).reshape(x.shape).to(x.dtype)
+
+    def dense_prefill(self, md: OscarAttentionMetadata, k: torch.Tensor) -> DensePrefill | None:
+        """The dense path for this batch's prefills, when they have a cached prefix and fit."""
+        if (self.dense_kv is None or not md.prefill_has_prefix or md.num_decodes == md.num_reqs
+                or not 0 <= md.prefill_kv_rows <= self.dense_kv[0].shape[0]):
+            return None
+        return DensePrefill(self.rotate(k[md.num_decodes:]), *self.dense_kv, md.prefill_max_seq,
+                            self.flash_attention)
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: OscarAttentionMetadata, output: torch.Tensor,
@@ -253,15 +278,15 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         oscar_attention(
-            out, q, self.rotate_queries(q), k, v, kv_cache, self.window_k, self.window_v, self.window_pos,
+            out, q, self.rotate(q), k, v, kv_cache, self.window_k, self.window_v, self.window_pos,
             md.block_table, md.seq_lens, md.query_start_loc, md.ring_slots, md.num_decodes, md.num_reqs,
             md.max_query_len, self.scale, self.sink, self.recent, self.param_dtype, md.decode_splits,
-            md.part_out, md.part_lse, self.own_keys_attention, md.prefill_has_prefix,
+            md.part_out, md.part_lse, self.own_keys_attention, md.prefill_has_prefix, self.dense_prefill(md, k),
         )
         # After attention: the ring still held the previous window while this step read it.
         oscar_write(
             k, v, self.rot_k, md.slot_mapping[:n], md.query_start_loc, md.seq_lens, md.ring_slots, md.num_reqs,
             kv_cache, self.window_k, self.window_v, self.window_pos, self.clip_idx_k, self.clip_idx_v,
-            self.sink, self.recent, self.param_dtype,
+            self.sink, self.recent, self.param_dtype, md.num_decodes,
         )
         return output

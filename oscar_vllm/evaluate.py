@@ -156,8 +156,10 @@ def evaluate(
     rotations: dict[str, OscarRotations],
     sink: int = 64,
     recent: int = 256,
+    prefill_chunk: int = 0,
 ) -> dict[str, dict]:
-    """Score every method on consecutive ``context``-token windows of ``eval_ids``."""
+    """Score every method on consecutive ``context``-token windows of ``eval_ids``; with
+    ``prefill_chunk``, each window's cache as a server that prefills it in such chunks holds it."""
     if methods[0].name != REFERENCE:
         methods = [METHODS_BY_NAME[REFERENCE]] + [m for m in methods if m.name != REFERENCE]
     layer_ids = list(range(loaded.shape.num_layers))
@@ -174,7 +176,7 @@ def evaluate(
         ref_logp = None
         for m in methods:
             s, r = (sink, recent) if m.windows else (0, 0)
-            with attention_hooks(loaded.model, lambda i: MixedCacheHook(specs[m.name][i], s, r)):
+            with attention_hooks(loaded.model, lambda i: MixedCacheHook(specs[m.name][i], s, r, prefill_chunk)):
                 logits = loaded.model(ids, use_cache=False).logits[0, :-1].float()
             logp = torch.log_softmax(logits, dim=-1)
             if ref_logp is None:
@@ -334,6 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="clip-fit tokens, after the calibration ones (default: %(default)s)")
     parser.add_argument("--sink", type=int, default=64, help="first tokens kept in BF16 (default: %(default)s)")
     parser.add_argument("--recent", type=int, default=256, help="last tokens kept in BF16 (default: %(default)s)")
+    parser.add_argument("--prefill-chunk", type=int, default=0,
+                        help="score each window as a server prefilling it in chunks of this many tokens holds it "
+                             "(own chunk BF16, the prefix's window as the chunk found it); 0: every token "
+                             "as decode sees it (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="model compute dtype (default: %(default)s)")
@@ -390,7 +396,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.calib_tokens} tokens for the rotations, {args.heldout_tokens} more for the clip fit, "
             f"from {corpus.CALIBRATION_NAME}"
         )
-    results = evaluate(loaded, eval_ids, args.context, methods, rotations, args.sink, args.recent)
+    results = evaluate(loaded, eval_ids, args.context, methods, rotations, args.sink, args.recent,
+                       args.prefill_chunk)
     meta = {
         **environment(),
         "model": loaded.name,
@@ -399,6 +406,7 @@ def main(argv: list[str] | None = None) -> None:
         "context": args.context,
         "sink": args.sink,
         "recent": args.recent,
+        "prefill_chunk": args.prefill_chunk,
         "calibration": calibration,
         "seconds": round(time.time() - t0),
     }

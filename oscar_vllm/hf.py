@@ -147,13 +147,18 @@ class CaptureHook:
 
 
 class MixedCacheHook:
-    """Attention over the simulated mixed-precision cache of one layer."""
+    """Attention over the simulated mixed-precision cache of one layer; with ``prefill_chunk``,
+    as a server prefills the sequence in chunks of that many tokens (see ``mixed_cache``)."""
 
-    def __init__(self, spec: LayerCacheSpec, sink: int, recent: int):
-        self.spec, self.sink, self.recent = spec, sink, recent
+    def __init__(self, spec: LayerCacheSpec, sink: int, recent: int, prefill_chunk: int = 0):
+        self.spec, self.sink, self.recent, self.prefill_chunk = spec, sink, recent, prefill_chunk
 
     def __call__(self, q, k, v, scaling):
-        return mixed_cache_attention(q, k, v, self.spec, self.sink, self.recent, scaling)
+        starts = None
+        if self.prefill_chunk:
+            pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])
+            starts = pos // self.prefill_chunk * self.prefill_chunk
+        return mixed_cache_attention(q, k, v, self.spec, self.sink, self.recent, scaling, chunk_starts=starts)
 
 
 def attention_modules(model: PreTrainedModel) -> dict[int, torch.nn.Module]:

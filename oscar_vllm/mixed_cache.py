@@ -3,7 +3,8 @@
 This is the cache exactly as decode reads it: a query at position ``t`` sees, for every
 key position ``s <= t``, the BF16 copy when ``s < sink`` or ``t - s < recent`` and the
 quantized copy otherwise, everything in the rotated space (``k' = k R_K``,
-``q' = q R_K``, ``v' = v R_V``; the output is rotated back with ``R_Vᵀ``). The Triton
+``q' = q R_K``, ``v' = v R_V``; the output is rotated back with ``R_Vᵀ``). A prefill chunk
+reads its own keys in BF16 and the prefix as cached when it starts (``chunk_starts``). The Triton
 kernels of the vLLM backend are tested against it, and the fidelity evaluation runs a
 whole model through it. Depends on torch only.
 
@@ -58,10 +59,19 @@ class LayerCacheSpec:
 
 
 def high_precision_mask(
-    query_pos: torch.Tensor, key_pos: torch.Tensor, sink: int, recent: int
+    query_pos: torch.Tensor, key_pos: torch.Tensor, sink: int, recent: int,
+    chunk_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[Tq, Tk]`` bool: True where the query reads the BF16 copy of the key."""
-    return (key_pos[None, :] < sink) | (query_pos[:, None] - key_pos[None, :] < recent)
+    """``[Tq, Tk]`` bool: True where the query reads the BF16 copy of the key.
+
+    ``chunk_start`` ``[Tq]``: where the prefill chunk of each query begins (default: the query
+    itself, i.e. decode). A chunk reads its own keys in BF16 and the cached prefix as it stands
+    when the chunk starts: the sink, and the ``recent`` keys before the chunk.
+    """
+    if chunk_start is None:
+        return (key_pos[None, :] < sink) | (query_pos[:, None] - key_pos[None, :] < recent)
+    return ((key_pos[None, :] < sink) | (key_pos[None, :] >= chunk_start[:, None])
+            | (chunk_start[:, None] - key_pos[None, :] < recent))
 
 
 def mixed_cache_attention(
@@ -74,8 +84,13 @@ def mixed_cache_attention(
     scale: float | None = None,
     window_dtype: torch.dtype = torch.bfloat16,
     block_q: int = 512,
+    chunk_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of ``q`` over the mixed cache built from ``k``, ``v``: fp32 ``[Tq, Hq, d]``."""
+    """Causal attention of ``q`` over the mixed cache built from ``k``, ``v``: fp32 ``[Tq, Hq, d]``.
+
+    ``chunk_starts`` ``[Tq]``: the position where each query's prefill chunk begins (see
+    ``high_precision_mask``); default: every query is a decode step.
+    """
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
     if hq % hkv or tq > tk:
@@ -98,7 +113,8 @@ def mixed_cache_attention(
         t1 = min(tq, t0 + block_q)
         query_pos = key_pos[tk - tq + t0 : tk - tq + t1]
         end = int(query_pos[-1]) + 1  # causal: later keys are never read
-        hi = high_precision_mask(query_pos, key_pos[:end], sink, recent)
+        starts = None if chunk_starts is None else chunk_starts[t0:t1].to(q.device)
+        hi = high_precision_mask(query_pos, key_pos[:end], sink, recent, starts)
         causal = key_pos[None, :end] <= query_pos[:, None]
         qb = qr[:, :, t0:t1]
         s = torch.where(

@@ -164,12 +164,31 @@ def prepare_model(model: torch.nn.Module) -> None:
             settings.clip_ratio_k or rotations.clip_ratio(KEY, layer_id),
             settings.clip_ratio_v or rotations.clip_ratio(VALUE, layer_id),
         )
+    dense_bytes = give_dense_prefill_buffers([b.attn.impl for _, b in blocks], vllm_config)
     window_bytes = sum(
         b.attn.impl.window_k.nbytes + b.attn.impl.window_v.nbytes + b.attn.impl.window_pos.nbytes for _, b in blocks
     )
     logger.info(
         "OSCAR: %d layers, rotations %s (%s), sink %d, recent %d, scales %s; BF16 windows for %d "
-        "requests take %.2f GiB (lower --max-num-seqs to give it to the KV cache)",
+        "requests take %.2f GiB (lower --max-num-seqs to give it to the KV cache); dense prefill buffers %.2f GiB",
         len(blocks), settings.rotation_path, rotations.source_format, settings.sink_size,
         settings.recent_size, settings.scale_dtype, blocks[0][1].attn.impl.window_pos.shape[0], window_bytes / 2**30,
+        dense_bytes / 2**30,
     )
+
+
+def give_dense_prefill_buffers(impls: list, vllm_config) -> int:
+    """One pair of dense K/V buffers for every layer (layers run one after another), sized for a
+    longest request plus a full chunk of others: ``max_model_len + max_num_batched_tokens``
+    rows. Allocated at load time, so vLLM's memory profiler counts them. Returns their bytes."""
+    shapes = {(impl.num_kv_heads, impl.head_size) for impl in impls}
+    if any(impl.flash_attention is None for impl in impls) or len(shapes) != 1:
+        return 0  # no FlashAttention (fp32 models), or layers of different shapes: the INT2 kernel
+    (hkv, d), = shapes
+    rows = vllm_config.model_config.max_model_len + vllm_config.scheduler_config.max_num_batched_tokens
+    device = impls[0].window_k.device
+    dtype = vllm_config.model_config.dtype
+    buffers = tuple(torch.empty(rows, hkv, d, dtype=dtype, device=device) for _ in range(2))
+    for impl in impls:
+        impl.dense_kv = buffers
+    return sum(b.nbytes for b in buffers)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from oscar_vllm.reference.oscar_attention import causal_attention_reference
+from oscar_vllm.reference.oscar_write import oscar_write_reference
+from paged_sim import PagedCache
+
 ON_GPU = torch.cuda.is_available()
+CLIP_K, CLIP_V = 0.96, 0.92
 DEVICE = "cuda" if ON_GPU else "cpu"
 # tl.dot on bf16 operands is wrong under the interpreter: the CPU runs fp32 inputs only.
 DTYPES = [torch.float32, torch.bfloat16] if ON_GPU else [torch.float32]
@@ -23,3 +28,54 @@ def random_rows(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.
     x = torch.randn(*shape, generator=g)
     x[..., :: max(1, shape[-1] // 8)] *= 6.0
     return x.to(dtype).to(DEVICE)
+
+
+CASES = [
+    # head_dim, kv heads, query heads per kv head, sink, recent, prefix lens, new tokens
+    (64, 1, 3, 4, 8, [37, 0, 140], [1, 9, 17]),
+    (64, 2, 1, 0, 5, [200, 33], [1, 1]),
+    (128, 1, 4, 6, 7, [65, 1], [20, 1]),
+    (64, 1, 2, 70, 90, [300, 129], [1, 1]),
+]
+if ON_GPU:
+    CASES += [
+        (128, 8, 4, 64, 256, [8191, 300, 0, 4097], [1, 256, 700, 1]),
+        (64, 3, 3, 64, 256, [32767, 1023], [1, 1]),
+        (128, 1, 8, 64, 256, [1000] * 64, [1] * 64),
+        (128, 4, 1, 64, 256, [513, 257, 255], [256, 1, 64]),
+        (128, 4, 7, 64, 256, [20000, 64, 65], [1, 1, 1]),
+        (256, 2, 4, 64, 256, [3000, 10], [1, 40]),
+    ]
+case_id = lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-s{c[3]}-r{c[4]}-n{len(c[5])}-{max(c[5])}"  # noqa: E731
+
+
+def prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=0):
+    n = len(prefix)
+    pc = PagedCache(n, max(prefix) + max(new) + 1, hkv, d, sink, recent, DEVICE, seed)
+    rot = random_rotation(d, seed=seed).to(DEVICE)
+    todo = {r: p for r, p in enumerate(prefix) if p}
+    if todo:
+        st = pc.schedule(todo)
+        t = int(st.cu_q[-1])
+        k, v = random_rows((t, hkv, d), dtype, 10), random_rows((t, hkv, d), dtype, 11)
+        oscar_write_reference(k, v, rot, st.slot_mapping, st.cu_q, st.seq_lens, st.ring_slots, len(st.reqs),
+                              pc.cache, pc.window_k, pc.window_v, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
+    step = pc.schedule(dict(enumerate(new)))
+    t = int(step.cu_q[-1])
+    q = random_rows((t, hkv * g, d), dtype, 12)
+    k, v = random_rows((t, hkv, d), dtype, 13), random_rows((t, hkv, d), dtype, 14)
+    q_rot = (q.float() @ rot).to(dtype)
+    return pc, step, q, q_rot, k, v
+
+
+def cache_args(pc, step):
+    return (pc.cache, pc.window_k, pc.window_v, pc.window_pos, step.block_table, step.seq_lens, step.cu_q,
+            step.ring_slots)
+
+
+def dense_twin(scale):
+    """What FlashAttention does for the backend's dense path, from the PyTorch twin."""
+    def run(q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out):
+        o, _ = causal_attention_reference(q, k, v, cu_q, cu_k, len(cu_q) - 1, scale)
+        out.copy_(o.to(out.dtype))
+    return run

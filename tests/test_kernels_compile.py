@@ -50,3 +50,9 @@ def test_prefill_uses_warpgroup_mma_at_head_dim_128():
 @pytest.mark.parametrize("head_dim", ["64", "128", "256"])
 def test_write_compiles_at_every_head_dim(head_dim, params):
     assert "REG:" in compile_check("write", "--d", head_dim, *params)
+
+
+@pytest.mark.parametrize("head_dim", ["64", "128", "256"])
+def test_dense_kv_compiles_without_spills(head_dim):
+    report = compile_check("dense_kv", "--d", head_dim)
+    assert "LOCAL:0" in report, report

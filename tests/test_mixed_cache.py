@@ -119,6 +119,21 @@ def test_window_mask():
     ]
 
 
+def test_window_mask_of_prefill_chunks():
+    """Chunk [3, 6) reads its own keys in BF16 and the prefix as it stood at position 3."""
+    pos = torch.arange(6)
+    m = high_precision_mask(pos, pos, sink=1, recent=2, chunk_start=torch.tensor([0, 1, 2, 3, 3, 3]))
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    assert (m & causal).int().tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 0, 1, 1, 0, 0],
+        [1, 0, 1, 1, 1, 0],
+        [1, 0, 1, 1, 1, 1],
+    ]
+
+
 def test_bad_shapes():
     spec = LayerCacheSpec(None, None, EXACT, EXACT)
     with pytest.raises(ValueError, match="bad shapes"):

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from csrc_triton.oscar_attention import (
     MAX_DECODE_SPLITS,
+    DensePrefill,
     _codes,
     decode_splits,
     oscar_attention,
@@ -18,51 +19,14 @@ from csrc_triton.oscar_attention import (
 from csrc_triton.oscar_write import oscar_write
 from oscar_vllm.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
 from oscar_vllm.quant import clip_index
-from oscar_vllm.reference.oscar_attention import oscar_attention_reference, own_keys_attention_reference
-from oscar_vllm.reference.oscar_write import oscar_write_reference
-from kernel_cases import DEVICE, ON_GPU, random_rotation, random_rows
+from oscar_vllm.reference.oscar_attention import causal_attention_reference, oscar_attention_reference
+from kernel_cases import (
+    CASES, CLIP_K, CLIP_V, DEVICE, ON_GPU, cache_args, case_id, dense_twin, prepare, random_rotation, random_rows,
+)
 from paged_sim import PagedCache
 
-CLIP_K, CLIP_V = 0.96, 0.92
 # The kernels feed fp16 (or fp32) into tl.dot, never bf16, so bf16 models run on the CPU too.
 DTYPES = [torch.float32, torch.bfloat16]
-
-CASES = [
-    # head_dim, kv heads, query heads per kv head, sink, recent, prefix lens, new tokens
-    (64, 1, 3, 4, 8, [37, 0, 140], [1, 9, 17]),
-    (64, 2, 1, 0, 5, [200, 33], [1, 1]),
-    (128, 1, 4, 6, 7, [65, 1], [20, 1]),
-    (64, 1, 2, 70, 90, [300, 129], [1, 1]),
-]
-if ON_GPU:
-    CASES += [
-        (128, 8, 4, 64, 256, [8191, 300, 0, 4097], [1, 256, 700, 1]),
-        (64, 3, 3, 64, 256, [32767, 1023], [1, 1]),
-        (128, 1, 8, 64, 256, [1000] * 64, [1] * 64),
-        (128, 4, 1, 64, 256, [513, 257, 255], [256, 1, 64]),
-        (128, 4, 7, 64, 256, [20000, 64, 65], [1, 1, 1]),
-        (256, 2, 4, 64, 256, [3000, 10], [1, 40]),
-    ]
-case_id = lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-s{c[3]}-r{c[4]}-n{len(c[5])}-{max(c[5])}"  # noqa: E731
-
-
-def prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=0):
-    n = len(prefix)
-    pc = PagedCache(n, max(prefix) + max(new) + 1, hkv, d, sink, recent, DEVICE, seed)
-    rot = random_rotation(d, seed=seed).to(DEVICE)
-    todo = {r: p for r, p in enumerate(prefix) if p}
-    if todo:
-        st = pc.schedule(todo)
-        t = int(st.cu_q[-1])
-        k, v = random_rows((t, hkv, d), dtype, 10), random_rows((t, hkv, d), dtype, 11)
-        oscar_write_reference(k, v, rot, st.slot_mapping, st.cu_q, st.seq_lens, st.ring_slots, len(st.reqs),
-                              pc.cache, pc.window_k, pc.window_v, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
-    step = pc.schedule(dict(enumerate(new)))
-    t = int(step.cu_q[-1])
-    q = random_rows((t, hkv * g, d), dtype, 12)
-    k, v = random_rows((t, hkv, d), dtype, 13), random_rows((t, hkv, d), dtype, 14)
-    q_rot = (q.float() @ rot).to(dtype)
-    return pc, step, q, q_rot, k, v
 
 
 def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -78,15 +42,10 @@ def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor, dtype: torc
         assert err.mean() <= 5e-3 * want.abs().mean(), (err.mean(), want.abs().mean())
 
 
-def cache_args(pc, step):
-    return (pc.cache, pc.window_k, pc.window_v, pc.window_pos, step.block_table, step.seq_lens, step.cu_q,
-            step.ring_slots)
-
-
 def own_keys_twin(scale):
     """What FlashAttention does for the backend, from the PyTorch twin."""
     def run(q, k, v, cu_q, max_query_len, out):
-        o, lse = own_keys_attention_reference(q, k, v, cu_q, len(cu_q) - 1, scale)
+        o, lse = causal_attention_reference(q, k, v, cu_q, cu_q, len(cu_q) - 1, scale)
         out.copy_(o.to(out.dtype))
         return lse.to(q.device)
     return run
@@ -206,30 +165,36 @@ PIPELINES = [
     # head_dim, kv heads, q heads per kv head, sink, recent, prompt lens, chunk
     (64, 1, 3, 4, 8, [29, 140], 8),
     (64, 2, 2, 3, 16, [70], 16),
+    (64, 1, 2, 4, 8, [50], 24),  # chunks longer than the recent window
 ]
 if ON_GPU:
     PIPELINES += [(64, 3, 3, 64, 256, [2048, 1500, 700], 256), (128, 8, 4, 64, 256, [1300], 256)]
 
 
-def run_batch(out, q, q_rot, k, v, pc, step, scale, sink, recent):
-    """The backend's dispatch: decodes first (vLLM orders them so), split decode kernel."""
+def run_batch(out, q, q_rot, k, v, pc, step, scale, sink, recent, dense_k_rot=None):
+    """The backend's dispatch: decodes first (vLLM orders them so), split decode kernel; with
+    ``dense_k_rot`` (the step's keys, rotated) prefills take the dense path."""
     q_lens = (step.cu_q[1:] - step.cu_q[:-1]).tolist()
     num_decodes = next((i for i, n in enumerate(q_lens) if n > 1), len(q_lens))
     assert all(n > 1 for n in q_lens[num_decodes:]), "decodes must come first"
     t, hq, d = q.shape
     part_out = torch.empty(t * hq * 4 * d, device=q.device)
     part_lse = torch.empty(t * hq * 4, device=q.device)
+    dense = None
+    if dense_k_rot is not None:
+        rows = int(step.seq_lens.sum())
+        dense = DensePrefill(dense_k_rot[num_decodes:], torch.full((rows, *k.shape[1:]), float("nan"), device=q.device),
+                             torch.full((rows, *k.shape[1:]), float("nan"), device=q.device),
+                             int(step.seq_lens.max()), dense_twin(scale))
     oscar_attention(out, q, q_rot, k, v, *cache_args(pc, step), num_decodes, len(q_lens), step.max_query_len,
-                    scale, sink, recent, decode_splits=4, part_out=part_out, part_lse=part_lse)
+                    scale, sink, recent, decode_splits=4, part_out=part_out, part_lse=part_lse, dense=dense)
 
 
+@pytest.mark.parametrize("prefill", ["int2-kernel", "dense"])
 @pytest.mark.parametrize("case", PIPELINES, ids=lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-s{c[3]}-r{c[4]}-c{c[6]}")
-def test_pipeline_matches_mixed_cache_reference(case):
-    """Chunked prefill then decode, through the kernels, equals ``mixed_cache_attention``.
-
-    Chunks are at most ``recent`` long, so every key a query reads from its own chunk is in
-    its recent window, as in the reference.
-    """
+def test_pipeline_matches_mixed_cache_reference(case, prefill):
+    """Chunked prefill then decode, through the kernels, equals ``mixed_cache_attention``
+    told where each chunk starts (own keys BF16, the prefix's window as the chunk found it)."""
     d, hkv, g, sink, recent, prompts, chunk = case
     decode_steps = 5
     lens = [p + decode_steps for p in prompts]
@@ -252,7 +217,7 @@ def test_pipeline_matches_mixed_cache_reference(case):
         cat = lambda xs: torch.cat([xs[r][starts[r]: starts[r] + new[r]] for r in new])  # noqa: E731
         q, k, v = cat(qs), cat(ks), cat(vs)
         out = torch.full_like(q, float("nan"))
-        run_batch(out, q, q @ rot, k, v, pc, step, scale, sink, recent)
+        run_batch(out, q, q @ rot, k, v, pc, step, scale, sink, recent, k @ rot if prefill == "dense" else None)
         oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(new),
                     pc.cache, pc.window_k, pc.window_v, pc.window_pos,
                     clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent)
@@ -261,7 +226,10 @@ def test_pipeline_matches_mixed_cache_reference(case):
             outs[r][starts[r]: starts[r] + new[r]] = out[a:b].cpu()
     spec = LayerCacheSpec(rot.cpu(), None, RowQuantizer("int2", CLIP_K), RowQuantizer("int2", CLIP_V))
     for r in range(n):
-        want = mixed_cache_attention(qs[r].cpu(), ks[r].cpu(), vs[r].cpu(), spec, sink, recent, scale)
+        pos = torch.arange(lens[r])
+        starts = torch.where(pos // chunk * chunk < prompts[r], pos // chunk * chunk, pos)
+        want = mixed_cache_attention(qs[r].cpu(), ks[r].cpu(), vs[r].cpu(), spec, sink, recent, scale,
+                                     chunk_starts=starts)
         # Window keys are bf16 in both, but this step's keys are exact in the kernel and
         # bf16 in the reference. And k @ R summed in another order than the reference can
         # flip an INT2 code at a rounding tie, which every later query then sees: on the

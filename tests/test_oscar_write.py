@@ -18,6 +18,8 @@ CASES = [
     (64, 2, False, 4, 8, [{0: 37, 1: 1, 2: 20}, {0: 1, 1: 1, 2: 13}]),
     (128, 1, True, 0, 5, [{0: 3, 1: 17}, {0: 16, 1: 1}]),
     (64, 3, False, 6, 7, [{0: 1}, {0: 63, 1: 65}]),
+    # a whole tile of decodes first (no request search), then a mixed tile
+    (64, 1, False, 4, 8, [{r: 9 for r in range(20)}, {**{r: 1 for r in range(18)}, 18: 5, 19: 1}]),
 ]
 if ON_GPU:
     CASES += [
@@ -28,7 +30,7 @@ if ON_GPU:
 
 
 def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype):
-    pc = PagedCache(3 if len(schedule[0]) <= 3 else 16, 2048, hkv, d, sink, recent, DEVICE)
+    pc = PagedCache(max(max(s) for s in schedule) + 1, 2048, hkv, d, sink, recent, DEVICE)
     ref = pc.clone()
     rot = random_rotation(d, hkv if per_head else None).to(DEVICE)
     for i, new in enumerate(schedule):
@@ -38,8 +40,9 @@ def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype):
         k = random_rows((t, hkv, d), dtype, seed=2 * i)
         v = random_rows((t, hkv, d), dtype, seed=2 * i + 1)
         common = (step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(step.reqs))
+        num_decodes = next((i for i, n in enumerate(new.values()) if n > 1), len(new))
         oscar_write(k, v, rot, *common, pc.cache, pc.window_k, pc.window_v, pc.window_pos,
-                    clip_index(0.96, d), clip_index(0.92, d), sink, recent, param_dtype)
+                    clip_index(0.96, d), clip_index(0.92, d), sink, recent, param_dtype, num_decodes)
         oscar_write_reference(k, v, rot, *common, ref.cache, ref.window_k, ref.window_v, ref.window_pos,
                               0.96, 0.92, sink, recent, param_dtype)
     return pc, ref

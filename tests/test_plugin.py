@@ -112,3 +112,43 @@ def test_int2_page_is_reported_truthfully(head_dim, slot):
     assert bf16.page_size_bytes / spec.page_size_bytes == pytest.approx(4 * head_dim / slot)
     if head_dim == 128:  # the Qwen3-8B arithmetic: 72 bytes against 512, 7.1x
         assert bf16.page_size_bytes / spec.page_size_bytes == pytest.approx(512 / 72)
+
+
+def test_dense_prefill_buffers_are_shared_and_sized_for_a_longest_request():
+    import oscar_vllm.backend  # noqa: F401  (installs the hooks)
+    from oscar_vllm.vllm_hooks import give_dense_prefill_buffers
+
+    def impl():
+        return SimpleNamespace(num_kv_heads=8, head_size=128, flash_attention=print, window_k=torch.empty(0),
+                               dense_kv=None)
+
+    config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=1000, dtype=torch.bfloat16),
+                             scheduler_config=SimpleNamespace(max_num_batched_tokens=256))
+    impls = [impl() for _ in range(3)]
+    assert give_dense_prefill_buffers(impls, config) == 2 * (1000 + 256) * 8 * 128 * 2
+    assert impls[0].dense_kv[0].shape == (1256, 8, 128) and impls[0].dense_kv[0].dtype == torch.bfloat16
+    assert all(i.dense_kv is impls[0].dense_kv for i in impls), "one pair of buffers for all layers"
+    no_flash = [impl(), impl()]
+    no_flash[1].flash_attention = None  # an fp32 model: FlashAttention cannot run, nor the dense path
+    assert give_dense_prefill_buffers(no_flash, config) == 0 and no_flash[0].dense_kv is None
+
+
+def test_dense_prefill_is_taken_only_when_the_batch_fits():
+    from oscar_vllm.backend import OscarAttentionImpl
+
+    buf = torch.empty(100, 2, 16)
+    impl = SimpleNamespace(dense_kv=(buf, buf), rotate=lambda x: x * 2, flash_attention=print)
+    k = torch.arange(7.0).view(7, 1, 1).expand(7, 2, 16)
+
+    def md(**kw):
+        base = dict(prefill_has_prefix=True, num_decodes=2, num_reqs=3, prefill_kv_rows=100, prefill_max_seq=100)
+        return SimpleNamespace(**{**base, **kw})
+
+    dense = OscarAttentionImpl.dense_prefill(impl, md(), k)
+    assert dense.k_rot[:, 0, 0].tolist() == [4.0, 6.0, 8.0, 10.0, 12.0], "the prefill rows, rotated"
+    assert dense.k_buf is buf and dense.max_seq_len == 100 and dense.attention is print
+    for why in (dict(prefill_kv_rows=101), dict(prefill_kv_rows=-1), dict(prefill_has_prefix=False),
+                dict(num_decodes=3)):
+        assert OscarAttentionImpl.dense_prefill(impl, md(**why), k) is None, why
+    impl.dense_kv = None
+    assert OscarAttentionImpl.dense_prefill(impl, md(), k) is None

@@ -21,18 +21,19 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from csrc_triton import oscar_attention, oscar_write
+from csrc_triton import oscar_attention, oscar_dense_kv, oscar_write
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 # Integer arguments a launch passes as multiples of 16 (Triton specializes those).
 ALIGNED_INTS = {"stride_cb", "stride_qt", "stride_rt", "stride_kt", "stride_vt", "stride_ot", "stride_qh",
-                "stride_rh", "stride_oh", "stride_kh", "stride_vh", "stride_bt"}
+                "stride_rh", "stride_oh", "stride_kh", "stride_vh", "stride_bt", "stride_nt", "stride_nh"}
 TYPES = {
     "out_ptr": "*bf16", "self_lse_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
     "q_ptr": "*bf16", "q_rot_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "key_ptr": "*bf16",
     "value_ptr": "*bf16", "rot_k_ptr": "*fp32", "slot_mapping_ptr": "*i64", "codes_ptr": "*u8",
     "params_ptr": "*fp16", "window_k_ptr": "*bf16", "window_v_ptr": "*bf16", "window_pos_ptr": "*i32",
     "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_q_ptr": "*i32", "ring_slot_ptr": "*i32",
+    "k_out_ptr": "*bf16", "v_out_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "cu_k_ptr": "*i32",
     "qk_scale": "fp32", "num_splits": "i32",
 }
 
@@ -63,6 +64,10 @@ def write_consts(args) -> dict:
                 BLOCK_T=oscar_write.BLOCK_T, SEARCH_STEPS=oscar_write.SEARCH_STEPS)
 
 
+def dense_kv_consts(args) -> dict:
+    return dict(HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, OUT_BF16=True)
+
+
 def sass_instructions(sass: str) -> list[tuple[int, str, str]]:
     """``(address, opcode, text)`` of every instruction in ``cuobjdump -sass`` output."""
     ins = []
@@ -88,7 +93,7 @@ def sass_loops(sass: str) -> list[tuple[int, int, collections.Counter]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("kernel", choices=["decode", "prefill", "write"])
+    p.add_argument("kernel", choices=["decode", "prefill", "write", "dense_kv"])
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=3)
     p.add_argument("--block-m", type=int, default=64)
@@ -103,6 +108,7 @@ def main() -> None:
         "decode": (oscar_attention._oscar_attention_kernel, decode_consts),
         "prefill": (oscar_attention._oscar_attention_kernel, prefill_consts),
         "write": (oscar_write._oscar_write_kernel, write_consts),
+        "dense_kv": (oscar_dense_kv._oscar_dense_kv_kernel, dense_kv_consts),
     }[args.kernel]
     k = compile_kernel(fn, consts(args), args.num_warps, args.num_stages)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

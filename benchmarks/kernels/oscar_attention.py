@@ -37,10 +37,13 @@ from common import (
 from csrc_triton.oscar_attention import (
     DECODE_LAUNCH,
     MAX_DECODE_SPLITS,
+    DensePrefill,
     _bucket,
     oscar_decode_attention,
+    oscar_dense_prefill_attention,
     oscar_prefill_attention,
 )
+from csrc_triton.oscar_dense_kv import oscar_dense_kv
 
 SINK, RECENT = 64, 256
 FA_BLOCK = 16  # vLLM's default block size for FLASH_ATTN
@@ -193,47 +196,76 @@ def decode(args, bw: float, env: dict) -> list[dict]:
 
 
 def prefill(args, bw: float, env: dict) -> list[dict]:
-    """A chunk of ``C`` new tokens over ``P`` cached ones, one request: OSCAR (FlashAttention on
-    the chunk's own keys, the prefix kernel merged in) against FA3 on the BF16 paged cache."""
+    """A chunk of ``C`` new tokens over ``P`` cached ones, one request, against FA3 on the BF16
+    paged cache. OSCAR as the backend runs it: with a prefix, the dense path (the prefix
+    dequantized by ``oscar_dense_kv``, one FA3 pass); without, FA3 on the chunk alone. The INT2
+    prefix kernel (the path for batches the dense buffers cannot hold) is timed beside it."""
     fa = _fa3()
+    if fa is None:
+        raise SystemExit("the prefill benchmark needs vLLM's FA3")
     rows = []
     for key in args.shapes:
         s = SHAPES[key]
+        hq, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
         for chunk, prefix in args.chunks:
-            b = make_int2_batch([prefix], [chunk], s.num_kv_heads, s.head_dim, SINK, RECENT)
-            q = torch.randn(chunk, s.num_heads, s.head_dim, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(chunk, s.num_kv_heads, s.head_dim, device="cuda", dtype=torch.bfloat16)
+            b = make_int2_batch([prefix], [chunk], hkv, d, SINK, RECENT)
+            q = torch.randn(chunk, hq, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(chunk, hkv, d, device="cuda", dtype=torch.bfloat16)
             v = torch.randn_like(k)
             out = torch.empty_like(q)
-            scale = s.head_dim ** -0.5
-            flops = 4 * s.num_heads * s.head_dim * (chunk * prefix + chunk * chunk / 2)
+            scale = d ** -0.5
+            flops = 4 * hq * d * (chunk * prefix + chunk * chunk / 2)
             row = {"shape": s.name, "chunk": chunk, "prefix": prefix}
-            lse = torch.full((s.num_heads, chunk), float("-inf"), device="cuda")
-            row["oscar_prefix_ms"] = 0.0  # the backend skips the prefix kernel when nothing is cached
+            own = fa3_call(fa, _Dense(k, v, chunk), q, out, scale)
+            row["fa3_own_ms"] = time_calls([own], rep_ms=100)
+            row["oscar_ms"] = row["fa3_own_ms"]  # the backend skips the prefix when nothing is cached
             if prefix:
-                row["oscar_prefix_ms"] = time_calls([lambda b=b: oscar_prefill_attention(
+                rows_kv = prefix + chunk
+                dense = DensePrefill(k, torch.empty(rows_kv, hkv, d, device="cuda", dtype=torch.bfloat16),
+                                     torch.empty(rows_kv, hkv, d, device="cuda", dtype=torch.bfloat16), rows_kv,
+                                     _fa3_dense(fa, scale))
+                cu_k = torch.tensor([0, rows_kv], dtype=torch.int32, device="cuda")
+                row["dense_kv_ms"] = time_calls([lambda b=b: oscar_dense_kv(
+                    dense.k_buf, dense.v_buf, k, v, b.cache, b.window_k, b.window_v, b.window_pos, b.block_table,
+                    b.seq_lens, b.cu_q, cu_k, b.ring_slots, 1, rows_kv, SINK, RECENT)], rep_ms=100)
+                # Written: bf16 K and V of every row; read: the INT2 prefix, the ring, the chunk.
+                row["dense_kv_GBps"] = (rows_kv * hkv * d * 4 + int2_bytes_read([prefix], hkv, d, SINK, RECENT)
+                                        + chunk * hkv * d * 4) / row["dense_kv_ms"] / 1e6
+                row["oscar_ms"] = time_calls([lambda b=b: oscar_dense_prefill_attention(
+                    out, q, v, b.cache, b.window_k, b.window_v, b.window_pos, b.block_table, b.seq_lens, b.cu_q,
+                    b.ring_slots, 1, chunk, SINK, RECENT, dense)], rep_ms=100)
+                del dense
+                lse = torch.full((hq, chunk), float("-inf"), device="cuda")
+                row["int2_kernel_ms"] = row["fa3_own_ms"] + time_calls([lambda b=b: oscar_prefill_attention(
                     out, q, q, k, v, *b.args(), 1, scale, SINK, RECENT, self_lse=lse)], rep_ms=100)
-                row["oscar_prefix_TFLOPs"] = 4 * s.num_heads * s.head_dim * chunk * prefix / row["oscar_prefix_ms"] / 1e9
-            if fa is not None:
-                own = fa3_call(fa, _Dense(k, v, chunk), q, out, scale)
-                row["fa3_own_ms"] = time_calls([own], rep_ms=100)
-                row["oscar_ms"] = row["oscar_prefix_ms"] + row["fa3_own_ms"]
-                cache = Bf16Paged([prefix], [chunk], s.num_kv_heads, s.head_dim, seed=1)
-                row["fa3_ms"] = time_calls([fa3_call(fa, cache, q, out, scale)], rep_ms=100)
-                row["fa3_TFLOPs"] = flops / row["fa3_ms"] / 1e9
-                row["oscar_TFLOPs"] = flops / row["oscar_ms"] / 1e9
-                row["oscar_vs_fa3"] = row["oscar_ms"] / row["fa3_ms"]
-                del cache
+            cache = Bf16Paged([prefix], [chunk], hkv, d, seed=1)
+            row["fa3_ms"] = time_calls([fa3_call(fa, cache, q, out, scale)], rep_ms=100)
+            row["fa3_TFLOPs"] = flops / row["fa3_ms"] / 1e9
+            row["oscar_TFLOPs"] = flops / row["oscar_ms"] / 1e9
+            row["oscar_vs_fa3"] = row["oscar_ms"] / row["fa3_ms"]
+            del cache
             rows.append(row)
             print(row, flush=True)
             del b
             torch.cuda.empty_cache()
-    cols = ["shape", "chunk", "prefix", "oscar_ms", "fa3_ms", "oscar_vs_fa3", "oscar_prefix_ms", "fa3_own_ms",
-            "oscar_TFLOPs", "fa3_TFLOPs"]
-    write_reports(Path(args.out), "prefill", rows, env, "Prefill attention: a chunk over a cached prefix",
-                  cols, ["oscar_ms = FA3 on the chunk's own keys + the OSCAR prefix kernel (merged in)",
-                         "TFLOPs: 4·heads·d·(chunk·prefix + chunk²/2) over the time"])
+    cols = ["shape", "chunk", "prefix", "oscar_ms", "fa3_ms", "oscar_vs_fa3", "dense_kv_ms", "dense_kv_GBps",
+            "int2_kernel_ms", "oscar_TFLOPs", "fa3_TFLOPs"]
+    write_reports(Path(args.out), "prefill", rows, env, "Prefill attention: a chunk over a cached prefix", cols,
+                  ["oscar_ms: what the backend runs: with a prefix, oscar_dense_kv (the prefix dequantized to "
+                   "BF16, dense_kv_ms) + one FA3 pass over prefix and chunk; without, FA3 on the chunk",
+                   "int2_kernel_ms: the fallback for batches the dense buffers cannot hold: FA3 on the chunk's "
+                   "own keys + the INT2 prefix kernel merged in",
+                   f"dense_kv_GBps: bytes read and written over dense_kv_ms (copy bandwidth {bw:,.0f} GB/s)",
+                   "TFLOPs: 4·heads·d·(chunk·prefix + chunk²/2) over the time"])
     return rows
+
+
+def _fa3_dense(fa, scale):
+    """The backend's dense attention: causal varlen FA3 over non-paged K/V."""
+    def attend(q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out):
+        fa(q, k, v, max_seqlen_q=max_query_len, cu_seqlens_q=cu_q, max_seqlen_k=max_seq_len, cu_seqlens_k=cu_k,
+           softmax_scale=scale, causal=True, out=out, fa_version=3)
+    return attend
 
 
 class _Dense:
@@ -425,7 +457,8 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--contexts", nargs="+", type=int, default=[1024, 8192, 32768, 131072])
-    p.add_argument("--chunks", nargs="+", default=["2048:0", "8192:8192", "16384:0", "4096:28672", "16384:114688"],
+    p.add_argument("--chunks", nargs="+",
+                   default=["2048:0", "8192:8192", "16384:0", "4096:28672", "8192:122880", "16384:114688"],
                    help="prefill CHUNK:PREFIX pairs (default: %(default)s)")
     p.add_argument("--max-gb", type=float, default=40.0, help="skip shapes whose BF16 cache exceeds this")
     p.add_argument("--workers", type=int, default=8, help="processes compiling sweep variants")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from common import SHAPES, copy_bandwidth_gbs, environment, make_int2_batch, time_calls, write_reports
-from csrc_triton.oscar_write import oscar_write
+from csrc_triton.oscar_write import NUM_WARPS, oscar_write
 from oscar_vllm.quant import clip_index
 
 SINK, RECENT = 64, 256
@@ -24,6 +24,8 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["qwen3-8b", "smollm2"], choices=list(SHAPES))
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 32, 256, 8192, 16384],
                    help="new tokens per step; one request each below 256, else 256-token chunks of 16 requests")
+    p.add_argument("--num-warps", nargs="+", type=int, default=[NUM_WARPS],
+                   help="launch choices to time (default: the kernel's, %(default)s)")
     args = p.parse_args()
     bw = copy_bandwidth_gbs()
     env = environment()
@@ -47,26 +49,31 @@ def main() -> None:
             row_of = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
             blocks = b.block_table.cpu()[row_of, pos // 64].long()
             slots = (blocks * 64 + pos % 64).cuda()
-            row = {"shape": s.name, "tokens": t, "requests": len(q_lens)}
-            row["oscar_ms"] = time_calls([lambda: oscar_write(
-                k, v, rot, slots, b.cu_q, b.seq_lens, b.ring_slots, len(q_lens), b.cache, b.window_k, b.window_v,
-                b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT)])
-            # Reads K and V (bf16), writes the INT2 slots and, for window positions, bf16 ring rows.
-            ring_rows = sum(min(n, RECENT) for n in q_lens)
-            nbytes = t * hkv * (4 * d + d // 2 + 8) + ring_rows * hkv * 4 * d
-            row["oscar_GBps"] = nbytes / row["oscar_ms"] / 1e6
-            row["oscar_pct_copy"] = 100 * row["oscar_GBps"] / bw
+            decodes = len(q_lens) if t <= 256 else 0
+            for nw in args.num_warps:
+                row = {"shape": s.name, "tokens": t, "requests": len(q_lens), "num_warps": nw}
+                row["oscar_ms"] = time_calls([lambda nw=nw: oscar_write(
+                    k, v, rot, slots, b.cu_q, b.seq_lens, b.ring_slots, len(q_lens), b.cache, b.window_k,
+                    b.window_v, b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT,
+                    num_decodes=decodes, num_warps=nw)])
+                # Reads K and V (bf16), writes the INT2 slots and, for window positions, bf16 ring rows.
+                ring_rows = sum(min(n, RECENT) for n in q_lens)
+                nbytes = t * hkv * (4 * d + d // 2 + 8) + ring_rows * hkv * 4 * d
+                row["oscar_GBps"] = nbytes / row["oscar_ms"] / 1e6
+                row["oscar_pct_copy"] = 100 * row["oscar_GBps"] / bw
+                rows.append(row)
+                print(row, flush=True)
             if ops is not None:
                 kc = torch.empty(math.ceil(t / 16) + 1, 16, hkv, d, device="cuda", dtype=torch.bfloat16)
                 vc = torch.empty_like(kc)
                 flat = torch.arange(t, device="cuda")
                 scale = torch.ones((), device="cuda")
-                row["vllm_bf16_ms"] = time_calls([lambda: ops.reshape_and_cache_flash(
-                    k, v, kc, vc, flat, "auto", scale, scale)])
-            rows.append(row)
-            print(row, flush=True)
+                base_ms = time_calls([lambda: ops.reshape_and_cache_flash(k, v, kc, vc, flat, "auto", scale, scale)])
+                for row in rows[-len(args.num_warps):]:
+                    row["vllm_bf16_ms"] = base_ms
     write_reports(Path(args.out), "write", rows, env, "Cache write: OSCAR quantize-on-write against vLLM BF16",
-                  ["shape", "tokens", "requests", "oscar_ms", "vllm_bf16_ms", "oscar_GBps", "oscar_pct_copy"],
+                  ["shape", "tokens", "requests", "num_warps", "oscar_ms", "vllm_bf16_ms", "oscar_GBps",
+                   "oscar_pct_copy"],
                   [f"copy bandwidth in this run: {bw:,.0f} GB/s",
                    "OSCAR bytes: K and V read (bf16), INT2 slots and BF16 window rows written"])
 

@@ -52,7 +52,6 @@ def oscar_attention_reference(
             continue
         ctx = int(seq_lens[r]) - (q1 - q0)
         kp = torch.arange(ctx)
-        qpos = ctx + torch.arange(q1 - q0)
         slots = block_table[r].long().cpu()[kp // bs] * bs + kp % bs
         k_lo, v_lo = read_int2_slots(cache, slots, d, param_dtype)
         ring = int(ring_slots[r])
@@ -60,7 +59,8 @@ def oscar_attention_reference(
         held = window_pos[ring].long().cpu()[idx] == kp
         k_hi = window_k[ring].float().cpu()[idx]
         v_hi = window_v[ring].float().cpu()[idx]
-        hi = held[None, :] & ((kp[None, :] < sink) | (qpos[:, None] - kp[None, :] < recent))  # [Tq, ctx]
+        # The window as the step finds it, the same for every query of a chunk.
+        hi = (held & ((kp < sink) | (ctx - kp < recent)))[None, :]  # [1, ctx]
 
         def heads(x: torch.Tensor) -> torch.Tensor:  # [N, Hkv, d] -> [Hq, N, d]
             return x.float().cpu().repeat_interleave(g, dim=1).transpose(0, 1)
@@ -78,24 +78,28 @@ def oscar_attention_reference(
     return out
 
 
-def own_keys_attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, num_reqs: int, scale: float
+def causal_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, num_reqs: int,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of each request's query tokens to its own new keys only (what the
-    backend asks of FlashAttention): fp32 output ``[T, Hq, d]`` and natural-log LSE ``[Hq, T]``."""
+    """Varlen causal attention as FlashAttention runs it for the backend: request ``r``'s
+    queries ``q[cu_q[r]:cu_q[r+1]]`` are the last positions of its keys ``k[cu_k[r]:cu_k[r+1]]``
+    (``cu_k = cu_q``: a chunk's attention to its own keys). fp32 output ``[T, Hq, d]`` and
+    natural-log LSE ``[Hq, T]``."""
     t, hq, d = q.shape
     g = hq // k.shape[1]
     out = torch.zeros(t, hq, d, dtype=torch.float32)
     lse = torch.full((hq, t), float("-inf"), dtype=torch.float32)
     for r in range(num_reqs):
         a, b = int(cu_q[r]), int(cu_q[r + 1])
+        ka, kb = int(cu_k[r]), int(cu_k[r + 1])
         if a == b:
             continue
         qq = q[a:b].float().cpu().transpose(0, 1)  # [Hq, n, d]
-        kk = k[a:b].float().cpu().repeat_interleave(g, dim=1).transpose(0, 1)
-        vv = v[a:b].float().cpu().repeat_interleave(g, dim=1).transpose(0, 1)
+        kk = k[ka:kb].float().cpu().repeat_interleave(g, dim=1).transpose(0, 1)
+        vv = v[ka:kb].float().cpu().repeat_interleave(g, dim=1).transpose(0, 1)
         s = (qq @ kk.transpose(1, 2)) * scale
-        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        s = s.masked_fill(torch.ones(b - a, kb - ka, dtype=torch.bool).triu(kb - ka - (b - a) + 1), float("-inf"))
         lse[:, a:b] = torch.logsumexp(s, dim=-1)
         out[a:b] = (torch.softmax(s, dim=-1) @ vv).transpose(0, 1)
     return out, lse

@@ -36,12 +36,13 @@ for stage in $stages; do
     tests)
       { python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print(torch.cuda.get_device_name(0))' &&
         python3 -m pytest -q -p no:warnings $xdist tests/test_oscar_write.py tests/test_oscar_attention.py \
-          tests/test_launch_table.py; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
+          tests/test_oscar_dense_kv.py tests/test_launch_table.py; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
     kernels)
       { (cd benchmarks/kernels &&
          python3 oscar_attention.py decode --out "$out/kernels" ${OSCAR_KERNEL_ARGS:-} &&
          python3 oscar_attention.py prefill --out "$out/kernels" --shapes qwen3-8b &&
          python3 oscar_write.py --out "$out/kernels" --shapes qwen3-8b &&
+         python3 oscar_dense_kv.py --out "$out/kernels" &&
          python3 sass_histogram.py _oscar_attention_kernel); } 2>&1 | tee "$out/kernels.log" || status=1 ;;
     sweep)
       (cd benchmarks/kernels && python3 oscar_attention.py sweep --out "$out/sweep" --batches 1 8 32 \
@@ -60,7 +61,7 @@ for stage in $stages; do
       {
         [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
         python3 -m oscar_vllm.evaluate --model-path "$work/smollm2" --rotations "$smol_rot" \
-          --methods bf16,oscar-int2-fit --context 2048 --eval-tokens 16384 --device cuda \
+          --methods bf16,oscar-int2-fit --context 2048 --eval-tokens 16384 --prefill-chunk 256 --device cuda \
           --output-dir "$work/reference" && cp "$work/reference/fidelity.json" "$out/reference_fidelity.json"
         $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype float32 --eager
         $e2e qwen3 --model "$work/qwen3-8b-shape" --rotations "$zoo" --eager

@@ -1,0 +1,63 @@
+"""Benchmark of ``csrc_triton/oscar_dense_kv.py`` (a prefill batch's cached prefix dequantized
+to dense BF16 beside its chunk) against the copy bandwidth of the same run: the kernel moves
+bytes and nothing else, so that is its bound.
+
+    python benchmarks/kernels/oscar_dense_kv.py --out results/kernels
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from common import SHAPES, copy_bandwidth_gbs, environment, int2_bytes_read, make_int2_batch, time_calls, write_reports
+from csrc_triton.oscar_dense_kv import oscar_dense_kv
+
+SINK, RECENT = 64, 256
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="results/kernels")
+    p.add_argument("--shapes", nargs="+", default=["qwen3-8b"], choices=list(SHAPES))
+    p.add_argument("--batches", nargs="+", default=["1x8192:8192", "1x8192:122880", "4x2048:30000"],
+                   help="REQUESTSxCHUNK:PREFIX (default: %(default)s)")
+    args = p.parse_args()
+    bw = copy_bandwidth_gbs()
+    env = environment()
+    rows = []
+    for key in args.shapes:
+        s = SHAPES[key]
+        hkv, d = s.num_kv_heads, s.head_dim
+        for spec in args.batches:
+            n, rest = spec.split("x")
+            chunk, prefix = (int(x) for x in rest.split(":"))
+            n = int(n)
+            b = make_int2_batch([prefix] * n, [chunk] * n, hkv, d, SINK, RECENT)
+            k = torch.randn(n * chunk, hkv, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            total = n * (prefix + chunk)
+            k_out = torch.empty(total, hkv, d, device="cuda", dtype=torch.bfloat16)
+            v_out = torch.empty_like(k_out)
+            cu_k = torch.arange(n + 1, dtype=torch.int32, device="cuda") * (prefix + chunk)
+            ms = time_calls([lambda: oscar_dense_kv(k_out, v_out, k, v, b.cache, b.window_k, b.window_v, b.window_pos,
+                                                    b.block_table, b.seq_lens, b.cu_q, cu_k, b.ring_slots, n,
+                                                    prefix + chunk, SINK, RECENT)], rep_ms=100)
+            # Read: the INT2 prefix and its ring, the chunk's K and V; written: bf16 K and V of every row.
+            nbytes = int2_bytes_read([prefix] * n, hkv, d, SINK, RECENT) + k.nbytes * 2 + k_out.nbytes * 2
+            row = {"shape": s.name, "requests": n, "chunk": chunk, "prefix": prefix, "ms": ms,
+                   "GBps": nbytes / ms / 1e6}
+            row["pct_copy"] = 100 * row["GBps"] / bw
+            rows.append(row)
+            print(row, flush=True)
+            del b, k_out, v_out
+            torch.cuda.empty_cache()
+    write_reports(Path(args.out), "dense_kv", rows, env, "Dense prefix for prefill: INT2 prefix -> BF16 rows",
+                  ["shape", "requests", "chunk", "prefix", "ms", "GBps", "pct_copy"],
+                  [f"copy bandwidth in this run: {bw:,.0f} GB/s",
+                   "bytes: INT2 prefix + ring read, chunk K/V read, bf16 K/V of every row written"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Dense keys and values of prefill requests, for a FlashAttention pass over a cached prefix.
+
+A prefill chunk over a long cached prefix is compute-bound: its cost is the query-key products,
+which FlashAttention 3 does at several times the rate an INT2-reading kernel reaches. So, as the
+OSCAR reference does, the prefix is dequantized once per layer into a dense buffer and the chunk
+runs plain causal attention over ``[prefix ; chunk]``. Request ``r`` owns rows
+``[cu_k[r], cu_k[r] + seq_len[r])`` of the buffer, position ``p`` at row ``cu_k[r] + p``:
+
+* ``p < ctx`` (cached): the BF16 ring's copy where the ring holds ``p`` and ``p`` is in the sink
+  or the ``recent`` positions before ``ctx``, else the INT2 copy, ``scale·c + min``; exactly the
+  keys and values the INT2 attention kernel reads for the chunk;
+* ``ctx <= p < seq_len``: the chunk's own keys and values as given (keys already rotated).
+
+Everything stays in the rotated basis, so the queries that go with it are ``q_rot``. Reference:
+:func:`oscar_vllm.reference.oscar_dense_kv.oscar_dense_kv_reference`.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from csrc_triton.paged_layout import BLOCK_SIZE, check_int2_cache, param_view, to_bf16_rne, window_index
+
+
+@triton.jit
+def _store_rows(ptr, off, mask, x, OUT_BF16: tl.constexpr):
+    if OUT_BF16:
+        y = to_bf16_rne(x)  # the interpreter's bf16 cast truncates; the GPU's rounds
+    else:
+        y = x.to(ptr.dtype.element_ty)
+    tl.store(ptr + off, y, mask=mask)
+
+
+@triton.jit
+def _oscar_dense_kv_kernel(
+    k_out_ptr,  # [total_k, HKV, D] dense keys, rotated basis
+    v_out_ptr,  # [total_k, HKV, D] dense values
+    k_new_ptr,  # [T, HKV, D] this step's keys, rotated
+    v_new_ptr,  # [T, HKV, D] this step's values
+    codes_ptr,  # uint8 [num_blocks, HKV, REGION] INT2 pages (paged_layout)
+    params_ptr,  # 16-bit view of the same pages
+    window_k_ptr,  # bf16 [S, SINK + RECENT, HKV, D]
+    window_v_ptr,  # bf16 [S, SINK + RECENT, HKV, D]
+    window_pos_ptr,  # int32 [S, SINK + RECENT]
+    block_table_ptr,  # int32 [R, max_blocks]
+    seq_lens_ptr,  # int32 [R] sequence length including this step
+    cu_q_ptr,  # int32 [R + 1] query start offsets
+    cu_k_ptr,  # int32 [R + 1] first buffer row of each request
+    ring_slot_ptr,  # int32 [R]
+    stride_nt, stride_nh, stride_vt, stride_vh, stride_bt,
+    stride_cb,  # bytes from one cache block to the next
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SINK: tl.constexpr,
+    RECENT: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
+    Q: tl.constexpr = D // 4
+    REGION: tl.constexpr = BLOCK_SIZE * (D // 2 + 8)
+    r = tl.program_id(0)
+    blk = tl.program_id(1)
+    h = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + r)
+    if blk * BLOCK_SIZE >= seq_len:
+        return
+    q_start = tl.load(cu_q_ptr + r)
+    ctx = seq_len - (tl.load(cu_q_ptr + r + 1) - q_start)
+    tok = tl.arange(0, BLOCK_SIZE)
+    pos = blk * BLOCK_SIZE + tok
+    j = tl.arange(0, Q)
+    row = (tl.load(cu_k_ptr + r) + pos).to(tl.int64)
+    out_off = (row * HKV + h)[:, None] * D + j[None, :]  # [BS, Q]: quarter 0 of each row
+
+    if blk * BLOCK_SIZE < ctx:
+        cached = pos < ctx
+        base = tl.load(block_table_ptr + r * stride_bt + blk).to(tl.int64) * stride_cb + h * REGION
+        k_codes = tl.load(codes_ptr + base + tok[:, None] * Q + j[None, :])  # [BS, Q] token-major
+        v_codes = tl.load(codes_ptr + base + BLOCK_SIZE * Q + j[None, :] * BLOCK_SIZE + tok[:, None])  # dim-major
+        p_ptr = params_ptr + (base + 2 * BLOCK_SIZE * Q) // 2 + tok
+        k_scale = tl.load(p_ptr).to(tl.float32)[:, None]
+        k_min = tl.load(p_ptr + BLOCK_SIZE).to(tl.float32)[:, None]
+        v_scale = tl.load(p_ptr + 2 * BLOCK_SIZE).to(tl.float32)[:, None]
+        v_min = tl.load(p_ptr + 3 * BLOCK_SIZE).to(tl.float32)[:, None]
+        ring = tl.load(ring_slot_ptr + r).to(tl.int64)
+        widx = ring * (SINK + RECENT) + window_index(pos, SINK, RECENT)
+        held = tl.load(window_pos_ptr + widx, mask=cached, other=-1) == pos
+        use_ring = (held & ((pos < SINK) | (ctx - pos < RECENT)))[:, None]
+        w_off = (widx * HKV + h)[:, None] * D + j[None, :]
+        for i in tl.static_range(4):
+            # c·scale is exact in fp32 (2-bit times 16-bit), so this rounds once, as the reference.
+            k = ((k_codes >> (2 * i)) & 3).to(tl.float32) * k_scale + k_min
+            v = ((v_codes >> (2 * i)) & 3).to(tl.float32) * v_scale + v_min
+            k = tl.where(use_ring, tl.load(window_k_ptr + w_off + i * Q, mask=use_ring, other=0.0).to(tl.float32), k)
+            v = tl.where(use_ring, tl.load(window_v_ptr + w_off + i * Q, mask=use_ring, other=0.0).to(tl.float32), v)
+            _store_rows(k_out_ptr, out_off + i * Q, cached[:, None], k, OUT_BF16)
+            _store_rows(v_out_ptr, out_off + i * Q, cached[:, None], v, OUT_BF16)
+
+    if (blk + 1) * BLOCK_SIZE > ctx:
+        new = (pos >= ctx) & (pos < seq_len)
+        src = (q_start + pos - ctx).to(tl.int64)
+        for i in tl.static_range(4):
+            k = tl.load(k_new_ptr + (src * stride_nt + h * stride_nh)[:, None] + i * Q + j[None, :],
+                        mask=new[:, None], other=0.0)
+            v = tl.load(v_new_ptr + (src * stride_vt + h * stride_vh)[:, None] + i * Q + j[None, :],
+                        mask=new[:, None], other=0.0)
+            _store_rows(k_out_ptr, out_off + i * Q, new[:, None], k.to(tl.float32), OUT_BF16)
+            _store_rows(v_out_ptr, out_off + i * Q, new[:, None], v.to(tl.float32), OUT_BF16)
+
+
+def oscar_dense_kv(
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache: torch.Tensor,
+    window_k: torch.Tensor,
+    window_v: torch.Tensor,
+    window_pos: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    ring_slots: torch.Tensor,
+    num_reqs: int,
+    max_seq_len: int,
+    sink: int,
+    recent: int,
+    param_dtype: torch.dtype = torch.float16,
+) -> None:
+    """Fill rows ``[0, cu_k[num_reqs])`` of ``k_out``/``v_out`` ``[>= total_k, Hkv, d]``.
+
+    ``k_new``/``v_new`` ``[T, Hkv, d]``: the step's keys (rotated) and values, ``cu_q`` their
+    request offsets; ``cu_k`` int32 ``[R + 1]`` the cumulative ``seq_lens``; ``max_seq_len`` at
+    least the longest ``seq_lens`` entry (it sizes the grid; a larger value only idles programs).
+    The cache arguments as for the attention kernels.
+    """
+    if num_reqs == 0 or max_seq_len == 0:
+        return
+    _, hkv, d = k_new.shape
+    check_int2_cache(cache, d)
+    for name, x in (("k_out", k_out), ("v_out", v_out)):
+        if x.dim() != 3 or x.shape[1:] != (hkv, d) or not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [rows, {hkv}, {d}], got {tuple(x.shape)}")
+    if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
+        raise ValueError("k_new and v_new need unit stride along head_dim")
+    _oscar_dense_kv_kernel[(num_reqs, triton.cdiv(max_seq_len, BLOCK_SIZE), hkv)](
+        k_out_ptr=k_out, v_out_ptr=v_out, k_new_ptr=k_new, v_new_ptr=v_new, codes_ptr=cache,
+        params_ptr=param_view(cache, param_dtype), window_k_ptr=window_k, window_v_ptr=window_v,
+        window_pos_ptr=window_pos, block_table_ptr=block_table, seq_lens_ptr=seq_lens, cu_q_ptr=cu_q,
+        cu_k_ptr=cu_k, ring_slot_ptr=ring_slots,
+        stride_nt=k_new.stride(0), stride_nh=k_new.stride(1), stride_vt=v_new.stride(0), stride_vh=v_new.stride(1),
+        stride_bt=block_table.stride(0), stride_cb=cache.stride(0),
+        HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, SINK=sink, RECENT=recent, OUT_BF16=k_out.dtype == torch.bfloat16,
+        num_warps=4,
+    )
