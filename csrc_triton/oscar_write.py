@@ -27,10 +27,12 @@ from csrc_triton.paged_layout import (
 
 BLOCK_T = 16  # tokens per program (the smallest tile tl.dot takes)
 SEARCH_STEPS = 16  # bisection steps of the token -> request lookup: up to 65535 requests
-# A program is one long dependent chain (rotate, two 31-step clip searches, quantize): at decode
-# there are few programs and the chain's length is the kernel's time, so spread each tile over
-# many warps (fewer instructions per thread). From `benchmarks/kernels/oscar_write.py`.
-NUM_WARPS = 16
+# Warps per program, by tokens per call (the largest key <= tokens). A program is one long
+# dependent chain (rotate, two 31-step clip searches, quantize): with few programs (decode) the
+# chain is the kernel's time and 16 warps shorten it (H200, Qwen3-8B: 0.024 ms against 0.052 at
+# 4 warps, 1-256 tokens); with many (prefill) 8 warps keep more programs resident (8K tokens:
+# 0.331 ms against 0.420 at 16). `benchmarks/kernels/oscar_write.py --num-warps 4 8 16`.
+WRITE_NUM_WARPS = {1: 16, 2048: 8}
 
 
 @triton.jit
@@ -190,7 +192,7 @@ def oscar_write(
     recent: int,
     param_dtype: torch.dtype = torch.float16,
     num_decodes: int = 0,
-    num_warps: int = NUM_WARPS,
+    num_warps: int | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[T, Hkv, d]`` into the INT2 ``cache`` and the BF16 windows.
 
@@ -198,6 +200,7 @@ def oscar_write(
     arguments as documented on the kernel; ``clip_idx_*`` as ``oscar_vllm.quant.clip_index``
     gives them. Tokens whose slot is negative are skipped. ``num_decodes``: the batch's first
     requests have one token each (a hint that skips the token -> request search; 0 is always right).
+    ``num_warps``: else from ``WRITE_NUM_WARPS``.
     """
     t, hkv, d = key.shape
     if t == 0:
@@ -217,5 +220,5 @@ def oscar_write(
         ROT_HEAD_STRIDE=d * d if rot_k.dim() == 3 else 0,
         HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, SINK=sink, RECENT=recent,
         PARAM_BF16=param_dtype == torch.bfloat16, BLOCK_T=BLOCK_T, SEARCH_STEPS=SEARCH_STEPS,
-        num_warps=num_warps,
+        num_warps=num_warps or WRITE_NUM_WARPS[max(n for n in WRITE_NUM_WARPS if n <= t)],
     )

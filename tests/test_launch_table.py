@@ -34,3 +34,9 @@ def test_split_scratch_covers_every_batch_size():
         rows = decode_split_rows(256, hkv, 132)
         assert all(n * decode_splits(n, hkv, 132) <= rows for n in range(1, 257))
         assert rows <= 256 * MAX_DECODE_SPLITS
+
+
+def test_write_table_covers_every_token_count():
+    from csrc_triton.oscar_write import WRITE_NUM_WARPS
+
+    assert min(WRITE_NUM_WARPS) == 1 and all(w in (4, 8, 16, 32) for w in WRITE_NUM_WARPS.values())

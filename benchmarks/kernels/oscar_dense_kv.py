@@ -51,8 +51,6 @@ def main() -> None:
             row["pct_copy"] = 100 * row["GBps"] / bw
             rows.append(row)
             print(row, flush=True)
-            del b, k_out, v_out
-            torch.cuda.empty_cache()
     write_reports(Path(args.out), "dense_kv", rows, env, "Dense prefix for prefill: INT2 prefix -> BF16 rows",
                   ["shape", "requests", "chunk", "prefix", "ms", "GBps", "pct_copy"],
                   [f"copy bandwidth in this run: {bw:,.0f} GB/s",

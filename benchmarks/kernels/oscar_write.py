@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from common import SHAPES, copy_bandwidth_gbs, environment, make_int2_batch, time_calls, write_reports
-from csrc_triton.oscar_write import NUM_WARPS, oscar_write
+from csrc_triton.oscar_write import oscar_write
 from oscar_vllm.quant import clip_index
 
 SINK, RECENT = 64, 256
@@ -24,8 +24,8 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["qwen3-8b", "smollm2"], choices=list(SHAPES))
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 32, 256, 8192, 16384],
                    help="new tokens per step; one request each below 256, else 256-token chunks of 16 requests")
-    p.add_argument("--num-warps", nargs="+", type=int, default=[NUM_WARPS],
-                   help="launch choices to time (default: the kernel's, %(default)s)")
+    p.add_argument("--num-warps", nargs="+", type=int, default=[0],
+                   help="launch choices to time (default: 0, the kernel's own table)")
     args = p.parse_args()
     bw = copy_bandwidth_gbs()
     env = environment()
@@ -55,7 +55,7 @@ def main() -> None:
                 row["oscar_ms"] = time_calls([lambda nw=nw: oscar_write(
                     k, v, rot, slots, b.cu_q, b.seq_lens, b.ring_slots, len(q_lens), b.cache, b.window_k,
                     b.window_v, b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT,
-                    num_decodes=decodes, num_warps=nw)])
+                    num_decodes=decodes, num_warps=nw or None)])
                 # Reads K and V (bf16), writes the INT2 slots and, for window positions, bf16 ring rows.
                 ring_rows = sum(min(n, RECENT) for n in q_lens)
                 nbytes = t * hkv * (4 * d + d // 2 + 8) + ring_rows * hkv * 4 * d
