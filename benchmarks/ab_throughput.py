@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -58,6 +59,15 @@ SCENARIOS = ["prefill", "decode", "long", "short", "capacity"]
 BASELINE = "FLASH_ATTN"
 # The Qwen3-8B architecture (its config.json), for runs with dummy weights.
 QWEN3_8B_CONFIG = Path(__file__).parent / "configs" / "qwen3-8b.json"
+
+
+def _version(pkg: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def distinct_prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
@@ -93,10 +103,12 @@ def run_worker(args) -> dict:
     kw.setdefault("max_model_len", model_len(args, args.scenarios or SCENARIOS))
     if args.sweep_seqs:
         kw.update(max_num_seqs=args.sweep_seqs, enforce_eager=True)  # no CUDA graphs to capture: starts fast
-    if kw["max_model_len"] > int(cfg.get("max_position_embeddings", 1 << 30)):
-        os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"  # dummy weights: positions past training are fine
     if not has_weights:
         kw.update(load_format="dummy")
+        if kw["max_model_len"] > int(cfg.get("max_position_embeddings", 1 << 30)):
+            # Dummy weights: positions past training are fine, but the rotary table must reach them
+            # (it is sized by max_position_embeddings; past it RoPE indexes out of bounds).
+            kw.setdefault("hf_overrides", {"max_position_embeddings": kw["max_model_len"]})
     result = {**stub(args.worker, args.sweep_seqs),
               "engine_args": {k: v for k, v in kw.items() if k != "additional_config"}}
     t0 = time.perf_counter()
@@ -425,6 +437,8 @@ def main() -> None:
         [sys.executable, "-c", "import json; from oscar_vllm.evaluate import environment; "
          "print(json.dumps(environment('python benchmarks/ab_throughput.py')))"],
         capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    env["command"] = f"python benchmarks/ab_throughput.py {shlex.join(sys.argv[1:])}".strip()
+    env["versions"] += "".join(f", {pkg} {_version(pkg)}" for pkg in ("vllm", "triton"))
     model_name = "Qwen3-8B shape, dummy weights" if args.model.endswith("qwen3-8b-shape") else args.model
     (out / "meta.json").write_text(json.dumps({**env, "model": model_name, "engine_args": args.engine_args,
                                                "gpus": len(gpus)}))

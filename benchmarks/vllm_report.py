@@ -18,15 +18,23 @@ def load(folder: Path) -> tuple[list[dict], dict]:
     rows = [json.loads(line.split(" ", 1)[1]) for line in (folder / "results.jsonl").read_text().splitlines()
             if line.startswith("RESULT ")]
     ref = json.loads((folder / "reference_fidelity.json").read_text())
+    decode_ref = folder / "reference_fidelity_decode.json"  # optional: the same without --prefill-chunk
+    if decode_ref.exists():
+        ref["decode_semantics"] = json.loads(decode_ref.read_text())
     return rows, ref
 
 
 def ppl_table(rows: list[dict], ref: dict) -> list[str]:
     sim = ref["results"]
     want = sim["oscar-int2-fit"]["ppl"]
+    chunk = ref.get("meta", {}).get("prefill_chunk") or 0
+    how = f", prefilled in chunks of {chunk}" if chunk else ""
     out = ["| run | PPL | vs the reference simulation of OSCAR |", "|---|---|---|",
            f"| reference simulation, BF16 cache (`oscar-evaluate`, fp32 model) | {sim['bf16']['ppl']:.3f} | |",
-           f"| reference simulation, OSCAR INT2 (`oscar-int2-fit`) | {want:.3f} | |"]
+           f"| reference simulation, OSCAR INT2 (`oscar-int2-fit`{how}) | {want:.3f} | |"]
+    if "decode_semantics" in ref:
+        other = ref["decode_semantics"]["results"]["oscar-int2-fit"]["ppl"]
+        out.append(f"| reference simulation, OSCAR INT2, every token as decode reads it | {other:.3f} | |")
     for r in (r for r in rows if r["check"] == "ppl"):
         mode = "eager" if r["eager"] else "torch.compile + CUDA graphs"
         delta = f"{100 * (r['ppl'] / want - 1):+.3f}%" if r["backend"] == "OSCAR" else ""
@@ -91,13 +99,15 @@ def main() -> None:
              f"- date: {args.date or rows[0].get('date', 'unknown')}",
              f"- command: `{args.command}`",
              "", "**Perplexity, SmolLM2-135M-Instruct, Chesterton text, 8 windows of 2,048 tokens**", "",
-             *ppl_table(rows, ref),
-             "", "**KV cache capacity, Qwen3-8B shape, gpu_memory_utilization 0.9, max_num_seqs 64, eager**", "",
-             *capacity_table(rows),
-             "", "**Decode, Qwen3-8B shape, 128 new tokens, prompt prefix-cached, CUDA graphs**", "",
-             *decode]
+             *ppl_table(rows, ref)]
+    capacity = capacity_table(rows)
+    if capacity:
+        lines += ["", "**KV cache capacity, Qwen3-8B shape, gpu_memory_utilization 0.9, max_num_seqs 64, eager**", "",
+                  *capacity]
+    if decode_data["runs"]:
+        lines += ["", "**Decode, Qwen3-8B shape, 128 new tokens, prompt prefix-cached, CUDA graphs**", "", *decode]
+        plot(decode_data, args.folder / "report.png")
     (args.folder / "report.md").write_text("\n".join(lines) + "\n")
-    plot(decode_data, args.folder / "report.png")
     print("\n".join(lines))
 
 

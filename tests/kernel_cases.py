@@ -79,3 +79,18 @@ def dense_twin(scale):
         o, _ = causal_attention_reference(q, k, v, cu_q, cu_k, len(cu_q) - 1, scale)
         out.copy_(o.to(out.dtype))
     return run
+
+
+def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, fp32_atol: float = 1e-4,
+                              bf16_max: float = 1e-2, bf16_mean: float = 5e-3) -> None:
+    """No NaN left (every row written); fp32: elementwise; bf16 inputs, fp16 probabilities and
+    codes in the products and a bf16 output against an fp32 reference: the error relative to
+    the output's scale, worst case (``bf16_max``) and mean (``bf16_mean``)."""
+    got = got.float().cpu()
+    assert not got.isnan().any(), "a query row was never written"
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=fp32_atol)
+    else:
+        err = (got - want).abs()
+        assert err.max() <= bf16_max * want.abs().max(), (err.max(), want.abs().max())
+        assert err.mean() <= bf16_mean * want.abs().mean(), (err.mean(), want.abs().mean())

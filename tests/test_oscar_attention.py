@@ -21,25 +21,12 @@ from oscar_vllm.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_att
 from oscar_vllm.quant import clip_index
 from oscar_vllm.reference.oscar_attention import causal_attention_reference, oscar_attention_reference
 from kernel_cases import (
-    CASES, CLIP_K, CLIP_V, DEVICE, ON_GPU, cache_args, case_id, dense_twin, prepare, random_rotation, random_rows,
+    CASES, assert_close_to_reference, CLIP_K, CLIP_V, DEVICE, ON_GPU, cache_args, case_id, dense_twin, prepare, random_rotation, random_rows,
 )
 from paged_sim import PagedCache
 
 # The kernels feed fp16 (or fp32) into tl.dot, never bf16, so bf16 models run on the CPU too.
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    got = got.float().cpu()
-    assert not got.isnan().any(), "a query row was never written"
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    else:
-        # bf16 inputs, fp16 probabilities and codes in the products, a bf16 output; fp32 in
-        # the reference: bound the error relative to the output's scale, worst case and mean.
-        err = (got - want).abs()
-        assert err.max() <= 1e-2 * want.abs().max(), (err.max(), want.abs().max())
-        assert err.mean() <= 5e-3 * want.abs().mean(), (err.mean(), want.abs().mean())
 
 
 def own_keys_twin(scale):
