@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shlex
 import signal
 import subprocess
@@ -99,6 +100,7 @@ def run_worker(args) -> dict:
     if args.worker == "OSCAR":
         kw["additional_config"] = {"oscar": {"rotation_path": args.rotations}}
     kw.update(json.loads(args.engine_args))
+    kw.setdefault("jit_monitor_verbose", True)  # log every kernel compiled while serving, not each name once
     # A sweep run alone (--scenarios none) sizes max_model_len for every scenario, as the default run does.
     kw.setdefault("max_model_len", model_len(args, args.scenarios or SCENARIOS))
     if args.sweep_seqs:
@@ -120,40 +122,43 @@ def run_worker(args) -> dict:
     if args.sweep_seqs:
         return result
 
-    def timed(prompts, max_tokens):
+    spans = result["spans"] = {}  # scenario -> [[start, end]] wall-clock seconds of its timed calls
+
+    def timed(prompts, max_tokens, scenario):
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
-        t = time.perf_counter()
+        t, wall = time.perf_counter(), time.time()
         outs = llm.generate(prompts, sp, use_tqdm=False)
+        spans.setdefault(scenario, []).append([wall, time.time()])
         return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
 
     llm.generate(distinct_prompts(2, 512, vocab, 99), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     if "prefill" in args.scenarios or "decode" in args.scenarios:
         prompts = distinct_prompts(args.num_prompts, args.prompt_len, vocab, 1)
-        s, _ = timed(prompts, 1)
+        s, _ = timed(prompts, 1, "prefill")
         result["prefill"] = {"requests": args.num_prompts, "prompt_len": args.prompt_len, "seconds": round(s, 3),
                              "prefill_tok_s": round(args.num_prompts * args.prompt_len / s, 1)}
         if "decode" in args.scenarios:
-            s1, _ = timed(prompts, 1)  # prefix-cached: what the decode run pays before decoding
-            sk, n = timed(prompts, args.output_len)
+            s1, _ = timed(prompts, 1, "decode")  # prefix-cached: what the decode run pays before decoding
+            sk, n = timed(prompts, args.output_len, "decode")
             steps = args.output_len - 1
             result["decode"] = {"requests": args.num_prompts, "context": args.prompt_len,
                                 "output_len": args.output_len, "seconds": round(sk - s1, 3),
                                 "decode_tok_s": round(args.num_prompts * steps / (sk - s1), 1),
                                 "tpot_ms": round(1000 * (sk - s1) / steps, 3), "outputs": n}
     if "long" in args.scenarios:
-        s, _ = timed(distinct_prompts(1, args.long_prompt, vocab, 2), 1)
+        s, _ = timed(distinct_prompts(1, args.long_prompt, vocab, 2), 1, "long")
         result["long"] = {"prompt_len": args.long_prompt, "seconds": round(s, 3),
                           "prefill_tok_s": round(args.long_prompt / s, 1)}
     if "short" in args.scenarios:
         prompts = distinct_prompts(args.short_requests, 1024, vocab, 3)
-        s, n = timed(prompts, 1024)
+        s, n = timed(prompts, 1024, "short")
         result["short"] = {"requests": args.short_requests, "prompt_len": 1024, "output_len": 1024,
                            "seconds": round(s, 3), "output_tok_s": round(n / s, 1)}
     if "capacity" in args.scenarios:
         c, k = args.capacity_requests, args.capacity_output_len
         prompts = distinct_prompts(c, args.capacity_len, vocab, 4)
-        s1, _ = timed(prompts, 1)  # the prefill; what of it the KV cache holds stays prefix-cached
-        s, n = timed(prompts, k)  # the follow-up (see the module docstring)
+        s1, _ = timed(prompts, 1, "capacity")  # the prefill; what of it the KV cache holds stays prefix-cached
+        s, n = timed(prompts, k, "capacity")  # the follow-up (see the module docstring)
         result["capacity"] = {"requests": c, "prompt_len": args.capacity_len, "output_len": k,
                               "first_pass_s": round(s1, 3), "seconds": round(s, 3),
                               "output_tok_s": round(c * k / s, 1), "outputs": n}
@@ -218,13 +223,33 @@ def _start(job: Job, gpu: str) -> subprocess.Popen:
                                 env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "PYTHONUNBUFFERED": "1"})
 
 
+# vLLM's warning when a Triton kernel compiles while serving (its JIT monitor), with its time.
+JIT_LINE = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d) \[jit_monitor\.py:\d+\] Triton kernel JIT compilation "
+                      r"during inference: (\w+)")
+
+
+def mark_jit_compiles(result: dict, log: str, year: int) -> dict:
+    """Name, in each scenario, the kernels vLLM logged compiling inside its timed calls: their
+    compile time is in that scenario's numbers. Log times are local and to the second."""
+    events = [(time.mktime(time.strptime(f"{year}-{m[1]}", "%Y-%m-%d %H:%M:%S")), m[2]) for m in JIT_LINE.finditer(log)]
+    for scenario, spans in (result.get("spans") or {}).items():
+        hits = [name for t, name in events if any(a - 1 <= t <= b + 1 for a, b in spans)]
+        if hits and isinstance(result.get(scenario), dict):
+            result[scenario]["jit_compiles"] = hits
+    return result
+
+
 def _finish(job: Job, gpu: str, seconds: float, returncode: int, timed_out: str | None) -> None:
     """Leave a result file (the stub with the error if the worker left none) and say how it went.
     A result written before the timeout stands: only the engine's shutdown hung."""
     if not job.result.exists():
         error = timed_out or f"the worker exited with status {returncode} and no result (see {job.log.name})"
         job.result.write_text(json.dumps({**job.stub, "error": error}))
-    error = json.loads(job.result.read_text()).get("error")
+    result = json.loads(job.result.read_text())
+    if job.log.exists() and "spans" in result:
+        result = mark_jit_compiles(result, job.log.read_text(errors="replace"), time.localtime().tm_year)
+        job.result.write_text(json.dumps(result, indent=1))
+    error = result.get("error")
     print(f"end {job.label} on GPU {gpu}: {seconds:.0f} s, " + (f"failed: {error}" if error else "ok"), flush=True)
     if error:
         tail = job.log.read_text(errors="replace").splitlines()[-20:]
@@ -319,6 +344,11 @@ def report(out: Path) -> str:
         label = label.format(**next(g for g in got.values() if field in g)) if scen else label
         values = {n: g.get(field) for n, g in got.items()}
         lines.append(_line(label, names, runs, values, values.get(BASELINE), higher, csv, plot_rows))
+    compiled = [f"{n} {scen}: {', '.join(r[scen]['jit_compiles'])}" for n, r in runs.items()
+                for scen in SCENARIOS if isinstance(r.get(scen), dict) and r[scen].get("jit_compiles")]
+    if compiled:
+        lines += ["", "Triton kernels vLLM logged compiling inside a timed call (their compile time is in that "
+                  "scenario's numbers): " + "; ".join(compiled) + "."]
     failed = [(n, runs[n]) for n in names if "error" in runs[n]]
     if sweep:
         rows = {}  # label -> config -> result

@@ -202,3 +202,22 @@ def test_pool_worker_without_result(ab, tmp_path, capsys):
         "config": "OSCAR", "sweep_max_num_seqs": 32,
         "error": "the worker exited with status 3 and no result (see log_OSCAR_seqs32.txt)"}
     assert "CUDA error" in capsys.readouterr().out
+
+
+def test_jit_compiles_inside_a_timed_call_are_named(ab, tmp_path):
+    t0 = time.mktime(time.strptime("2026-11-30 15:50:00", "%Y-%m-%d %H:%M:%S"))
+    result = {"decode": {"tpot_ms": 1.0, "decode_tok_s": 9.0, "requests": 32, "context": 16384},
+              "prefill": {"prefill_tok_s": 1.0, "requests": 32, "prompt_len": 16384},
+              "spans": {"prefill": [[t0 - 45, t0 - 5]], "decode": [[t0 - 4, t0 - 3], [t0 - 2, t0 + 12]]}}
+    log = ("(EngineCore pid=1) WARNING 11-30 15:49:20 [jit_monitor.py:135] Triton kernel JIT compilation during "
+           "inference: _oscar_write_kernel. This causes a latency spike\n"
+           "(EngineCore pid=1) WARNING 11-30 15:50:08 [jit_monitor.py:135] Triton kernel JIT compilation during "
+           "inference: _oscar_attention_kernel. This causes a latency spike\n"
+           "(EngineCore pid=1) WARNING 11-30 15:51:00 [jit_monitor.py:135] Triton kernel JIT compilation during "
+           "inference: _late_kernel. This causes a latency spike\n")
+    out = ab.mark_jit_compiles(result, log, 2026)
+    assert out["prefill"]["jit_compiles"] == ["_oscar_write_kernel"]
+    assert out["decode"]["jit_compiles"] == ["_oscar_attention_kernel"]
+    (tmp_path / "meta.json").write_text(json.dumps(META))
+    (tmp_path / "run_OSCAR.json").write_text(json.dumps({"config": "OSCAR", **out}))
+    assert "OSCAR prefill: _oscar_write_kernel; OSCAR decode: _oscar_attention_kernel." in ab.report(tmp_path)

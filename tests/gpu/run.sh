@@ -5,6 +5,7 @@
 #           attention, with the copy bandwidth of the same run; instruction mix of the kernels
 #   sweep   the decode/prefill launch sweep that fills csrc_triton/oscar_attention.py's table
 #   ab      benchmarks/ab_throughput.py: OSCAR against vLLM's KV caches, one engine each
+#   profile where a decode step's time goes inside vLLM, OSCAR and FLASH_ATTN (profile_decode.py)
 #   suite   the whole test suite on the GPU
 #   ppl     SmolLM2 perplexity through OSCAR (fp32 eager, bf16 with CUDA graphs) only
 #   e2e     vLLM end to end: SmolLM2 perplexity through OSCAR vs the reference simulation,
@@ -47,6 +48,10 @@ for stage in $stages; do
     sweep)
       (cd benchmarks/kernels && python3 oscar_attention.py sweep --out "$out/sweep" --batches 1 8 32 \
          --contexts 8192 32768 131072) 2>&1 | grep --line-buffered -v '^{' | tee "$out/sweep.log" || status=1 ;;
+    profile)
+      { python3 benchmarks/profile_decode.py --backend OSCAR ${OSCAR_PROFILE_ARGS:-} &&
+        python3 benchmarks/profile_decode.py --backend FLASH_ATTN ${OSCAR_PROFILE_ARGS:-}; } 2>&1 |
+        grep -v EngineCore | tee "$out/profile.log" || status=1 ;;
     ab)
       python3 benchmarks/ab_throughput.py --out "$out/ab" ${OSCAR_AB_ARGS:-} 2>&1 | tee "$out/ab.log" || status=1 ;;
     ppl)

@@ -1,0 +1,61 @@
+"""Where a decode step's time goes inside vLLM: one engine in this process, distinct prompts
+prefilled (and prefix-cached) first, then a profiled decode run. Prints the time per output
+token, the GPU time its kernels add up to (a step far longer than its kernels waits on the
+host) and the kernels that take it.
+
+    python benchmarks/profile_decode.py --backend OSCAR --batch 32 --context 16384
+    python benchmarks/profile_decode.py --backend FLASH_ATTN --batch 32 --context 16384
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+QWEN3_8B_CONFIG = Path(__file__).parent / "configs" / "qwen3-8b.json"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="OSCAR")
+    p.add_argument("--model", help="model folder (default: the Qwen3-8B shape, dummy weights)")
+    p.add_argument("--rotations", default="hadamard", help="OSCAR rotation path (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=16384)
+    p.add_argument("--steps", type=int, default=32, help="decode steps profiled (default: %(default)s)")
+    p.add_argument("--top", type=int, default=20)
+    args = p.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, for the profiler
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import LLM, SamplingParams
+
+    model = args.model
+    if model is None:
+        model = tempfile.mkdtemp(prefix="qwen3-8b-shape-")
+        (Path(model) / "config.json").write_text(QWEN3_8B_CONFIG.read_text())
+    kw = {"additional_config": {"oscar": {"rotation_path": args.rotations}}} if args.backend == "OSCAR" else {}
+    llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, attention_backend=args.backend,
+              max_model_len=args.context + args.steps + 64, max_num_seqs=args.batch, seed=0, **kw)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(args.context)]}
+               for _ in range(args.batch)]
+    llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)  # prefill, cached
+    sp = SamplingParams(max_tokens=args.steps, ignore_eos=True)
+    llm.generate(prompts, sp, use_tqdm=False)  # every kernel variant compiled before the profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    print(f"{args.backend}: batch {args.batch}, context {args.context}: {1000 * wall / args.steps:.2f} ms per "
+          f"output token; the kernels add up to {gpu_us / 1000 / args.steps:.2f} ms per token "
+          f"(GPU busy {100 * gpu_us / 1e6 / wall:.0f}% of the wall time)")
+    print(events.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=80))
+
+
+if __name__ == "__main__":
+    main()
