@@ -71,6 +71,15 @@ def _version(pkg: str) -> str:
         return "not installed"
 
 
+def dummy_long_context(cfg: dict, max_model_len: int) -> dict:
+    """Engine arguments for dummy weights past the config's ``max_position_embeddings``: such
+    positions are fine, but the rotary table is sized by it, and past it RoPE indexes out of
+    bounds (a device-side assert)."""
+    if max_model_len > int(cfg.get("max_position_embeddings", 1 << 30)):
+        return {"hf_overrides": {"max_position_embeddings": max_model_len}}
+    return {}
+
+
 def distinct_prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
     """``n`` prompts of ``length`` random token ids, different from the first token on."""
     rng = random.Random(seed)
@@ -107,10 +116,7 @@ def run_worker(args) -> dict:
         kw.update(max_num_seqs=args.sweep_seqs, enforce_eager=True)  # no CUDA graphs to capture: starts fast
     if not has_weights:
         kw.update(load_format="dummy")
-        if kw["max_model_len"] > int(cfg.get("max_position_embeddings", 1 << 30)):
-            # Dummy weights: positions past training are fine, but the rotary table must reach them
-            # (it is sized by max_position_embeddings; past it RoPE indexes out of bounds).
-            kw.setdefault("hf_overrides", {"max_position_embeddings": kw["max_model_len"]})
+        kw = {**dummy_long_context(cfg, kw["max_model_len"]), **kw}
     result = {**stub(args.worker, args.sweep_seqs),
               "engine_args": {k: v for k, v in kw.items() if k != "additional_config"}}
     t0 = time.perf_counter()

@@ -9,13 +9,14 @@ host) and the kernels that take it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import tempfile
 import time
 from pathlib import Path
 
-QWEN3_8B_CONFIG = Path(__file__).parent / "configs" / "qwen3-8b.json"
+from ab_throughput import QWEN3_8B_CONFIG, dummy_long_context
 
 
 def main() -> None:
@@ -36,9 +37,12 @@ def main() -> None:
     if model is None:
         model = tempfile.mkdtemp(prefix="qwen3-8b-shape-")
         (Path(model) / "config.json").write_text(QWEN3_8B_CONFIG.read_text())
-    kw = {"additional_config": {"oscar": {"rotation_path": args.rotations}}} if args.backend == "OSCAR" else {}
+    max_model_len = args.context + args.steps + 64
+    kw = dummy_long_context(json.loads((Path(model) / "config.json").read_text()), max_model_len)
+    if args.backend == "OSCAR":
+        kw["additional_config"] = {"oscar": {"rotation_path": args.rotations}}
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, attention_backend=args.backend,
-              max_model_len=args.context + args.steps + 64, max_num_seqs=args.batch, seed=0, **kw)
+              max_model_len=max_model_len, max_num_seqs=args.batch, seed=0, **kw)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(args.context)]}
                for _ in range(args.batch)]
