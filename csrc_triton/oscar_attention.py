@@ -34,7 +34,14 @@ import triton
 import triton.language as tl
 
 from csrc_triton.oscar_dense_kv import oscar_dense_kv
-from csrc_triton.paged_layout import BLOCK_SIZE, check_int2_cache, find_request, param_view, window_index
+from csrc_triton.paged_layout import (
+    BLOCK_SIZE,
+    check_int2_cache,
+    find_request,
+    launch_bucket,
+    param_view,
+    window_index,
+)
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # the same, readable inside kernels
@@ -465,14 +472,9 @@ PREFILL_LAUNCH = (128, 8, 2)
 SMALL_HEAD_PREFILL_LAUNCH = (16, 4, 3)
 
 
-def _bucket(table: dict, n: int):
-    keys = sorted(table)
-    return table[max([k for k in keys if k <= n] or keys[:1])]
-
-
 def decode_splits(num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
     """Most splits a decode batch of ``num_reqs`` requests uses (a power of two, >= 1)."""
-    ctas = _bucket(DECODE_LAUNCH, num_reqs)[2] * num_sms
+    ctas = launch_bucket(DECODE_LAUNCH, num_reqs)[2] * num_sms
     want = triton.cdiv(ctas, max(1, num_reqs * num_kv_heads))
     return max(1, min(MAX_DECODE_SPLITS, triton.next_power_of_2(want)))
 
@@ -546,7 +548,7 @@ def oscar_decode_attention(
     if t == 0 or num_reqs == 0:
         return out
     hq, hkv, d, consts, params = _common(q, k, cache, param_dtype, use_asm)
-    num_warps, num_stages = launch or _bucket(DECODE_LAUNCH, num_reqs)[:2]
+    num_warps, num_stages = launch or launch_bucket(DECODE_LAUNCH, num_reqs)[:2]
     if num_splits > 1:
         part_out = part_out.view(-1)[: t * hq * num_splits * d].view(t, hq, num_splits, d)
         part_lse = part_lse.view(-1)[: t * hq * num_splits].view(t, hq, num_splits)

@@ -20,6 +20,7 @@ from csrc_triton.paged_layout import (
     BLOCK_SIZE,
     check_int2_cache,
     find_requests,
+    launch_bucket,
     param_view,
     to_bf16_rne,
     window_index,
@@ -220,5 +221,5 @@ def oscar_write(
         ROT_HEAD_STRIDE=d * d if rot_k.dim() == 3 else 0,
         HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, SINK=sink, RECENT=recent,
         PARAM_BF16=param_dtype == torch.bfloat16, BLOCK_T=BLOCK_T, SEARCH_STEPS=SEARCH_STEPS,
-        num_warps=num_warps or WRITE_NUM_WARPS[max(n for n in WRITE_NUM_WARPS if n <= t)],
+        num_warps=num_warps or launch_bucket(WRITE_NUM_WARPS, t),
     )

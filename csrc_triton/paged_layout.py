@@ -62,6 +62,13 @@ def param_view(cache: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
     return cache.view(param_dtype)
 
 
+def launch_bucket(table: dict, n: int):
+    """The entry of a launch table for size ``n``: the largest key <= ``n`` (the smallest key
+    below all of them)."""
+    keys = sorted(table)
+    return table[max([k for k in keys if k <= n] or keys[:1])]
+
+
 @triton.jit
 def find_request(cu_q_ptr, num_reqs, target, BLOCK_Q: tl.constexpr, Q_BLOCK_MODE: tl.constexpr):
     """The request holding token ``target`` (or q-block ``target`` in q-block mode).

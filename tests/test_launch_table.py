@@ -7,16 +7,16 @@ from csrc_triton.oscar_attention import (
     MAX_DECODE_SPLITS,
     PREFILL_LAUNCH,
     SMALL_HEAD_PREFILL_LAUNCH,
-    _bucket,
     decode_split_rows,
     decode_splits,
 )
+from csrc_triton.paged_layout import launch_bucket
 
 
 def test_decode_table_covers_every_batch_with_valid_choices():
     assert min(DECODE_LAUNCH) == 1
     for n in range(1, 2049):
-        warps, stages, ctas = _bucket(DECODE_LAUNCH, n)
+        warps, stages, ctas = launch_bucket(DECODE_LAUNCH, n)
         assert warps in (1, 2, 4, 8) and 1 <= stages <= 5 and ctas >= 1
 
 

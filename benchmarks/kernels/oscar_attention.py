@@ -38,12 +38,12 @@ from csrc_triton.oscar_attention import (
     DECODE_LAUNCH,
     MAX_DECODE_SPLITS,
     DensePrefill,
-    _bucket,
     oscar_decode_attention,
     oscar_dense_prefill_attention,
     oscar_prefill_attention,
 )
 from csrc_triton.oscar_dense_kv import oscar_dense_kv
+from csrc_triton.paged_layout import launch_bucket
 
 SINK, RECENT = 64, 256
 FA_BLOCK = 16  # vLLM's default block size for FLASH_ATTN
@@ -134,7 +134,7 @@ def decode_calls(data: list[tuple], ctas: int | None = None, launch=None, use_as
     b, q, k, _, _ = data[0]
     n, hq, d = q.shape
     hkv = k.shape[1]
-    splits = split_count(n, hkv, _bucket(DECODE_LAUNCH, n)[2] if ctas is None else ctas)
+    splits = split_count(n, hkv, launch_bucket(DECODE_LAUNCH, n)[2] if ctas is None else ctas)
     part_out = torch.empty(n * hq * splits * d, device="cuda")
     part_lse = torch.empty(n * hq * splits, device="cuda")
     calls = [lambda b=b, q=q, k=k, v=v, out=out: oscar_decode_attention(
