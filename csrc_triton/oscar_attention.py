@@ -280,7 +280,14 @@ def _store_quarters(ptr, row_off, row_mask, x0, x1, x2, x3, Q: tl.constexpr):
     tl.store(p + 3 * Q, x3.to(ty), mask=row_mask[:, None])
 
 
-@triton.jit
+# Counts and per-call strides change from step to step: unspecialized, so that Triton compiles
+# one variant per launch configuration rather than one per size class (==1, %16) met while serving.
+# Sliced metadata (a batch's prefill part) starts at any int32 offset: no alignment variants either.
+# csrc_triton/warm_up.py relies on this to compile, before serving, all that serving launches.
+@triton.jit(
+    do_not_specialize=["num_reqs", "num_splits", "stride_lse_h", "stride_bt"],
+    do_not_specialize_on_alignment=["self_lse_ptr", "block_table_ptr", "seq_lens_ptr", "cu_q_ptr", "ring_slot_ptr"],
+)
 def _oscar_attention_kernel(
     out_ptr,  # [T, HQ, D] output; with MERGE_SELF it holds the step's own-keys attention on entry
     self_lse_ptr,  # fp32 [HQ, T] natural-log LSE of the step's own-keys attention (MERGE_SELF)

@@ -30,7 +30,12 @@ def _store_rows(ptr, off, mask, x, OUT_BF16: tl.constexpr):
     tl.store(ptr + off, y, mask=mask)
 
 
-@triton.jit
+# The prefill part of a batch is a slice of its metadata, at any int32 offset, and the block
+# table's width is the server's (see _oscar_attention_kernel).
+@triton.jit(
+    do_not_specialize=["stride_bt"],
+    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "cu_q_ptr", "cu_k_ptr", "ring_slot_ptr"],
+)
 def _oscar_dense_kv_kernel(
     k_out_ptr,  # [total_k, HKV, D] dense keys, rotated basis
     v_out_ptr,  # [total_k, HKV, D] dense values

@@ -88,7 +88,12 @@ def _to_param(x, PARAM_BF16: tl.constexpr):
     return y
 
 
-@triton.jit
+# Token and request counts change every step, clip indices from layer to layer: unspecialized,
+# so one compiled variant serves them all (see _oscar_attention_kernel).
+@triton.jit(
+    do_not_specialize=["num_tokens", "num_reqs", "num_decodes", "clip_idx_k", "clip_idx_v"],
+    do_not_specialize_on_alignment=["slot_mapping_ptr", "cu_q_ptr", "seq_lens_ptr", "ring_slot_ptr"],
+)
 def _oscar_write_kernel(
     key_ptr,  # [T, HKV, D] this step's keys, RoPE applied, not rotated
     value_ptr,  # [T, HKV, D] this step's values, already in the rotated basis

@@ -28,6 +28,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from csrc_triton.oscar_attention import DensePrefill, decode_split_rows, decode_splits, oscar_attention
 from csrc_triton.oscar_write import oscar_write
 from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape
+from csrc_triton.warm_up import warm_up_kernels
 from oscar_vllm import window_store
 from oscar_vllm.plugin import BACKEND_NAME, check_vllm_version
 from oscar_vllm.quant import PARAM_DTYPES, clip_index
@@ -252,6 +253,19 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         n, heads, d = x.shape
         xg = x.float().view(n, self.num_kv_heads, heads // self.num_kv_heads, d)
         return torch.einsum("thgi,hij->thgj", xg, rot).reshape(x.shape).to(x.dtype)
+
+    def warm_up(self, kv_cache: torch.Tensor, vllm_config: VllmConfig) -> int:
+        """Compile every kernel variant this layer can launch while serving (``csrc_triton.warm_up``),
+        on scratch inputs over its own cache and windows, which it leaves as they are."""
+        if self.rot_k is None:
+            raise RuntimeError("OSCAR layer has no rotation: the model was not prepared")
+        sched = vllm_config.scheduler_config
+        return warm_up_kernels(
+            kv_cache, self.window_k, self.window_v, self.window_pos, self.rot_k, self.num_heads,
+            vllm_config.model_config.dtype, self.sink, self.recent, self.param_dtype, sched.max_num_seqs,
+            sched.max_num_batched_tokens, torch.cuda.get_device_properties(kv_cache.device).multi_processor_count,
+            merge_self=self.own_keys_attention is not None, dense=self.dense_kv is not None,
+        )
 
     def dense_prefill(self, md: OscarAttentionMetadata, k: torch.Tensor) -> DensePrefill | None:
         """The dense path for this batch's prefills, when they have a cached prefix and fit."""

@@ -8,6 +8,8 @@ and is installed once, when the backend module is imported in a vLLM process:
   stable row of each request (its window ring) and when a row changes hands.
 * ``process_weights_after_loading`` as ``BaseModelLoader.load_model`` calls it: load the
   rotations, fold the value rotation into the weights, hand each layer its key rotation.
+* V2 model runner, ``GPUModelRunner.initialize_kv_cache``: once the cache exists, compile
+  every kernel variant serving can launch (``warm_up_kernels``), before graph capture.
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ def install() -> None:
         return
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.model_executor.model_loader import base_loader
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
     from vllm.v1.worker.gpu.model_states.default import DefaultModelState
     from vllm.v1.worker.gpu.states import RequestState
 
@@ -91,7 +94,14 @@ def install() -> None:
             prepare_model(model)
         return process_weights_after_loading
 
+    def make_initialize_kv_cache(original):
+        def initialize_kv_cache(self, kv_cache_config):
+            original(self, kv_cache_config)
+            warm_up_layers(self.compilation_config.static_forward_context.values(), self.vllm_config)
+        return initialize_kv_cache
+
     _wrap(Attention, "get_kv_cache_spec", make_spec)
+    _wrap(GPUModelRunner, "initialize_kv_cache", make_initialize_kv_cache)
     _wrap(RequestState, "add_request", make_add_request)
     _wrap(DefaultModelState, "prepare_attn", make_prepare_attn)
     _wrap(base_loader, "process_weights_after_loading", make_process_weights)
@@ -192,3 +202,22 @@ def give_dense_prefill_buffers(impls: list, vllm_config) -> int:
     for impl in impls:
         impl.dense_kv = buffers
     return sum(b.nbytes for b in buffers)
+
+
+def warm_up_layers(layers, vllm_config) -> None:
+    """Compile the kernels' serving variants once per distinct layer shape, and log the cost:
+    a one-time startup cost instead of 1-3 s stalls of whichever requests meet a variant first."""
+    import time
+
+    done, launches, t0 = set(), 0, time.perf_counter()
+    for layer in layers:
+        impl = getattr(layer, "impl", None)
+        if not _is_oscar(impl):
+            continue
+        shape = (impl.num_heads, impl.num_kv_heads, impl.head_size, impl.rot_k.dim(), layer.kv_cache.shape[1:])
+        if shape not in done:
+            done.add(shape)
+            launches += impl.warm_up(layer.kv_cache, vllm_config)
+    if launches:
+        torch.cuda.synchronize()
+        logger.info("OSCAR: compiled the kernels' %d serving variants in %.1f s", launches, time.perf_counter() - t0)

@@ -79,7 +79,9 @@ def test_backend_class_resolves_and_installs_its_hooks():
         from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
         backend = E.OSCAR.get_class()
         from vllm.model_executor.layers.attention.attention import Attention
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
         assert Attention.get_kv_cache_spec.__oscar_wrapped__
+        assert GPUModelRunner.initialize_kv_cache.__oscar_wrapped__  # the kernels' warm-up
         print(backend.get_name(), backend.get_kv_cache_shape(10, 64, 8, 128))
     """)
     assert out == "OSCAR (10, 8, 4608)"

@@ -37,7 +37,7 @@ for stage in $stages; do
     tests)
       { python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print(torch.cuda.get_device_name(0))' &&
         python3 -m pytest -q -p no:warnings $xdist tests/test_oscar_write.py tests/test_oscar_attention.py \
-          tests/test_oscar_dense_kv.py tests/test_launch_table.py; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
+          tests/test_oscar_dense_kv.py tests/test_launch_table.py tests/test_warm_up.py; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
     kernels)
       { (cd benchmarks/kernels &&
          python3 oscar_attention.py decode --out "$out/kernels" ${OSCAR_KERNEL_ARGS:-} &&

@@ -1,0 +1,106 @@
+"""Compile every kernel variant a server can launch, before it serves.
+
+Triton compiles a kernel the first time it meets a new set of compile-time choices (the
+launch table's warps and stages, split or not, merge or own keys, the split count of the
+merge). Left to first use, that happens while requests wait: 1-3 s per variant, and the
+prefill-side variants are not reached by vLLM's own warm-up or graph capture (a prefix-cache
+hit over many requests is the first to need the INT2 prefill kernel). The kernels leave the
+sizes that change per step unspecialized (``do_not_specialize``), so these launches on
+scratch tensors of one block compile exactly what serving launches.
+
+Nothing here writes to the cache or the windows: the attention kernels only read them, and
+the write kernel is given padding slots (``-1``), which it skips.
+"""
+import torch
+
+from csrc_triton.oscar_attention import (
+    DECODE_LAUNCH,
+    decode_splits,
+    oscar_decode_attention,
+    oscar_prefill_attention,
+)
+from csrc_triton.oscar_dense_kv import oscar_dense_kv
+from csrc_triton.oscar_write import WRITE_NUM_WARPS, oscar_write
+from csrc_triton.paged_layout import launch_bucket
+
+
+def decode_variants(max_num_seqs: int, num_kv_heads: int, num_sms: int) -> dict[tuple, int]:
+    """The decode launches a batch of 1..``max_num_seqs`` requests can take: ``{(num_warps,
+    num_stages, splits): smallest batch that takes it}``."""
+    variants: dict[tuple, int] = {}
+    for n in range(1, max_num_seqs + 1):
+        key = (*launch_bucket(DECODE_LAUNCH, n)[:2], decode_splits(n, num_kv_heads, num_sms))
+        variants.setdefault(key, n)
+    return variants
+
+
+def warm_up_kernels(
+    cache: torch.Tensor,
+    window_k: torch.Tensor,
+    window_v: torch.Tensor,
+    window_pos: torch.Tensor,
+    rot_k: torch.Tensor,
+    num_heads: int,
+    dtype: torch.dtype,
+    sink: int,
+    recent: int,
+    param_dtype: torch.dtype,
+    max_num_seqs: int,
+    max_num_tokens: int,
+    num_sms: int,
+    merge_self: bool,
+    dense: bool,
+) -> int:
+    """Launch each kernel variant once on one-block scratch inputs; returns the launches.
+
+    ``cache``, ``window_*``, ``rot_k``: a layer's own (read, never written). ``dtype``: the
+    model's; ``merge_self``: prefill merges FlashAttention's own-keys pass (else the INT2
+    kernel attends to the chunk itself); ``dense``: the dense-prefix prefill path exists.
+    ``max_num_seqs`` and ``max_num_tokens`` bound the batches (requests, tokens per step).
+    """
+    dev = cache.device
+    hkv, d = window_k.shape[2], window_k.shape[3]
+    i32 = dict(dtype=torch.int32, device=dev)
+
+    def rows(n: int, heads: int) -> torch.Tensor:
+        return torch.zeros(n, heads, d, dtype=dtype, device=dev)
+
+    def batch(n: int, q_len: int):
+        """``n`` requests of ``q_len`` new tokens after one cached token, all in block 0, ring 0."""
+        block_table = torch.zeros(n, 1, **i32)
+        seq_lens = torch.full((n,), q_len + 1, **i32)
+        cu_q = torch.arange(0, n * q_len + 1, q_len, **i32)
+        return block_table, seq_lens, cu_q, torch.zeros(n, **i32)
+
+    launches = 0
+    for (num_warps, num_stages, splits), n in decode_variants(max_num_seqs, hkv, num_sms).items():
+        q = rows(n, num_heads)
+        part_out = torch.empty(n * num_heads * splits * d, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(n * num_heads * splits, dtype=torch.float32, device=dev)
+        oscar_decode_attention(q.clone(), q, q, rows(n, hkv), rows(n, hkv), cache, window_k, window_v, window_pos,
+                               *batch(n, 1), n, 1.0, sink, recent, param_dtype, splits, part_out, part_lse,
+                               launch=(num_warps, num_stages))
+        launches += 1
+
+    q_len = 2
+    q = rows(q_len, num_heads)
+    block_table, seq_lens, cu_q, ring_slots = batch(1, q_len)
+    self_lse = torch.zeros(num_heads, q_len, dtype=torch.float32, device=dev) if merge_self else None
+    oscar_prefill_attention(q.clone(), q, q, rows(q_len, hkv), rows(q_len, hkv), cache, window_k, window_v,
+                            window_pos, block_table, seq_lens, cu_q, ring_slots, 1, 1.0, sink, recent, param_dtype,
+                            self_lse=self_lse)
+    launches += 1
+    if dense:
+        cu_k = torch.tensor([0, q_len + 1], **i32)
+        oscar_dense_kv(rows(q_len + 1, hkv), rows(q_len + 1, hkv), rows(q_len, hkv), rows(q_len, hkv), cache,
+                       window_k, window_v, window_pos, block_table, seq_lens, cu_q, cu_k, ring_slots, 1, q_len + 1,
+                       sink, recent, param_dtype)
+        launches += 1
+
+    for t in sorted(k for k in WRITE_NUM_WARPS if k <= max(1, max_num_tokens)):
+        padding = torch.full((t,), -1, dtype=torch.int64, device=dev)
+        _, seq_lens, cu_q, ring_slots = batch(t, 1)
+        oscar_write(rows(t, hkv), rows(t, hkv), rot_k, padding, cu_q, seq_lens, ring_slots, t, cache, window_k,
+                    window_v, window_pos, 0, 0, sink, recent, param_dtype, t)
+        launches += 1
+    return launches
