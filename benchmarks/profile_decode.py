@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import tempfile
 import time
 from pathlib import Path
 
-from ab_throughput import QWEN3_8B_CONFIG, dummy_long_context
+from ab_throughput import QWEN3_8B_CONFIG, distinct_prompts, dummy_long_context
 
 
 def main() -> None:
@@ -39,14 +38,13 @@ def main() -> None:
         model = tempfile.mkdtemp(prefix="qwen3-8b-shape-")
         (Path(model) / "config.json").write_text(QWEN3_8B_CONFIG.read_text())
     max_model_len = args.context + args.steps + 64
-    kw = dummy_long_context(json.loads((Path(model) / "config.json").read_text()), max_model_len)
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    kw = dummy_long_context(cfg, max_model_len)
     if args.backend == "OSCAR":
         kw["additional_config"] = {"oscar": {"rotation_path": args.rotations}}
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, attention_backend=args.backend,
               max_model_len=max_model_len, max_num_seqs=args.batch, seed=0, **kw)
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(args.context)]}
-               for _ in range(args.batch)]
+    prompts = distinct_prompts(args.batch, args.context, int(cfg.get("vocab_size", 32000)), seed=0)
     llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)  # prefill, cached
     sp = SamplingParams(max_tokens=args.steps, ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)  # every kernel variant compiled before the profile

@@ -5,9 +5,9 @@ launch table's warps and stages, split or not, merge or own keys, the split coun
 merge). Left to first use, that happens while requests wait, seconds per variant (the
 Qwen3-8B shape's 10 took 37.7 s on the H200), and the prefill-side variants are not reached by
 vLLM's own warm-up or graph capture (a prefix-cache hit over many requests is the first to need
-the INT2 prefill kernel). The kernels leave the
-sizes that change per step unspecialized (``do_not_specialize``), so these launches on
-scratch tensors of one block compile exactly what serving launches.
+the INT2 prefill kernel). The kernels leave the sizes that change per step unspecialized
+(``do_not_specialize``), so these launches on scratch tensors of one block compile exactly what
+serving launches.
 
 Nothing here writes to the cache or the windows: the attention kernels only read them, and
 the write kernel is given padding slots (``-1``), which it skips.
@@ -27,7 +27,8 @@ from csrc_triton.paged_layout import launch_bucket
 
 def decode_variants(max_num_seqs: int, num_kv_heads: int, num_sms: int) -> dict[tuple, int]:
     """The decode launches a batch of 1..``max_num_seqs`` requests can take: ``{(num_warps,
-    num_stages, splits): smallest batch that takes it}``."""
+    num_stages, splits): smallest batch that takes it}`` (the decode wrapper picks the same
+    launch for that batch size)."""
     variants: dict[tuple, int] = {}
     for n in range(1, max_num_seqs + 1):
         key = (*launch_bucket(DECODE_LAUNCH, n)[:2], decode_splits(n, num_kv_heads, num_sms))
@@ -74,13 +75,12 @@ def warm_up_kernels(
         return block_table, seq_lens, cu_q, torch.zeros(n, **i32)
 
     launches = 0
-    for (num_warps, num_stages, splits), n in decode_variants(max_num_seqs, hkv, num_sms).items():
+    for (*_, splits), n in decode_variants(max_num_seqs, hkv, num_sms).items():
         q = rows(n, num_heads)
         part_out = torch.empty(n * num_heads * splits * d, dtype=torch.float32, device=dev)
         part_lse = torch.empty(n * num_heads * splits, dtype=torch.float32, device=dev)
         oscar_decode_attention(q.clone(), q, q, rows(n, hkv), rows(n, hkv), cache, window_k, window_v, window_pos,
-                               *batch(n, 1), n, 1.0, sink, recent, param_dtype, splits, part_out, part_lse,
-                               launch=(num_warps, num_stages))
+                               *batch(n, 1), n, 1.0, sink, recent, param_dtype, splits, part_out, part_lse)
         launches += 1
 
     q_len = 2

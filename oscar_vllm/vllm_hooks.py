@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import torch
 
@@ -206,9 +207,7 @@ def give_dense_prefill_buffers(impls: list, vllm_config) -> int:
 
 def warm_up_layers(layers, vllm_config) -> None:
     """Compile the kernels' serving variants once per distinct layer shape, and log the cost:
-    a one-time startup cost instead of 1-3 s stalls of whichever requests meet a variant first."""
-    import time
-
+    a one-time startup cost instead of stalls of seconds for whichever requests meet a variant first."""
     done, launches, t0 = set(), 0, time.perf_counter()
     for layer in layers:
         impl = getattr(layer, "impl", None)
