@@ -98,6 +98,19 @@ def stub(name: str, seqs: int | None) -> dict:
     return {"config": name, **({"sweep_max_num_seqs": seqs} if seqs else {})}
 
 
+def oscar_window_blocks(vllm_config) -> int:
+    """KV cache blocks one running request's OSCAR windows take (as the engine's scheduler counts)."""
+    from types import SimpleNamespace
+
+    from oscar_vllm.settings import OscarSettings
+    from oscar_vllm.vllm_hooks import window_pages_of_group
+
+    model = vllm_config.model_config
+    spec = SimpleNamespace(block_size=vllm_config.cache_config.block_size,
+                           num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config), head_size=model.get_head_size())
+    return window_pages_of_group(spec, OscarSettings.from_vllm_config(vllm_config))[0]
+
+
 def run_worker(args) -> dict:
     """One engine, every scenario (or, with ``--sweep-seqs``, its KV capacity alone), one JSON result."""
     from vllm import LLM, SamplingParams
@@ -125,6 +138,10 @@ def run_worker(args) -> dict:
     result["startup_s"] = round(time.perf_counter() - t0, 1)
     result["kv_cache_tokens"] = cache.num_gpu_blocks * cache.block_size
     result["max_num_seqs"] = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    # OSCAR's windows take blocks of the pool per running request: what is left with all running.
+    window_blocks = oscar_window_blocks(llm.llm_engine.vllm_config) if args.worker == "OSCAR" else 0
+    result["window_blocks_per_request"] = window_blocks
+    result["kv_tokens_all_running"] = (cache.num_gpu_blocks - window_blocks * result["max_num_seqs"]) * cache.block_size
     if args.sweep_seqs:
         return result
 
@@ -316,6 +333,7 @@ def run_pool(jobs: list[Job], gpus: list[str], timeout: float, poll_s: float = 0
 
 METRICS = [  # (scenario, field, label, higher is better)
     (None, "kv_cache_tokens", "KV cache capacity (tokens)", True),
+    (None, "kv_tokens_all_running", "KV tokens left with all max_num_seqs requests running", True),
     ("prefill", "prefill_tok_s", "prefill tok/s, {requests} x {prompt_len} distinct prompts", True),
     ("decode", "decode_tok_s", "decode tok/s, {requests} x {context} context, prefix-cached", True),
     ("decode", "tpot_ms", "time per output token (ms), same run", False),
@@ -400,6 +418,14 @@ def report(out: Path) -> str:
             lines.append(_line(label, cols, row, values, values.get(BASELINE), True, csv,
                                None if row is runs else plot_rows,  # the main table plots that one
                                metric=f"KV cache capacity (tokens), max_num_seqs {label}"))
+        if any("kv_tokens_all_running" in r for row in rows.values() for r in row.values()):
+            lines += ["", "OSCAR's BF16 windows are blocks of that pool, taken per running request; with all "
+                      "max_num_seqs requests running, this much is left for KV tokens:", "",
+                      "| max_num_seqs | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+            for label, row in rows.items():
+                values = {c: r.get("kv_tokens_all_running") for c, r in row.items()}
+                lines.append(_line(label, cols, row, values, values.get(BASELINE), True, csv, None,
+                                   metric=f"KV tokens left with all running, max_num_seqs {label}"))
     for n, r in failed:
         lines.append(f"\n**{n} failed:** `{r['error']}`")
     text = "\n".join(lines) + "\n"

@@ -40,7 +40,9 @@ from csrc_triton.paged_layout import (
     find_request,
     launch_bucket,
     param_view,
+    window_args,
     window_index,
+    window_offset,
 )
 
 LOG2E = 1.4426950408889634
@@ -149,9 +151,9 @@ def _online_softmax(m_i, l_i, s):
 @triton.jit
 def _ring_lookup(window_pos_ptr, ring, kp, k_ok, SINK: tl.constexpr, RECENT: tl.constexpr):
     """Ring entry of each key position ``kp`` and whether the ring holds that position."""
-    widx = ring * (SINK + RECENT) + window_index(kp, SINK, RECENT)
-    held = tl.load(window_pos_ptr + widx, mask=k_ok, other=-1) == kp
-    return widx, held
+    entry = window_index(kp, SINK, RECENT)
+    held = tl.load(window_pos_ptr + ring * (SINK + RECENT) + entry, mask=k_ok, other=-1) == kp
+    return entry, held
 
 
 @triton.jit
@@ -159,9 +161,9 @@ def _attend_int2_block(
     m_i, l_i, acc0, acc1, acc2, acc3, acc_min,
     qs0, qs1, qs2, qs3, q_sum, row_ok,
     blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring,
-    window_k_ptr, window_v_ptr, window_pos_ptr, qk_scale,
+    window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page, qk_scale,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, SINK: tl.constexpr,
-    RECENT: tl.constexpr, WINDOW: tl.constexpr, DOT_DT: tl.constexpr, USE_ASM: tl.constexpr,
+    RECENT: tl.constexpr, WIN_E: tl.constexpr, WINDOW: tl.constexpr, DOT_DT: tl.constexpr, USE_ASM: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Attend to the prefix keys of block ``blk`` (logical index in the request's table).
@@ -199,9 +201,9 @@ def _attend_int2_block(
         # Zeroed past ctx, where the bytes are whatever the allocator left (NaN would poison p·s_v).
         v_scale = tl.where(k_ok, v_scale, 0.0)
         v_min = tl.where(k_ok, v_min, 0.0)
-        widx, held = _ring_lookup(window_pos_ptr, ring, kp, k_ok, SINK, RECENT)
+        entry, held = _ring_lookup(window_pos_ptr, ring, kp, k_ok, SINK, RECENT)
         in_window = (held & ((kp < SINK) | (ctx - kp < RECENT)))[None, :]
-        w_off = (widx * HKV + h) * D
+        w_off = window_offset(window_pages_ptr, stride_wp, ring, entry, held, stride_page, WIN_E, HKV * D) + h * D
         rk0, rk1, rk2, rk3 = _load_quarters_t(window_k_ptr, w_off, held, Q, DOT_DT)
         s_ring = _dot4((qs0 * 1.0).to(DOT_DT), (qs1 * 4.0).to(DOT_DT), (qs2 * 16.0).to(DOT_DT),
                        (qs3 * 64.0).to(DOT_DT), rk0, rk1, rk2, rk3, PRECISION)
@@ -286,7 +288,8 @@ def _store_quarters(ptr, row_off, row_mask, x0, x1, x2, x3, Q: tl.constexpr):
 # csrc_triton/warm_up.py relies on this to compile, before serving, all that serving launches.
 @triton.jit(
     do_not_specialize=["num_reqs", "num_splits", "stride_lse_h", "stride_bt"],
-    do_not_specialize_on_alignment=["self_lse_ptr", "block_table_ptr", "seq_lens_ptr", "cu_q_ptr", "ring_slot_ptr"],
+    do_not_specialize_on_alignment=["self_lse_ptr", "block_table_ptr", "seq_lens_ptr", "cu_q_ptr", "ring_slot_ptr",
+                                    "window_v_ptr"],
 )
 def _oscar_attention_kernel(
     out_ptr,  # [T, HQ, D] output; with MERGE_SELF it holds the step's own-keys attention on entry
@@ -299,8 +302,9 @@ def _oscar_attention_kernel(
     v_ptr,  # [T, HKV, D] this step's values, folded basis (NEW_KEYS)
     codes_ptr,  # uint8 [num_blocks, HKV, REGION] INT2 pages (paged_layout)
     params_ptr,  # 16-bit view of the same pages
-    window_k_ptr,  # bf16 [S, SINK + RECENT, HKV, D] rotated keys of the windows
-    window_v_ptr,  # bf16 [S, SINK + RECENT, HKV, D]
+    window_k_ptr,  # bf16 [num_pages, page_elems] window pages: [WIN_E, HKV, D] rotated keys first
+    window_v_ptr,  # the same pages from their values: [WIN_E, HKV, D] at window_k_ptr + WIN_E*HKV*D
+    window_pages_ptr,  # int32 [S, >= ceil((SINK + RECENT) / WIN_E)] page of each ring's entries
     window_pos_ptr,  # int32 [S, SINK + RECENT] position held by each ring entry
     block_table_ptr,  # int32 [R, max_blocks]
     seq_lens_ptr,  # int32 [R] sequence length including this step
@@ -312,6 +316,8 @@ def _oscar_attention_kernel(
     stride_qt, stride_qh, stride_rt, stride_rh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_bt, stride_lse_h,
     stride_cb,  # bytes from one cache block to the next
+    stride_wp,  # window_pages row stride
+    stride_page,  # elements from one window page to the next
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     G: tl.constexpr,
@@ -319,6 +325,7 @@ def _oscar_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     SINK: tl.constexpr,
     RECENT: tl.constexpr,
+    WIN_E: tl.constexpr,  # ring entries per window page
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -389,18 +396,18 @@ def _oscar_attention_kernel(
     for blk in range(b_lo, tl.minimum(b_hi, sink_end)):
         m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, row_ok,
-            blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pos_ptr,
-            qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, True, DOT_DT, USE_ASM, PRECISION)
+            blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pages_ptr,
+            window_pos_ptr, stride_wp, stride_page, qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, WIN_E, True, DOT_DT, USE_ASM, PRECISION)
     for blk in range(tl.maximum(b_lo, sink_end), tl.minimum(b_hi, recent_start)):
         m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, row_ok,
-            blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pos_ptr,
-            qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, False, DOT_DT, USE_ASM, PRECISION)
+            blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pages_ptr,
+            window_pos_ptr, stride_wp, stride_page, qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, WIN_E, False, DOT_DT, USE_ASM, PRECISION)
     for blk in range(tl.maximum(b_lo, recent_start), b_hi):
         m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, row_ok,
-            blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pos_ptr,
-            qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, True, DOT_DT, USE_ASM, PRECISION)
+            blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pages_ptr,
+            window_pos_ptr, stride_wp, stride_page, qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, WIN_E, True, DOT_DT, USE_ASM, PRECISION)
 
     if NEW_KEYS:
         if split == 0:
@@ -506,13 +513,13 @@ def _common(q, k, cache, param_dtype, use_asm):
     ), param_view(cache, param_dtype)
 
 
-def _tensor_args(q, q_rot, k, v, cache, params, window_k, window_v, window_pos, block_table, seq_lens, cu_q,
-                 ring_slots, out) -> dict:
+def _tensor_args(q, q_rot, k, v, cache, params, windows, window_pages, window_pos, block_table, seq_lens, cu_q,
+                 ring_slots, out, sink, recent) -> dict:
     """The kernel arguments both launches pass alike: tensors and their strides."""
     return dict(
-        q_ptr=q, q_rot_ptr=q_rot, k_ptr=k, v_ptr=v, codes_ptr=cache, params_ptr=params, window_k_ptr=window_k,
-        window_v_ptr=window_v, window_pos_ptr=window_pos, block_table_ptr=block_table, seq_lens_ptr=seq_lens,
-        cu_q_ptr=cu_q, ring_slot_ptr=ring_slots,
+        q_ptr=q, q_rot_ptr=q_rot, k_ptr=k, v_ptr=v, codes_ptr=cache, params_ptr=params,
+        **window_args(windows, window_pages, window_pos, k.shape[1], k.shape[2], sink, recent),
+        block_table_ptr=block_table, seq_lens_ptr=seq_lens, cu_q_ptr=cu_q, ring_slot_ptr=ring_slots,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_rt=q_rot.stride(0), stride_rh=q_rot.stride(1),
         stride_kt=k.stride(0), stride_kh=k.stride(1), stride_vt=v.stride(0), stride_vh=v.stride(1),
         stride_ot=out.stride(0), stride_oh=out.stride(1), stride_bt=block_table.stride(0), stride_cb=cache.stride(0),
@@ -526,8 +533,8 @@ def oscar_decode_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     cache: torch.Tensor,
-    window_k: torch.Tensor,
-    window_v: torch.Tensor,
+    windows: torch.Tensor,
+    window_pages: torch.Tensor,
     window_pos: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -563,8 +570,9 @@ def oscar_decode_attention(
     split = num_splits > 1
     _oscar_attention_kernel[(num_reqs, hkv, num_splits)](
         out_ptr=out, self_lse_ptr=out, part_out_ptr=part_out if split else out,
-        part_lse_ptr=part_lse if split else out, **_tensor_args(q, q_rot, k, v, cache, params, window_k, window_v,
-                                                                 window_pos, block_table, seq_lens, cu_q, ring_slots, out),
+        part_lse_ptr=part_lse if split else out, **_tensor_args(q, q_rot, k, v, cache, params, windows, window_pages,
+                                                                 window_pos, block_table, seq_lens, cu_q, ring_slots, out,
+                                                                 sink, recent),
         num_reqs=num_reqs, num_splits=num_splits, qk_scale=scale * LOG2E, stride_lse_h=0,
         SINK=sink, RECENT=recent, BLOCK_M=block_m, BLOCK_Q=1, SPLIT=split,
         DECODE=True, NEW_KEYS=True, MERGE_SELF=False, BLOCK_N_NEW=16,
@@ -585,8 +593,8 @@ def oscar_prefill_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     cache: torch.Tensor,
-    window_k: torch.Tensor,
-    window_v: torch.Tensor,
+    windows: torch.Tensor,
+    window_pages: torch.Tensor,
     window_pos: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -621,8 +629,8 @@ def oscar_prefill_attention(
     merge = self_lse is not None
     _oscar_attention_kernel[(triton.cdiv(t, block_q) + num_reqs, hkv, 1)](
         out_ptr=out, self_lse_ptr=self_lse if merge else out, part_out_ptr=out, part_lse_ptr=out,
-        **_tensor_args(q, q_rot, k, v, cache, params, window_k, window_v, window_pos, block_table, seq_lens, cu_q,
-                       ring_slots, out),
+        **_tensor_args(q, q_rot, k, v, cache, params, windows, window_pages, window_pos, block_table, seq_lens, cu_q,
+                       ring_slots, out, sink, recent),
         num_reqs=num_reqs, num_splits=1, qk_scale=scale * LOG2E, stride_lse_h=self_lse.stride(0) if merge else 0,
         SINK=sink, RECENT=recent, BLOCK_M=block_m, BLOCK_Q=block_q, SPLIT=False,
         DECODE=False, NEW_KEYS=not merge, MERGE_SELF=merge, BLOCK_N_NEW=32,
@@ -650,8 +658,8 @@ def oscar_dense_prefill_attention(
     q_rot: torch.Tensor,
     v: torch.Tensor,
     cache: torch.Tensor,
-    window_k: torch.Tensor,
-    window_v: torch.Tensor,
+    windows: torch.Tensor,
+    window_pages: torch.Tensor,
     window_pos: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -668,7 +676,7 @@ def oscar_dense_prefill_attention(
     ``dense``'s buffers beside the chunk's own keys, then one causal attention over both."""
     cu_k = torch.zeros(num_reqs + 1, dtype=torch.int32, device=seq_lens.device)
     torch.cumsum(seq_lens[:num_reqs], 0, dtype=torch.int32, out=cu_k[1:])
-    oscar_dense_kv(dense.k_buf, dense.v_buf, dense.k_rot, v, cache, window_k, window_v, window_pos, block_table,
+    oscar_dense_kv(dense.k_buf, dense.v_buf, dense.k_rot, v, cache, windows, window_pages, window_pos, block_table,
                    seq_lens, cu_q, cu_k, ring_slots, num_reqs, dense.max_seq_len, sink, recent, param_dtype)
     dense.attention(q_rot, dense.k_buf, dense.v_buf, cu_q, cu_k, max_query_len, dense.max_seq_len, out)
     return out
@@ -681,8 +689,8 @@ def oscar_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     cache: torch.Tensor,
-    window_k: torch.Tensor,
-    window_v: torch.Tensor,
+    windows: torch.Tensor,
+    window_pages: torch.Tensor,
     window_pos: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -716,7 +724,7 @@ def oscar_attention(
     if d:
         dec = slice(None, d) if d < num_reqs else slice(None)
         oscar_decode_attention(
-            out[dec], q[dec], q_rot[dec], k[dec], v[dec], cache, window_k, window_v, window_pos, block_table,
+            out[dec], q[dec], q_rot[dec], k[dec], v[dec], cache, windows, window_pages, window_pos, block_table,
             seq_lens, cu_q, ring_slots, d, scale, sink, recent, param_dtype, decode_splits, part_out, part_lse,
         )
     if d < num_reqs:
@@ -725,7 +733,7 @@ def oscar_attention(
         out_p, q_p, k_p, v_p = out[pre], q[pre], k[pre], v[pre]
         if dense is not None and prefill_has_prefix:
             oscar_dense_prefill_attention(
-                out_p, q_rot[pre], v_p, cache, window_k, window_v, window_pos, block_table[d:num_reqs],
+                out_p, q_rot[pre], v_p, cache, windows, window_pages, window_pos, block_table[d:num_reqs],
                 seq_lens[d:num_reqs], cu, ring_slots[d:num_reqs], num_reqs - d, max_query_len, sink, recent,
                 dense, param_dtype)
             return out
@@ -735,7 +743,7 @@ def oscar_attention(
             if not prefill_has_prefix:
                 return out
         oscar_prefill_attention(
-            out_p, q_p, q_rot[pre], k_p, v_p, cache, window_k, window_v, window_pos, block_table[d:num_reqs],
+            out_p, q_p, q_rot[pre], k_p, v_p, cache, windows, window_pages, window_pos, block_table[d:num_reqs],
             seq_lens[d:num_reqs], cu, ring_slots[d:num_reqs], num_reqs - d, scale, sink, recent, param_dtype,
             self_lse=lse,
         )

@@ -18,7 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.paged_layout import BLOCK_SIZE, check_int2_cache, param_view, to_bf16_rne, window_index
+from csrc_triton.paged_layout import (
+    BLOCK_SIZE,
+    check_int2_cache,
+    param_view,
+    to_bf16_rne,
+    window_args,
+    window_index,
+    window_offset,
+)
 
 
 @triton.jit
@@ -34,7 +42,8 @@ def _store_rows(ptr, off, mask, x, OUT_BF16: tl.constexpr):
 # table's width is the server's (see _oscar_attention_kernel).
 @triton.jit(
     do_not_specialize=["stride_bt"],
-    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "cu_q_ptr", "cu_k_ptr", "ring_slot_ptr"],
+    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "cu_q_ptr", "cu_k_ptr", "ring_slot_ptr",
+                                    "window_v_ptr"],
 )
 def _oscar_dense_kv_kernel(
     k_out_ptr,  # [total_k, HKV, D] dense keys, rotated basis
@@ -43,8 +52,9 @@ def _oscar_dense_kv_kernel(
     v_new_ptr,  # [T, HKV, D] this step's values
     codes_ptr,  # uint8 [num_blocks, HKV, REGION] INT2 pages (paged_layout)
     params_ptr,  # 16-bit view of the same pages
-    window_k_ptr,  # bf16 [S, SINK + RECENT, HKV, D]
-    window_v_ptr,  # bf16 [S, SINK + RECENT, HKV, D]
+    window_k_ptr,  # bf16 [num_pages, page_elems] window pages (paged_layout): keys first
+    window_v_ptr,  # the same pages from their values
+    window_pages_ptr,  # int32 [S, pages per ring] page of each ring's entries
     window_pos_ptr,  # int32 [S, SINK + RECENT]
     block_table_ptr,  # int32 [R, max_blocks]
     seq_lens_ptr,  # int32 [R] sequence length including this step
@@ -53,11 +63,14 @@ def _oscar_dense_kv_kernel(
     ring_slot_ptr,  # int32 [R]
     stride_nt, stride_nh, stride_vt, stride_vh, stride_bt,
     stride_cb,  # bytes from one cache block to the next
+    stride_wp,  # window_pages row stride
+    stride_page,  # elements from one window page to the next
     HKV: tl.constexpr,
     D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SINK: tl.constexpr,
     RECENT: tl.constexpr,
+    WIN_E: tl.constexpr,  # ring entries per window page
     OUT_BF16: tl.constexpr,
 ):
     Q: tl.constexpr = D // 4
@@ -87,10 +100,11 @@ def _oscar_dense_kv_kernel(
         v_scale = tl.load(p_ptr + 2 * BLOCK_SIZE).to(tl.float32)[:, None]
         v_min = tl.load(p_ptr + 3 * BLOCK_SIZE).to(tl.float32)[:, None]
         ring = tl.load(ring_slot_ptr + r).to(tl.int64)
-        widx = ring * (SINK + RECENT) + window_index(pos, SINK, RECENT)
-        held = tl.load(window_pos_ptr + widx, mask=cached, other=-1) == pos
+        entry = window_index(pos, SINK, RECENT)
+        held = tl.load(window_pos_ptr + ring * (SINK + RECENT) + entry, mask=cached, other=-1) == pos
         use_ring = (held & ((pos < SINK) | (ctx - pos < RECENT)))[:, None]
-        w_off = (widx * HKV + h)[:, None] * D + j[None, :]
+        w_off = (window_offset(window_pages_ptr, stride_wp, ring, entry, held, stride_page, WIN_E, HKV * D)
+                 + h * D)[:, None] + j[None, :]
         for i in tl.static_range(4):
             # c·scale is exact in fp32 (2-bit times 16-bit), so this rounds once, as the reference.
             k = ((k_codes >> (2 * i)) & 3).to(tl.float32) * k_scale + k_min
@@ -118,8 +132,8 @@ def oscar_dense_kv(
     k_new: torch.Tensor,
     v_new: torch.Tensor,
     cache: torch.Tensor,
-    window_k: torch.Tensor,
-    window_v: torch.Tensor,
+    windows: torch.Tensor,
+    window_pages: torch.Tensor,
     window_pos: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -150,8 +164,8 @@ def oscar_dense_kv(
         raise ValueError("k_new and v_new need unit stride along head_dim")
     _oscar_dense_kv_kernel[(num_reqs, triton.cdiv(max_seq_len, BLOCK_SIZE), hkv)](
         k_out_ptr=k_out, v_out_ptr=v_out, k_new_ptr=k_new, v_new_ptr=v_new, codes_ptr=cache,
-        params_ptr=param_view(cache, param_dtype), window_k_ptr=window_k, window_v_ptr=window_v,
-        window_pos_ptr=window_pos, block_table_ptr=block_table, seq_lens_ptr=seq_lens, cu_q_ptr=cu_q,
+        params_ptr=param_view(cache, param_dtype),
+        **window_args(windows, window_pages, window_pos, hkv, d, sink, recent), block_table_ptr=block_table, seq_lens_ptr=seq_lens, cu_q_ptr=cu_q,
         cu_k_ptr=cu_k, ring_slot_ptr=ring_slots,
         stride_nt=k_new.stride(0), stride_nh=k_new.stride(1), stride_vt=v_new.stride(0), stride_vh=v_new.stride(1),
         stride_bt=block_table.stride(0), stride_cb=cache.stride(0),

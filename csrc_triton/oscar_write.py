@@ -23,7 +23,9 @@ from csrc_triton.paged_layout import (
     launch_bucket,
     param_view,
     to_bf16_rne,
+    window_args,
     window_index,
+    window_offset,
 )
 
 BLOCK_T = 16  # tokens per program (the smallest tile tl.dot takes)
@@ -92,7 +94,7 @@ def _to_param(x, PARAM_BF16: tl.constexpr):
 # so one compiled variant serves them all (see _oscar_attention_kernel).
 @triton.jit(
     do_not_specialize=["num_tokens", "num_reqs", "num_decodes", "clip_idx_k", "clip_idx_v"],
-    do_not_specialize_on_alignment=["slot_mapping_ptr", "cu_q_ptr", "seq_lens_ptr", "ring_slot_ptr"],
+    do_not_specialize_on_alignment=["slot_mapping_ptr", "cu_q_ptr", "seq_lens_ptr", "ring_slot_ptr", "window_v_ptr"],
 )
 def _oscar_write_kernel(
     key_ptr,  # [T, HKV, D] this step's keys, RoPE applied, not rotated
@@ -104,8 +106,9 @@ def _oscar_write_kernel(
     ring_slot_ptr,  # int32 [R] window ring of each request
     codes_ptr,  # uint8 [num_blocks, HKV, REGION] INT2 pages (paged_layout)
     params_ptr,  # 16-bit view of the same pages
-    window_k_ptr,  # bf16 [S, SINK + RECENT, HKV, D]
-    window_v_ptr,  # bf16 [S, SINK + RECENT, HKV, D]
+    window_k_ptr,  # bf16 [num_pages, page_elems] window pages (paged_layout): keys first
+    window_v_ptr,  # the same pages from their values
+    window_pages_ptr,  # int32 [S, pages per ring] page of each ring's entries
     window_pos_ptr,  # int32 [S, SINK + RECENT]
     num_tokens,
     num_reqs,
@@ -117,15 +120,20 @@ def _oscar_write_kernel(
     stride_vt,
     stride_vh,
     stride_cb,  # bytes from one cache block to the next
+    stride_wp,  # window_pages row stride
+    stride_page,  # elements from one window page to the next
     ROT_HEAD_STRIDE: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SINK: tl.constexpr,
     RECENT: tl.constexpr,
+    WIN_E: tl.constexpr,  # ring entries per window page
     PARAM_BF16: tl.constexpr,
     BLOCK_T: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
+    WRITE_CODES: tl.constexpr,  # the INT2 pages
+    WRITE_WINDOWS: tl.constexpr,  # the BF16 rings
 ):
     Q: tl.constexpr = D // 4
     REGION: tl.constexpr = BLOCK_SIZE * (D // 2 + 8)
@@ -147,20 +155,34 @@ def _oscar_write_kernel(
         rot = tl.load(rot_k_ptr + h * ROT_HEAD_STRIDE + (c * KC + kc[:, None]) * D + dims[None, :])
         k_rot = tl.dot(k.to(tl.float32), rot, k_rot, input_precision="ieee")
 
-    codes_k, scale_k, min_k = _quantize_rows(k_rot, clip_idx_k, D)
-    codes_v, scale_v, min_v = _quantize_rows(v, clip_idx_v, D)
-    base = (slot // BLOCK_SIZE) * stride_cb + h * REGION
-    tok = slot % BLOCK_SIZE
-    j = tl.arange(0, Q)[None, :]
-    tl.store(codes_ptr + base[:, None] + tok[:, None] * Q + j, _pack_quartered(codes_k, BLOCK_T, D), mask=live[:, None])
-    tl.store(codes_ptr + base[:, None] + BLOCK_SIZE * Q + j * BLOCK_SIZE + tok[:, None],
-             _pack_quartered(codes_v, BLOCK_T, D), mask=live[:, None])
-    p = params_ptr + (base + 2 * BLOCK_SIZE * Q) // 2 + tok
-    tl.store(p, _to_param(scale_k, PARAM_BF16), mask=live)
-    tl.store(p + BLOCK_SIZE, _to_param(min_k, PARAM_BF16), mask=live)
-    tl.store(p + 2 * BLOCK_SIZE, _to_param(scale_v, PARAM_BF16), mask=live)
-    tl.store(p + 3 * BLOCK_SIZE, _to_param(min_v, PARAM_BF16), mask=live)
+    if WRITE_CODES:
+        codes_k, scale_k, min_k = _quantize_rows(k_rot, clip_idx_k, D)
+        codes_v, scale_v, min_v = _quantize_rows(v, clip_idx_v, D)
+        base = (slot // BLOCK_SIZE) * stride_cb + h * REGION
+        tok = slot % BLOCK_SIZE
+        j = tl.arange(0, Q)[None, :]
+        tl.store(codes_ptr + base[:, None] + tok[:, None] * Q + j, _pack_quartered(codes_k, BLOCK_T, D),
+                 mask=live[:, None])
+        tl.store(codes_ptr + base[:, None] + BLOCK_SIZE * Q + j * BLOCK_SIZE + tok[:, None],
+                 _pack_quartered(codes_v, BLOCK_T, D), mask=live[:, None])
+        p = params_ptr + (base + 2 * BLOCK_SIZE * Q) // 2 + tok
+        tl.store(p, _to_param(scale_k, PARAM_BF16), mask=live)
+        tl.store(p + BLOCK_SIZE, _to_param(min_k, PARAM_BF16), mask=live)
+        tl.store(p + 2 * BLOCK_SIZE, _to_param(scale_v, PARAM_BF16), mask=live)
+        tl.store(p + 3 * BLOCK_SIZE, _to_param(min_v, PARAM_BF16), mask=live)
+    if WRITE_WINDOWS:
+        _write_windows(k_rot, v, t, live, h, num_reqs, num_decodes, cu_q_ptr, seq_lens_ptr, ring_slot_ptr,
+                       window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page,
+                       HKV, D, SINK, RECENT, WIN_E, BLOCK_T, SEARCH_STEPS)
 
+
+@triton.jit
+def _write_windows(k_rot, v, t, live, h, num_reqs, num_decodes, cu_q_ptr, seq_lens_ptr, ring_slot_ptr,
+                   window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page,
+                   HKV: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
+                   WIN_E: tl.constexpr, BLOCK_T: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """BF16 copies of the tile's sink and recent-window tokens into their requests' rings."""
+    dims = tl.arange(0, D)
     if (tl.program_id(0) + 1) * BLOCK_T <= num_decodes:
         r = t  # a decode tile: token i is request i, no search
     else:
@@ -172,11 +194,12 @@ def _oscar_write_kernel(
     pos = seq_len - q_len + (t - q_start)
     keep = r_ok & ((pos < SINK) | (pos >= seq_len - RECENT))
     ring = tl.load(ring_slot_ptr + r, mask=keep, other=0).to(tl.int64)
-    idx = ring * (SINK + RECENT) + window_index(pos, SINK, RECENT)
-    w = (idx * HKV + h)[:, None] * D + dims[None, :]
+    entry = window_index(pos, SINK, RECENT)
+    w = (window_offset(window_pages_ptr, stride_wp, ring, entry, keep, stride_page, WIN_E, HKV * D)
+         + h * D)[:, None] + dims[None, :]
     tl.store(window_k_ptr + w, to_bf16_rne(k_rot), mask=keep[:, None])
     tl.store(window_v_ptr + w, to_bf16_rne(v), mask=keep[:, None])
-    tl.store(window_pos_ptr + idx, pos, mask=keep & (h == 0))
+    tl.store(window_pos_ptr + ring * (SINK + RECENT) + entry, pos, mask=keep & (h == 0))
 
 
 def oscar_write(
@@ -189,8 +212,8 @@ def oscar_write(
     ring_slots: torch.Tensor,
     num_reqs: int,
     cache: torch.Tensor,
-    window_k: torch.Tensor,
-    window_v: torch.Tensor,
+    windows: torch.Tensor,
+    window_pages: torch.Tensor,
     window_pos: torch.Tensor,
     clip_idx_k: int,
     clip_idx_v: int,
@@ -199,6 +222,8 @@ def oscar_write(
     param_dtype: torch.dtype = torch.float16,
     num_decodes: int = 0,
     num_warps: int | None = None,
+    write_codes: bool = True,
+    write_windows: bool = True,
 ) -> None:
     """Write ``key``/``value`` ``[T, Hkv, d]`` into the INT2 ``cache`` and the BF16 windows.
 
@@ -206,7 +231,9 @@ def oscar_write(
     arguments as documented on the kernel; ``clip_idx_*`` as ``oscar_vllm.quant.clip_index``
     gives them. Tokens whose slot is negative are skipped. ``num_decodes``: the batch's first
     requests have one token each (a hint that skips the token -> request search; 0 is always right).
-    ``num_warps``: else from ``WRITE_NUM_WARPS``.
+    ``num_warps``: else from ``WRITE_NUM_WARPS``. ``write_codes``/``write_windows``: write the INT2 pages,
+    the rings, or both (the backend writes the pages before attention when requests of the batch
+    may read blocks other requests of the same batch fill: prefix-cache hits on them).
     """
     t, hkv, d = key.shape
     if t == 0:
@@ -214,17 +241,16 @@ def oscar_write(
     check_int2_cache(cache, d)
     if num_reqs >= 2**SEARCH_STEPS:
         raise ValueError(f"at most {2**SEARCH_STEPS - 1} requests per batch, got {num_reqs}")
-    if window_k.dtype != torch.bfloat16 or window_v.dtype != torch.bfloat16:
-        raise ValueError(f"the windows are bf16, got {window_k.dtype}/{window_v.dtype}")
     _oscar_write_kernel[(triton.cdiv(t, BLOCK_T), hkv)](
         key_ptr=key, value_ptr=value, rot_k_ptr=rot_k.contiguous(), slot_mapping_ptr=slot_mapping, cu_q_ptr=cu_q,
         seq_lens_ptr=seq_lens, ring_slot_ptr=ring_slots, codes_ptr=cache, params_ptr=param_view(cache, param_dtype),
-        window_k_ptr=window_k, window_v_ptr=window_v, window_pos_ptr=window_pos,
+        **window_args(windows, window_pages, window_pos, hkv, d, sink, recent),
         num_tokens=t, num_reqs=num_reqs, num_decodes=num_decodes, clip_idx_k=clip_idx_k, clip_idx_v=clip_idx_v,
         stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
         stride_cb=cache.stride(0),
         ROT_HEAD_STRIDE=d * d if rot_k.dim() == 3 else 0,
         HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, SINK=sink, RECENT=recent,
         PARAM_BF16=param_dtype == torch.bfloat16, BLOCK_T=BLOCK_T, SEARCH_STEPS=SEARCH_STEPS,
+        WRITE_CODES=write_codes, WRITE_WINDOWS=write_windows,
         num_warps=num_warps or launch_bucket(WRITE_NUM_WARPS, t),
     )

@@ -13,12 +13,17 @@ K is token-major and V dim-major because that is what each matrix product wants 
 ``[num_blocks, num_kv_heads, BLOCK_SIZE * int2_slot_bytes(d)]``; the kernels read the parameters
 through a 16-bit view of the same memory.
 
-The BF16 windows live beside it, per running request ("ring slot"):
-``window_k``/``window_v`` ``[num_slots, sink + recent, num_kv_heads, d]`` bf16 and
-``window_pos`` ``[num_slots, sink + recent]`` int32, the position each entry holds
-(-1: empty). Position ``p`` lives at index ``p`` if ``p < sink``, else at
-``sink + (p - sink) % recent``. A reader trusts an entry only when ``window_pos`` equals
-the position it wants, so a stale or missing entry falls back to the INT2 copy.
+The BF16 windows (sink and recent window) of each running request live in pages of the same
+pool: vLLM's scheduler gives a request ``window_pages_per_ring`` blocks when it starts and takes
+them back when it ends (``oscar_vllm.window_pages``), so they cost memory only for the requests
+actually running. Viewed as bf16 (``windows_view``), a page holds ``E = window_entries_per_page``
+entries of one ring: ``[E, num_kv_heads, d]`` rotated keys, then ``[E, num_kv_heads, d]`` values.
+A request's ring has ``sink + recent`` entries; position ``p`` lives at entry ``p`` if
+``p < sink``, else ``sink + (p - sink) % recent``; entry ``i`` is in page
+``window_pages[ring, i // E]`` at slot ``i % E``. ``window_pos`` ``[num_rings, sink + recent]``
+int32 holds the position each entry holds (-1: empty). A reader trusts an entry only when
+``window_pos`` equals the position it wants, so a stale or missing entry falls back to the
+INT2 copy.
 """
 import torch
 import triton
@@ -53,6 +58,50 @@ def check_int2_cache(cache: torch.Tensor, head_dim: int) -> None:
             f"cache {tuple(cache.shape)} {cache.dtype} is not an OSCAR INT2 cache for head_dim {head_dim} "
             f"(uint8 [num_blocks, num_kv_heads, {int2_region_bytes(head_dim)}])"
         )
+
+
+def windows_view(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's pages as bf16 ``[num_blocks, page_elems]``: where the windows live."""
+    return cache.view(torch.bfloat16).flatten(1)
+
+
+def window_entries_per_page(page_elems: int, num_kv_heads: int, head_dim: int) -> int:
+    """Ring entries (K and V of every KV head) one page of ``page_elems`` bf16 holds."""
+    return page_elems // (2 * num_kv_heads * head_dim)
+
+
+def window_pages_per_ring(entries: int, page_elems: int, num_kv_heads: int, head_dim: int) -> int:
+    """Pages one request's ring of ``entries`` (sink + recent) takes."""
+    per_page = window_entries_per_page(page_elems, num_kv_heads, head_dim)
+    if per_page < 1:
+        raise ValueError(f"a page of {page_elems} bf16 cannot hold one window entry of {num_kv_heads} x {head_dim}")
+    return -(-entries // per_page)
+
+
+def window_pages_per_request(entries: int, num_kv_heads: int, head_dim: int) -> int:
+    """Cache blocks one request's ring of ``entries`` takes (a block of one layer is its page)."""
+    return window_pages_per_ring(entries, num_kv_heads * int2_region_bytes(head_dim) // 2, num_kv_heads, head_dim)
+
+
+def window_args(windows: torch.Tensor, window_pages: torch.Tensor, window_pos: torch.Tensor, num_kv_heads: int,
+                head_dim: int, sink: int, recent: int) -> dict:
+    """The window arguments of every kernel that reads or writes the rings, checked."""
+    per_page = window_entries_per_page(windows.shape[-1], num_kv_heads, head_dim)
+    if (windows.dtype != torch.bfloat16 or windows.dim() != 2 or windows.stride(1) != 1 or per_page < 1
+            or window_pages.dtype != torch.int32 or window_pages.stride(1) != 1
+            or window_pages.shape[1] * per_page < sink + recent
+            or window_pos.dtype != torch.int32 or not window_pos.is_contiguous()
+            or tuple(window_pos.shape) != (window_pages.shape[0], sink + recent)):
+        raise ValueError(
+            f"windows {tuple(windows.shape)} {windows.dtype}, pages {tuple(window_pages.shape)} {window_pages.dtype}, "
+            f"positions {tuple(window_pos.shape)} {window_pos.dtype} do not hold rings of {sink} + {recent} entries "
+            f"of {num_kv_heads} x {head_dim} (bf16 [num_pages, page_elems], int32 [rings, pages], int32 [rings, entries])"
+        )
+    return dict(
+        window_k_ptr=windows, window_v_ptr=windows[:, per_page * num_kv_heads * head_dim:],
+        window_pages_ptr=window_pages, window_pos_ptr=window_pos, stride_wp=window_pages.stride(0),
+        stride_page=windows.stride(0), WIN_E=per_page,
+    )
 
 
 def param_view(cache: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
@@ -112,6 +161,15 @@ def find_requests(cu_q_ptr, num_reqs, tokens, STEPS: tl.constexpr):
 def window_index(pos, SINK: tl.constexpr, RECENT: tl.constexpr):
     """Index of position ``pos`` in a request's window ring."""
     return tl.where(pos < SINK, pos, SINK + (pos - SINK) % RECENT)
+
+
+@triton.jit
+def window_offset(window_pages_ptr, stride_wp, ring, entry, mask, stride_page, WIN_E: tl.constexpr,
+                  ENTRY: tl.constexpr):
+    """Element offset of ring entry ``entry`` (head 0, dim 0) in the window pages; add
+    ``h * D`` for head ``h``. ``ENTRY``: elements of one entry's keys (``HKV * D``)."""
+    page = tl.load(window_pages_ptr + ring * stride_wp + entry // WIN_E, mask=mask, other=0).to(tl.int64)
+    return page * stride_page + (entry % WIN_E) * ENTRY
 
 
 @triton.jit

@@ -38,8 +38,8 @@ def decode_variants(max_num_seqs: int, num_kv_heads: int, num_sms: int) -> dict[
 
 def warm_up_kernels(
     cache: torch.Tensor,
-    window_k: torch.Tensor,
-    window_v: torch.Tensor,
+    windows: torch.Tensor,
+    window_pages: torch.Tensor,
     window_pos: torch.Tensor,
     rot_k: torch.Tensor,
     num_heads: int,
@@ -55,13 +55,13 @@ def warm_up_kernels(
 ) -> int:
     """Launch each kernel variant once on one-block scratch inputs; returns the launches.
 
-    ``cache``, ``window_*``, ``rot_k``: a layer's own (read, never written). ``dtype``: the
+    ``cache``, ``window*``, ``rot_k``: a layer's own (read, never written). ``dtype``: the
     model's; ``merge_self``: prefill merges FlashAttention's own-keys pass (else the INT2
     kernel attends to the chunk itself); ``dense``: the dense-prefix prefill path exists.
     ``max_num_seqs`` and ``max_num_tokens`` bound the batches (requests, tokens per step).
     """
     dev = cache.device
-    hkv, d = window_k.shape[2], window_k.shape[3]
+    hkv, d = cache.shape[1], rot_k.shape[-1]
     i32 = dict(dtype=torch.int32, device=dev)
 
     def rows(n: int, heads: int) -> torch.Tensor:
@@ -79,29 +79,33 @@ def warm_up_kernels(
         q = rows(n, num_heads)
         part_out = torch.empty(n * num_heads * splits * d, dtype=torch.float32, device=dev)
         part_lse = torch.empty(n * num_heads * splits, dtype=torch.float32, device=dev)
-        oscar_decode_attention(q.clone(), q, q, rows(n, hkv), rows(n, hkv), cache, window_k, window_v, window_pos,
-                               *batch(n, 1), n, 1.0, sink, recent, param_dtype, splits, part_out, part_lse)
+        oscar_decode_attention(q.clone(), q, q, rows(n, hkv), rows(n, hkv), cache, windows, window_pages,
+                               window_pos, *batch(n, 1), n, 1.0, sink, recent, param_dtype, splits, part_out, part_lse)
         launches += 1
 
     q_len = 2
     q = rows(q_len, num_heads)
     block_table, seq_lens, cu_q, ring_slots = batch(1, q_len)
     self_lse = torch.zeros(num_heads, q_len, dtype=torch.float32, device=dev) if merge_self else None
-    oscar_prefill_attention(q.clone(), q, q, rows(q_len, hkv), rows(q_len, hkv), cache, window_k, window_v,
+    oscar_prefill_attention(q.clone(), q, q, rows(q_len, hkv), rows(q_len, hkv), cache, windows, window_pages,
                             window_pos, block_table, seq_lens, cu_q, ring_slots, 1, 1.0, sink, recent, param_dtype,
                             self_lse=self_lse)
     launches += 1
     if dense:
         cu_k = torch.tensor([0, q_len + 1], **i32)
         oscar_dense_kv(rows(q_len + 1, hkv), rows(q_len + 1, hkv), rows(q_len, hkv), rows(q_len, hkv), cache,
-                       window_k, window_v, window_pos, block_table, seq_lens, cu_q, cu_k, ring_slots, 1, q_len + 1,
+                       windows, window_pages, window_pos, block_table, seq_lens, cu_q, cu_k, ring_slots, 1, q_len + 1,
                        sink, recent, param_dtype)
         launches += 1
 
+    # Whole writes, and the pages-before-attention / rings-after split of batches with cached prefixes.
+    parts = ((True, True), (True, False), (False, True))
     for t in sorted(k for k in WRITE_NUM_WARPS if k <= max(1, max_num_tokens)):
         padding = torch.full((t,), -1, dtype=torch.int64, device=dev)
         _, seq_lens, cu_q, ring_slots = batch(t, 1)
-        oscar_write(rows(t, hkv), rows(t, hkv), rot_k, padding, cu_q, seq_lens, ring_slots, t, cache, window_k,
-                    window_v, window_pos, 0, 0, sink, recent, param_dtype, t)
-        launches += 1
+        for write_codes, write_windows in parts:
+            oscar_write(rows(t, hkv), rows(t, hkv), rot_k, padding, cu_q, seq_lens, ring_slots, t, cache, windows,
+                        window_pages, window_pos, 0, 0, sink, recent, param_dtype, t, write_codes=write_codes,
+                        write_windows=write_windows)
+            launches += 1
     return launches

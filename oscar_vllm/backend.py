@@ -3,7 +3,12 @@ windows, in the attention-aware rotated basis.
 
 Order as in vLLM's own backends: metadata, builder, backend, impl. The kernels live in
 ``csrc_triton/``; what ties the backend into vLLM beyond this interface (the KV spec, the
-request rows, the weight fold) is in ``vllm_hooks``.
+request rows and their window pages, the weight fold) is in ``vllm_hooks``.
+
+Window state: each layer owns its ``window_pos`` (which position each ring entry holds); the
+builder owns what all layers share, each request row's window pages (``window_pages``, given by
+the scheduler, ``oscar_vllm.window_pages``) and the batch's rows (``ring_slots``). The windows'
+bytes are pages of the layer's own KV cache.
 """
 from __future__ import annotations
 
@@ -27,12 +32,13 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from csrc_triton.oscar_attention import DensePrefill, decode_split_rows, decode_splits, oscar_attention
 from csrc_triton.oscar_write import oscar_write
-from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape
+from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape, window_pages_per_request, windows_view
 from csrc_triton.warm_up import warm_up_kernels
-from oscar_vllm import window_store
-from oscar_vllm.plugin import BACKEND_NAME, check_vllm_version
+from oscar_vllm.plugin import check_vllm_version
+from oscar_vllm.fold import RotationFoldError
 from oscar_vllm.quant import PARAM_DTYPES, clip_index
-from oscar_vllm.settings import OscarSettings
+from oscar_vllm.settings import BACKEND_NAME, OscarSettings
+from oscar_vllm.window_pages import WindowPagesError
 
 check_vllm_version()
 
@@ -55,7 +61,8 @@ class OscarAttentionMetadata:
     seq_lens: torch.Tensor  # int32 [num_reqs], including this step
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_tokens]
-    ring_slots: torch.Tensor  # int32 [num_reqs]: each request's window ring
+    ring_slots: torch.Tensor  # int32 [num_reqs]: each request's window ring (its row)
+    window_pages: torch.Tensor  # int32 [rows + 1, pages per ring]: each row's window pages
     part_out: torch.Tensor  # fp32 split-K scratch, [decode tokens * Hq * decode_splits * d] used
     part_lse: torch.Tensor  # fp32 [decode tokens * Hq * decode_splits] used
 
@@ -70,28 +77,54 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # Decodes first: they take the split decode kernel, the rest the prefill path.
         self._init_reorder_batch_threshold(1)
-        max_reqs = vllm_config.scheduler_config.max_num_seqs
         num_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         self.num_kv_heads = kv_cache_spec.num_kv_heads
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        rows = decode_split_rows(max_reqs, self.num_kv_heads, self.num_sms)
+        settings = OscarSettings.from_vllm_config(vllm_config)
         d = kv_cache_spec.head_size
-        self.ring_slots = torch.zeros(max_reqs, dtype=torch.int32, device=device)
-        self.part_out = torch.empty(rows * num_heads * d, dtype=torch.float32, device=device)
-        self.part_lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
+        # Request rows are < max_num_seqs; a batch padded for a CUDA graph may count more entries.
+        self.null_row = vllm_config.scheduler_config.max_num_seqs
+        max_batch = max(self.null_row, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
+        split_rows = decode_split_rows(max_batch, self.num_kv_heads, self.num_sms)
+        self.layers = [vllm_config.compilation_config.static_forward_context[name].impl for name in layer_names]
+        self.pages_per_ring = window_pages_per_request(settings.sink_size + settings.recent_size, self.num_kv_heads, d)
+        # Row null_row never holds a window (its positions stay -1): padded batch entries read it.
+        self.window_pages = torch.zeros(self.null_row + 1, self.pages_per_ring, dtype=torch.int32, device=device)
+        self.ring_slots = torch.full((max_batch,), self.null_row, dtype=torch.int32, device=device)
+        self.batch_rows: torch.Tensor | None = None  # int32 [num_reqs]: set per step by vllm_hooks
+        self.part_out = torch.empty(split_rows * num_heads * d, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(split_rows * num_heads, dtype=torch.float32, device=device)
+
+    def assign_windows(self, rows: list[int], pages: list[list[int]], num_blocks: int) -> None:
+        """New requests took ``rows``, with window ``pages`` each (block ids < ``num_blocks``):
+        empty their rings in every layer before they run, so no row reads a window it did not write."""
+        if not rows:
+            return
+        if any(len(p) != self.pages_per_ring or not all(0 < b < num_blocks for b in p) for p in pages):
+            raise WindowPagesError(
+                f"window pages {pages} for rows {rows}: each row needs {self.pages_per_ring} block ids in [1, {num_blocks})"
+            )
+        index = torch.tensor(rows, dtype=torch.long).to(self.window_pages.device, non_blocking=True)
+        self.window_pages.index_copy_(0, index, torch.tensor(pages, dtype=torch.int32).to(index.device))
+        for impl in self.layers:
+            impl.window_pos.index_fill_(0, index, -1)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> OscarAttentionMetadata:
         m = common_attn_metadata
-        rows = window_store.batch_rows()
+        rows = self.batch_rows
         if rows is None:
             raise RuntimeError(
                 "OSCAR needs vLLM's V2 model runner (the default for dense models) to know each "
                 "request's window ring; set VLLM_USE_V2_MODEL_RUNNER=1"
             )
-        n = min(m.num_reqs, rows.shape[0])
-        self.ring_slots[:n].copy_(rows[:n], non_blocking=True)
-        window_store.apply_resets()
+        n = rows.shape[0]
+        if n > m.num_reqs or m.num_reqs > self.ring_slots.shape[0]:
+            raise RuntimeError(f"OSCAR: a batch of {m.num_reqs} entries for {n} request rows "
+                               f"(at most {self.ring_slots.shape[0]} entries)")
+        self.ring_slots[:n].copy_(rows, non_blocking=True)
+        if m.num_reqs > n:  # entries a CUDA graph pads the batch with: the empty row
+            self.ring_slots[n:m.num_reqs].fill_(self.null_row)
         num_decodes, _, _, _ = split_decodes_and_prefills(m, decode_threshold=1)
         # From CPU copies (no sync): seq_lens_cpu_upper_bound can only overstate a prefix.
         seq_cpu = m.seq_lens_cpu_upper_bound
@@ -116,6 +149,7 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
             block_table=m.block_table_tensor,
             slot_mapping=m.slot_mapping,
             ring_slots=self.ring_slots,
+            window_pages=self.window_pages,
             part_out=self.part_out,
             part_lse=self.part_lse,
         )
@@ -220,14 +254,10 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         self.layer_id: int | None = None
         self.rot_k: torch.Tensor | None = None
         self.clip_idx_k = self.clip_idx_v = -1
-        # One BF16 window ring per running request. Allocated here, during model
-        # construction, so vLLM's memory profiler counts it before sizing the KV cache.
-        rings = vllm_config.scheduler_config.max_num_seqs
-        shape = (rings, self.sink + self.recent, num_kv_heads, head_size)
-        self.window_k = torch.zeros(shape, dtype=torch.bfloat16)
-        self.window_v = torch.zeros(shape, dtype=torch.bfloat16)
-        self.window_pos = torch.full(shape[:2], -1, dtype=torch.int32)
-        window_store.register_window_positions(self.window_pos)
+        # The position each ring entry holds, per request row (and the builder's empty null row
+        # last). The rings' bytes are pages of the KV cache, taken per running request.
+        rows = vllm_config.scheduler_config.max_num_seqs + 1
+        self.window_pos = torch.full((rows, self.sink + self.recent), -1, dtype=torch.int32)
         # Prefill runs through FlashAttention where it can: over a cached prefix dequantized
         # into dense_kv (shared by all layers, given by vllm_hooks.prepare_model), or, where the
         # batch does not fit it, over the chunk's own keys with the INT2 kernel adding the prefix.
@@ -239,8 +269,10 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
 
     def set_layer(self, layer_id: int, rot_k: torch.Tensor, clip_ratio_k: float, clip_ratio_v: float) -> None:
         """The layer's key rotation ``[d, d]`` or ``[Hkv, d, d]`` and clip ratios."""
+        if self.rot_k is not None:
+            raise RotationFoldError(f"OSCAR layer {self.layer_id} was prepared twice")
         self.layer_id = layer_id
-        self.rot_k = rot_k.to(device=self.window_k.device, dtype=torch.float32).contiguous()
+        self.rot_k = rot_k.to(device=self.window_pos.device, dtype=torch.float32).contiguous()
         self.clip_idx_k = clip_index(clip_ratio_k, self.head_size)
         self.clip_idx_v = clip_index(clip_ratio_v, self.head_size)
 
@@ -254,14 +286,14 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         xg = x.float().view(n, self.num_kv_heads, heads // self.num_kv_heads, d)
         return torch.einsum("thgi,hij->thgj", xg, rot).reshape(x.shape).to(x.dtype)
 
-    def warm_up(self, kv_cache: torch.Tensor, vllm_config: VllmConfig) -> int:
+    def warm_up(self, kv_cache: torch.Tensor, window_pages: torch.Tensor, vllm_config: VllmConfig) -> int:
         """Compile every kernel variant this layer can launch while serving (``csrc_triton.warm_up``),
         on scratch inputs over its own cache and windows, which it leaves as they are."""
         if self.rot_k is None:
             raise RuntimeError("OSCAR layer has no rotation: the model was not prepared")
         sched = vllm_config.scheduler_config
         return warm_up_kernels(
-            kv_cache, self.window_k, self.window_v, self.window_pos, self.rot_k, self.num_heads,
+            kv_cache, windows_view(kv_cache), window_pages, self.window_pos, self.rot_k, self.num_heads,
             vllm_config.model_config.dtype, self.sink, self.recent, self.param_dtype, sched.max_num_seqs,
             sched.max_num_batched_tokens, torch.cuda.get_device_properties(kv_cache.device).multi_processor_count,
             merge_self=self.own_keys_attention is not None, dense=self.dense_kv is not None,
@@ -291,16 +323,22 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
+        windows = windows_view(kv_cache)
+        write = functools.partial(
+            oscar_write, k, v, self.rot_k, md.slot_mapping[:n], md.query_start_loc, md.seq_lens, md.ring_slots,
+            md.num_reqs, kv_cache, windows, md.window_pages, self.window_pos, self.clip_idx_k, self.clip_idx_v,
+            self.sink, self.recent, self.param_dtype, md.num_decodes,
+        )
+        # A request may hit prefix-cache blocks another request of this batch fills: those pages
+        # are written before attention. The rings only after: this step reads the window as it was.
+        codes_first = md.prefill_has_prefix and md.num_decodes < md.num_reqs
+        if codes_first:
+            write(write_windows=False)
         oscar_attention(
-            out, q, self.rotate(q), k, v, kv_cache, self.window_k, self.window_v, self.window_pos,
+            out, q, self.rotate(q), k, v, kv_cache, windows, md.window_pages, self.window_pos,
             md.block_table, md.seq_lens, md.query_start_loc, md.ring_slots, md.num_decodes, md.num_reqs,
             md.max_query_len, self.scale, self.sink, self.recent, self.param_dtype, md.decode_splits,
             md.part_out, md.part_lse, self.own_keys_attention, md.prefill_has_prefix, self.dense_prefill(md, k),
         )
-        # After attention: the ring still held the previous window while this step read it.
-        oscar_write(
-            k, v, self.rot_k, md.slot_mapping[:n], md.query_start_loc, md.seq_lens, md.ring_slots, md.num_reqs,
-            kv_cache, self.window_k, self.window_v, self.window_pos, self.clip_idx_k, self.clip_idx_v,
-            self.sink, self.recent, self.param_dtype, md.num_decodes,
-        )
+        write(write_codes=not codes_first)
         return output

@@ -7,6 +7,10 @@ from __future__ import annotations
 import torch
 
 
+class RotationFoldError(RuntimeError):
+    """The value rotation would be folded into weights that already hold it."""
+
+
 def kv_heads_of_shard(total_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:
     """Global KV-head ids held by tensor-parallel rank ``tp_rank`` (vLLM's QKV sharding)."""
     if total_kv_heads >= tp_size:

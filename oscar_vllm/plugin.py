@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from importlib.metadata import PackageNotFoundError, version
 
-BACKEND_NAME = "OSCAR"
-BACKEND_PATH = "oscar_vllm.backend.OscarAttentionBackend"
+from oscar_vllm.settings import BACKEND_NAME, BACKEND_PATH
+
 SUPPORTED_VLLM = "0.26.0"
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,15 @@ def oscar_backend_member():
     register()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    return AttentionBackendEnum[BACKEND_NAME]
+    member = AttentionBackendEnum[BACKEND_NAME]
+    if vllm_version_problem() is None:
+        # A spawned engine process unpickles its config here, before it builds its scheduler,
+        # which must then give requests their window pages (the backend module, which installs
+        # every hook, is imported only where a model is built: in this process or a worker's).
+        from oscar_vllm.vllm_hooks import install_scheduler_hook
+
+        install_scheduler_hook()
+    return member
 
 
 def _reduce_oscar_member(protocol):

@@ -16,10 +16,6 @@ import sys
 from oscar_vllm.errors import DEBUG_FLAG, DEBUG_HELP, cli
 from oscar_vllm.settings import ADDITIONAL_CONFIG_KEY, OscarSettings, OscarSettingsError
 
-# vLLM's default on an H200 is 1024 running requests. Each one holds BF16 windows in every
-# layer (47 MB for Qwen3-8B), so the wrapper starts lower unless told otherwise.
-DEFAULT_MAX_NUM_SEQS = "256"
-
 FLAGS = {
     "--oscar-rotation-path": ("rotation_path", str, "DIR",
                               "rotation folder, hf://ORG/REPO[/SUB][@REV], or 'hadamard' (no default: required)"),
@@ -42,9 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="oscar-vllm", add_help=False,
         usage=USAGE,
         description="`vllm serve` with the OSCAR 2-bit KV-cache backend. Each --oscar-* flag may also "
-                    "come from its OSCAR_* variable or from --additional-config '{\"oscar\": {...}}'. "
-                    f"--max-num-seqs is {DEFAULT_MAX_NUM_SEQS} unless given (vLLM's own default on an H200, "
-                    "1024, would spend 48 GB on Qwen3-8B's BF16 windows).",
+                    "come from its OSCAR_* variable or from --additional-config '{\"oscar\": {...}}'.",
     )
     oscar = parser.add_argument_group("OSCAR flags")
     for flag, (name, kind, metavar, text) in FLAGS.items():
@@ -84,8 +78,6 @@ def build_vllm_argv(argv: list[str]) -> list[str]:
         oscar[name] = value
     OscarSettings.from_sources({ADDITIONAL_CONFIG_KEY: oscar}, environ={})  # fail here, not in a worker
     extra[ADDITIONAL_CONFIG_KEY] = oscar
-    if not any(a == "--max-num-seqs" or a.startswith("--max-num-seqs=") for a in rest):
-        rest = [*rest, "--max-num-seqs", DEFAULT_MAX_NUM_SEQS]
     return [*rest, "--attention-backend", "OSCAR", "--additional-config", json.dumps(extra)]
 
 

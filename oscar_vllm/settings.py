@@ -9,6 +9,8 @@ from typing import Any, Mapping
 
 from oscar_vllm.errors import OscarError
 
+BACKEND_NAME = "OSCAR"  # what --attention-backend names
+BACKEND_PATH = "oscar_vllm.backend.OscarAttentionBackend"
 ADDITIONAL_CONFIG_KEY = "oscar"
 ENV_PREFIX = "OSCAR_"
 HADAMARD = "hadamard"

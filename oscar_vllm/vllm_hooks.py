@@ -1,15 +1,22 @@
 """The few places where the OSCAR backend reaches into vLLM 0.26.0 beyond the attention
 backend interface. Each hook wraps one function, checks that it found what it expects,
-and is installed once, when the backend module is imported in a vLLM process:
+and is installed once per process (by the backend module, or by the plugin when a spawned
+engine process unpickles a config naming OSCAR):
 
 * ``Attention.get_kv_cache_spec``: OSCAR layers report INT2 pages (a ``TQFullAttentionSpec``
   whose slot is ``int2_slot_bytes(d)``), so vLLM sizes the KV cache by the real page.
-* V2 model runner, ``RequestState.add_request`` and ``DefaultModelState.prepare_attn``: the
-  stable row of each request (its window ring) and when a row changes hands.
+* ``Scheduler.__init__``: the scheduler of an OSCAR engine gives every request the pages of its
+  BF16 window ring from its own block pool (``oscar_vllm.window_pages``) and says which.
+* V2 model runner, ``GPUModelRunner.add_requests`` and ``DefaultModelState.prepare_attn``: a new
+  request's row gets its window pages and an empty ring; each batch's rows go to the builders.
 * ``process_weights_after_loading`` as ``BaseModelLoader.load_model`` calls it: load the
   rotations, fold the value rotation into the weights, hand each layer its key rotation.
 * V2 model runner, ``GPUModelRunner.initialize_kv_cache``: once the cache exists, compile
   every kernel variant serving can launch (``warm_up_kernels``), before graph capture.
+
+This module never imports ``oscar_vllm.backend`` (the backend imports it): it knows OSCAR
+layers by their backend's name. It imports the kernels' package only where it uses it, so an
+engine process that only schedules loads no Triton.
 """
 from __future__ import annotations
 
@@ -19,7 +26,9 @@ import time
 
 import torch
 
-from oscar_vllm import window_store
+from oscar_vllm.fold import RotationFoldError
+from oscar_vllm.settings import BACKEND_NAME, BACKEND_PATH, OscarSettings
+from oscar_vllm.window_pages import attach_to_scheduler, pages_of_new_requests
 
 # Under vLLM's logger, so its handlers show what the backend loaded.
 logger = logging.getLogger("vllm.oscar_vllm")
@@ -38,10 +47,21 @@ def _wrap(owner, name: str, make):
     setattr(owner, name, wrapper)
 
 
-def _is_oscar(impl) -> bool:
-    from oscar_vllm.backend import OscarAttentionImpl
+def is_oscar_layer(layer) -> bool:
+    """An attention layer (or a layer's backend class) that runs on the OSCAR backend."""
+    backend = getattr(layer, "attn_backend", None)
+    return backend is not None and backend.get_name() == BACKEND_NAME
 
-    return isinstance(impl, OscarAttentionImpl)
+
+def oscar_builders(attn_groups) -> list:
+    """``(attention group, metadata builder)`` of every OSCAR group of a model runner."""
+    return [(g, b) for groups in attn_groups for g in groups if g.backend.get_name() == BACKEND_NAME
+            for b in g.metadata_builders]
+
+
+def engine_uses_oscar(vllm_config) -> bool:
+    backend = vllm_config.attention_config.backend
+    return backend is not None and backend.get_path() == BACKEND_PATH
 
 
 def oscar_kv_cache_spec(layer, vllm_config):
@@ -59,6 +79,55 @@ def oscar_kv_cache_spec(layer, vllm_config):
     )
 
 
+def window_pages_of_group(spec, settings: OscarSettings) -> tuple[int, int]:
+    """``(scheduler blocks per request, kernel blocks per scheduler block)`` of a ring: a
+    ``--block-size`` above 64 splits each scheduler block into several kernel blocks (pages)."""
+    from csrc_triton.paged_layout import BLOCK_SIZE, window_pages_per_request
+
+    ratio = spec.block_size // BLOCK_SIZE
+    pages = window_pages_per_request(settings.sink_size + settings.recent_size, spec.num_kv_heads, spec.head_size)
+    return -(-pages // ratio), ratio
+
+
+def give_scheduler_window_pages(scheduler) -> None:
+    """The scheduler of an OSCAR engine allocates each request's window pages; logs their cost."""
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise NotImplementedError(f"OSCAR serves models whose attention layers form one KV cache group, not {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    settings = OscarSettings.from_vllm_config(scheduler.vllm_config)
+    pages, _ = window_pages_of_group(spec, settings)
+    attach_to_scheduler(scheduler, pages)
+    blocks = scheduler.kv_cache_config.num_blocks
+    max_seqs = scheduler.vllm_config.scheduler_config.max_num_seqs
+    page_bytes = spec.page_size_bytes * len(groups[0].layer_names)
+
+    def tokens_with(n: int) -> int:
+        return max(0, blocks - 1 - n * pages) * spec.block_size
+
+    logger.info(
+        "OSCAR: each running request's BF16 windows (sink %d + recent %d) take %d KV blocks (%.1f MiB), from the "
+        "KV cache pool while it runs; the pool's %d blocks hold %d tokens with 32 requests running, %d with 256, "
+        "%d with all %d (max_num_seqs)",
+        settings.sink_size, settings.recent_size, pages, pages * page_bytes / 2**20, blocks, tokens_with(32),
+        tokens_with(256), tokens_with(max_seqs), max_seqs,
+    )
+
+
+def install_scheduler_hook() -> None:
+    """The scheduler side alone: what an engine process that builds no model needs."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def make_scheduler_init(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            if engine_uses_oscar(self.vllm_config):
+                give_scheduler_window_pages(self)
+        return __init__
+
+    _wrap(Scheduler, "__init__", make_scheduler_init)
+
+
 def install() -> None:
     global _installed
     if _installed:
@@ -67,25 +136,25 @@ def install() -> None:
     from vllm.model_executor.model_loader import base_loader
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
     from vllm.v1.worker.gpu.model_states.default import DefaultModelState
-    from vllm.v1.worker.gpu.states import RequestState
 
     def make_spec(original):
         def get_kv_cache_spec(self, vllm_config):
-            if _is_oscar(getattr(self, "impl", None)):
+            if is_oscar_layer(self):
                 return oscar_kv_cache_spec(self, vllm_config)
             return original(self, vllm_config)
         return get_kv_cache_spec
 
-    def make_add_request(original):
-        def add_request(self, req_id, *args, **kwargs):
-            out = original(self, req_id, *args, **kwargs)
-            window_store.request_row_assigned(self.req_id_to_index[req_id])
-            return out
-        return add_request
+    def make_add_requests(original):
+        def add_requests(self, scheduler_output):
+            original(self, scheduler_output)
+            assign_window_pages(self, scheduler_output)
+        return add_requests
 
     def make_prepare_attn(original):
         def prepare_attn(self, input_batch, *args, **kwargs):
-            window_store.set_batch_rows(input_batch.idx_mapping)
+            attn_groups = kwargs["attn_groups"] if "attn_groups" in kwargs else args[3]
+            for _, builder in oscar_builders(attn_groups):
+                builder.batch_rows = input_batch.idx_mapping
             return original(self, input_batch, *args, **kwargs)
         return prepare_attn
 
@@ -98,15 +167,33 @@ def install() -> None:
     def make_initialize_kv_cache(original):
         def initialize_kv_cache(self, kv_cache_config):
             original(self, kv_cache_config)
-            warm_up_layers(self.compilation_config.static_forward_context.values(), self.vllm_config)
+            warm_up_layers(self)
         return initialize_kv_cache
 
+    install_scheduler_hook()
     _wrap(Attention, "get_kv_cache_spec", make_spec)
     _wrap(GPUModelRunner, "initialize_kv_cache", make_initialize_kv_cache)
-    _wrap(RequestState, "add_request", make_add_request)
+    _wrap(GPUModelRunner, "add_requests", make_add_requests)
     _wrap(DefaultModelState, "prepare_attn", make_prepare_attn)
     _wrap(base_loader, "process_weights_after_loading", make_process_weights)
     _installed = True
+
+
+def assign_window_pages(runner, scheduler_output) -> None:
+    """Give the rows of this step's new (and resumed) requests their window pages, as kernel
+    block ids, in every OSCAR builder; their rings start empty."""
+    from csrc_triton.paged_layout import BLOCK_SIZE
+
+    builders = oscar_builders(runner.attn_groups)
+    new = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+    if not builders or not new:
+        return
+    given = pages_of_new_requests(scheduler_output, new)
+    rows = [runner.req_states.req_id_to_index[r] for r in new]
+    for group, builder in builders:
+        ratio = group.kv_cache_spec.block_size // BLOCK_SIZE
+        pages = [[b * ratio + i for b in given[r] for i in range(ratio)][: builder.pages_per_ring] for r in new]
+        builder.assign_windows(rows, pages, runner.kv_cache_config.num_blocks * ratio)
 
 
 def oscar_attention_blocks(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
@@ -116,7 +203,7 @@ def oscar_attention_blocks(model: torch.nn.Module) -> list[tuple[int, torch.nn.M
     blocks, seen = [], set()
     for module in model.modules():
         attn = getattr(module, "attn", None)
-        if attn is not None and _is_oscar(getattr(attn, "impl", None)):
+        if attn is not None and is_oscar_layer(attn):
             if not (hasattr(module, "qkv_proj") and hasattr(module, "o_proj")):
                 raise NotImplementedError(
                     f"OSCAR cannot fold the value rotation into {type(module).__name__}: "
@@ -125,7 +212,7 @@ def oscar_attention_blocks(model: torch.nn.Module) -> list[tuple[int, torch.nn.M
             blocks.append((extract_layer_index(attn.layer_name), module))
             seen.add(id(attn.impl))
     for module in model.modules():
-        if _is_oscar(getattr(module, "impl", None)) and id(module.impl) not in seen:
+        if is_oscar_layer(module) and id(module.impl) not in seen:
             raise NotImplementedError(f"OSCAR layer {module.layer_name} is not inside a self-attention block it can fold")
     return sorted(blocks, key=lambda b: b[0])
 
@@ -138,11 +225,16 @@ def prepare_model(model: torch.nn.Module) -> None:
     from oscar_vllm.fold import fold_value_rotation, kv_heads_of_shard, per_head
     from oscar_vllm.rotation_io import KEY, VALUE, ModelShape
     from oscar_vllm.rotation_source import rotations_for_model
-    from oscar_vllm.settings import OscarSettings
 
     blocks = oscar_attention_blocks(model)
     if not blocks:
         return
+    prepared = [layer_id for layer_id, block in blocks if block.attn.impl.rot_k is not None]
+    if prepared:
+        raise RotationFoldError(
+            f"OSCAR layers {prepared[:4]} already hold their rotations: folding the value rotation again would "
+            "rotate the weights twice (vLLM reloading weights into a running OSCAR engine is not supported)"
+        )
     vllm_config = get_current_vllm_config()
     hf_config = vllm_config.model_config.hf_text_config
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -176,15 +268,10 @@ def prepare_model(model: torch.nn.Module) -> None:
             settings.clip_ratio_v or rotations.clip_ratio(VALUE, layer_id),
         )
     dense_bytes = give_dense_prefill_buffers([b.attn.impl for _, b in blocks], vllm_config)
-    window_bytes = sum(
-        b.attn.impl.window_k.nbytes + b.attn.impl.window_v.nbytes + b.attn.impl.window_pos.nbytes for _, b in blocks
-    )
     logger.info(
-        "OSCAR: %d layers, rotations %s (%s), sink %d, recent %d, scales %s; BF16 windows for %d "
-        "requests take %.2f GiB (lower --max-num-seqs to give it to the KV cache); dense prefill buffers %.2f GiB",
+        "OSCAR: %d layers, rotations %s (%s), sink %d, recent %d, scales %s; dense prefill buffers %.2f GiB",
         len(blocks), settings.rotation_path, rotations.source_format, settings.sink_size,
-        settings.recent_size, settings.scale_dtype, blocks[0][1].attn.impl.window_pos.shape[0], window_bytes / 2**30,
-        dense_bytes / 2**30,
+        settings.recent_size, settings.scale_dtype, dense_bytes / 2**30,
     )
 
 
@@ -197,7 +284,7 @@ def give_dense_prefill_buffers(impls: list, vllm_config) -> int:
         return 0  # no FlashAttention (fp32 models), or layers of different shapes: the INT2 kernel
     (hkv, d), = shapes
     rows = vllm_config.model_config.max_model_len + vllm_config.scheduler_config.max_num_batched_tokens
-    device = impls[0].window_k.device
+    device = impls[0].window_pos.device
     dtype = vllm_config.model_config.dtype
     buffers = tuple(torch.empty(rows, hkv, d, dtype=dtype, device=device) for _ in range(2))
     for impl in impls:
@@ -205,18 +292,19 @@ def give_dense_prefill_buffers(impls: list, vllm_config) -> int:
     return sum(b.nbytes for b in buffers)
 
 
-def warm_up_layers(layers, vllm_config) -> None:
+def warm_up_layers(runner) -> None:
     """Compile the kernels' serving variants once per distinct layer shape, and log the cost:
     a one-time startup cost instead of stalls of seconds for whichever requests meet a variant first."""
     done, launches, t0 = set(), 0, time.perf_counter()
-    for layer in layers:
-        impl = getattr(layer, "impl", None)
-        if not _is_oscar(impl):
-            continue
-        shape = (impl.num_heads, impl.num_kv_heads, impl.head_size, impl.rot_k.dim(), layer.kv_cache.shape[1:])
-        if shape not in done:
-            done.add(shape)
-            launches += impl.warm_up(layer.kv_cache, vllm_config)
+    context = runner.compilation_config.static_forward_context
+    for group, builder in oscar_builders(runner.attn_groups):
+        for name in group.layer_names:
+            layer = context[name]
+            impl = layer.impl
+            shape = (impl.num_heads, impl.num_kv_heads, impl.head_size, impl.rot_k.dim(), layer.kv_cache.shape[1:])
+            if shape not in done:
+                done.add(shape)
+                launches += impl.warm_up(layer.kv_cache, builder.window_pages, runner.vllm_config)
     if launches:
         torch.cuda.synchronize()
         logger.info("OSCAR: compiled the kernels' %d serving variants in %.1f s", launches, time.perf_counter() - t0)

@@ -59,7 +59,7 @@ def prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=0):
         t = int(st.cu_q[-1])
         k, v = random_rows((t, hkv, d), dtype, 10), random_rows((t, hkv, d), dtype, 11)
         oscar_write_reference(k, v, rot, st.slot_mapping, st.cu_q, st.seq_lens, st.ring_slots, len(st.reqs),
-                              pc.cache, pc.window_k, pc.window_v, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
+                              pc.cache, pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
     step = pc.schedule(dict(enumerate(new)))
     t = int(step.cu_q[-1])
     q = random_rows((t, hkv * g, d), dtype, 12)
@@ -69,7 +69,7 @@ def prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=0):
 
 
 def cache_args(pc, step):
-    return (pc.cache, pc.window_k, pc.window_v, pc.window_pos, step.block_table, step.seq_lens, step.cu_q,
+    return (pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table, step.seq_lens, step.cu_q,
             step.ring_slots)
 
 

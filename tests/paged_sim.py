@@ -24,8 +24,15 @@ class Step:
     max_query_len: int
 
 
+WINDOW_ENTRIES_PER_PAGE = 3  # few, so that rings span many pages and entries cross page edges
+
+
 class PagedCache:
-    """Paged INT2 cache + BF16 rings for ``num_reqs`` requests of at most ``max_len`` tokens."""
+    """Paged INT2 cache + BF16 rings for ``num_reqs`` requests of at most ``max_len`` tokens.
+
+    The rings live in pages of their own tensor (in serving they are pages of the cache), in
+    random order, with padding after each page's values: a kernel that ignores the page table
+    or the page stride fails."""
 
     def __init__(self, num_reqs: int, max_len: int, hkv: int, d: int, sink: int, recent: int,
                  device: str = "cpu", seed: int = 0):
@@ -40,10 +47,14 @@ class PagedCache:
         # Random bytes, NaN parameters included: a kernel that reads an unwritten slot shows.
         self.cache = torch.randint(0, 256, int2_cache_shape(num_blocks, hkv, d), dtype=torch.uint8,
                                    generator=g).to(device)
-        shape = (num_reqs + 2, sink + recent, hkv, d)
-        self.window_k = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
-        self.window_v = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
-        self.window_pos = torch.full(shape[:2], -1, dtype=torch.int32, device=device)
+        rings, per_page = num_reqs + 2, WINDOW_ENTRIES_PER_PAGE
+        pages_per_ring = -(-(sink + recent) // per_page)
+        page_elems = 2 * per_page * hkv * d + 8
+        perm = torch.randperm(rings * pages_per_ring + 1, generator=g)[: rings * pages_per_ring]
+        self.window_pages = perm.view(rings, pages_per_ring).to(torch.int32).to(device)
+        self.windows = torch.full((rings * pages_per_ring + 1, page_elems), float("nan"), dtype=torch.bfloat16,
+                                  device=device)
+        self.window_pos = torch.full((rings, sink + recent), -1, dtype=torch.int32, device=device)
         self.block_size = block_size
         self.done = [0] * num_reqs
         self.device = device
@@ -51,7 +62,7 @@ class PagedCache:
     def clone(self) -> "PagedCache":
         other = object.__new__(PagedCache)
         other.__dict__.update(self.__dict__)
-        for name in ("cache", "window_k", "window_v", "window_pos"):
+        for name in ("cache", "windows", "window_pos"):
             setattr(other, name, getattr(self, name).clone())
         other.done = list(self.done)
         return other

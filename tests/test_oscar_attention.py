@@ -142,9 +142,9 @@ def test_reference_reads_the_ring_only_where_it_holds_the_position():
     case = (64, 1, 2, 4, 8, [40], [1])
     pc, step, q, q_rot, k, v = prepare(*case, torch.float32)
     args = (step.block_table, step.seq_lens, step.cu_q, step.ring_slots, 1, 0.125, 4, 8)
-    full = oscar_attention_reference(q, q_rot, k, v, pc.cache, pc.window_k, pc.window_v, pc.window_pos, *args)
+    full = oscar_attention_reference(q, q_rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, *args)
     empty = torch.full_like(pc.window_pos, -1)
-    lo = oscar_attention_reference(q, q_rot, k, v, pc.cache, pc.window_k, pc.window_v, empty, *args)
+    lo = oscar_attention_reference(q, q_rot, k, v, pc.cache, pc.windows, pc.window_pages, empty, *args)
     assert (full - lo).abs().max() > 1e-3
 
 
@@ -206,7 +206,7 @@ def test_pipeline_matches_mixed_cache_reference(case, prefill):
         out = torch.full_like(q, float("nan"))
         run_batch(out, q, q @ rot, k, v, pc, step, scale, sink, recent, k @ rot if prefill == "dense" else None)
         oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(new),
-                    pc.cache, pc.window_k, pc.window_v, pc.window_pos,
+                    pc.cache, pc.windows, pc.window_pages, pc.window_pos,
                     clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent)
         for i, r in enumerate(new):
             a, b = int(step.cu_q[i]), int(step.cu_q[i + 1])
@@ -239,7 +239,7 @@ def test_prefix_cache_hit_never_reads_another_requests_window():
     step = pc.schedule({0: 192})
     k, v = random_rows((192, hkv, d), torch.float32, 1), random_rows((192, hkv, d), torch.float32, 2)
     oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, 1, pc.cache,
-                pc.window_k, pc.window_v, pc.window_pos, *clip, sink, recent)
+                pc.windows, pc.window_pages, pc.window_pos, *clip, sink, recent)
     # Request 1 hits the first two blocks and takes request 0's ring row after it finished
     # (the runner empties the row: window_store.apply_resets).
     pc.block_table[1, :2] = pc.block_table[0, :2]
@@ -258,6 +258,6 @@ def test_prefix_cache_hit_never_reads_another_requests_window():
     # emptied row is what keeps request 0's data out.
     stale = pc.window_pos.clone()
     stale[pc.ring_slots[1], : sink + recent] = torch.arange(sink + recent, dtype=torch.int32)
-    other = oscar_attention_reference(q, q @ rot, k, v, pc.cache, pc.window_k, pc.window_v, stale,
+    other = oscar_attention_reference(q, q @ rot, k, v, pc.cache, pc.windows, pc.window_pages, stale,
                                       *args[4:], 1, 0.125, sink, recent)
     assert (other - want).abs().max() > 1e-3

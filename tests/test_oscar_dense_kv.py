@@ -32,7 +32,7 @@ def test_dense_kv_matches_reference(case, out_dtype):
     # Spare rows past the end: a write out of bounds shows as a non-NaN there.
     k_out = torch.full((total + 70, hkv, d), float("nan"), dtype=out_dtype, device=DEVICE)
     v_out = torch.full_like(k_out, float("nan"))
-    oscar_dense_kv(k_out, v_out, k, v, pc.cache, pc.window_k, pc.window_v, pc.window_pos, step.block_table,
+    oscar_dense_kv(k_out, v_out, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
                    step.seq_lens, step.cu_q, cu_k, step.ring_slots, n, int(step.seq_lens.max()) + 65, sink, recent)
     want_k, want_v = oscar_dense_kv_reference(k, v, *cache_args(pc, step), n, sink, recent)
     assert k_out[total:].isnan().all() and v_out[total:].isnan().all()
@@ -86,5 +86,5 @@ def test_dense_kv_rejects_a_buffer_of_the_wrong_shape():
     pc, step, q, q_rot, k, v = prepare(64, 1, 2, 4, 8, [70], [3], torch.float32)
     bad = torch.empty(100, 2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="k_out must be contiguous"):
-        oscar_dense_kv(bad, bad, k, v, pc.cache, pc.window_k, pc.window_v, pc.window_pos, step.block_table,
+        oscar_dense_kv(bad, bad, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
                        step.seq_lens, step.cu_q, cumulative(step.seq_lens), step.ring_slots, 1, 73, 4, 8)

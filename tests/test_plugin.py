@@ -56,6 +56,9 @@ def test_member_unpickles_in_a_process_that_has_not_loaded_plugins():
     out = run_python(f"""
         import base64, pickle
         config = pickle.loads(base64.b64decode("{blob}"))
+        # The engine process builds its scheduler next: it must give requests their window pages.
+        from vllm.v1.core.sched.scheduler import Scheduler
+        assert Scheduler.__init__.__oscar_wrapped__
         print(config.backend.name, config.backend.get_path())
     """)
     assert out == "OSCAR oscar_vllm.backend.OscarAttentionBackend"
@@ -82,6 +85,9 @@ def test_backend_class_resolves_and_installs_its_hooks():
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner
         assert Attention.get_kv_cache_spec.__oscar_wrapped__
         assert GPUModelRunner.initialize_kv_cache.__oscar_wrapped__  # the kernels' warm-up
+        assert GPUModelRunner.add_requests.__oscar_wrapped__  # new rows' window pages
+        from vllm.v1.core.sched.scheduler import Scheduler
+        assert Scheduler.__init__.__oscar_wrapped__  # the pages come from the scheduler's pool
         print(backend.get_name(), backend.get_kv_cache_shape(10, 64, 8, 128))
     """)
     assert out == "OSCAR (10, 8, 4608)"
@@ -121,7 +127,7 @@ def test_dense_prefill_buffers_are_shared_and_sized_for_a_longest_request():
     from oscar_vllm.vllm_hooks import give_dense_prefill_buffers
 
     def impl():
-        return SimpleNamespace(num_kv_heads=8, head_size=128, flash_attention=print, window_k=torch.empty(0),
+        return SimpleNamespace(num_kv_heads=8, head_size=128, flash_attention=print, window_pos=torch.empty(0),
                                dense_kv=None)
 
     config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=1000, dtype=torch.bfloat16),

@@ -42,15 +42,17 @@ def test_serve_maps_flags_onto_vllm_serve():
     argv = build_vllm_argv(["serve", "Qwen/Qwen3-8B", "--oscar-rotation-path", "./rot", "--oscar-sink-size", "64",
                             "--oscar-recent-size", "256", "--max-model-len", "8192",
                             "--additional-config", '{"other": 1}'])
-    assert argv[:6] == ["serve", "Qwen/Qwen3-8B", "--max-model-len", "8192", "--max-num-seqs", "256"]
-    assert argv[6:8] == ["--attention-backend", "OSCAR"]
+    # vLLM's own max_num_seqs: the windows take memory per running request, not per slot.
+    assert argv[:4] == ["serve", "Qwen/Qwen3-8B", "--max-model-len", "8192"]
+    assert argv[4:6] == ["--attention-backend", "OSCAR"]
     extra = json.loads(argv[argv.index("--additional-config") + 1])
     assert extra == {"other": 1, "oscar": {"rotation_path": "./rot", "sink_size": 64, "recent_size": 256}}
 
 
-def test_serve_keeps_the_users_max_num_seqs():
+def test_serve_passes_the_users_max_num_seqs_alone():
     argv = build_vllm_argv(["serve", "m", "--max-num-seqs=32"])
     assert argv.count("--max-num-seqs") == 0 and "--max-num-seqs=32" in argv
+    assert not any("max-num-seqs" in a for a in build_vllm_argv(["serve", "m"]))
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -41,11 +41,12 @@ def _layer(d=64, hkv=2, g=2, sink=4, recent=8, dtype=torch.float32):
 @pytest.mark.parametrize("dense", [False, True])
 def test_warm_up_writes_nothing(dense):
     pc, rot = _layer()
-    before = [t.clone() for t in (pc.cache, pc.window_k, pc.window_v, pc.window_pos)]
-    n = warm_up_kernels(pc.cache, pc.window_k, pc.window_v, pc.window_pos, rot, 4, torch.float32, 4, 8,
+    before = [t.clone() for t in (pc.cache, pc.windows, pc.window_pages, pc.window_pos)]
+    n = warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, 4, torch.float32, 4, 8,
                         torch.float16, max_num_seqs=9, max_num_tokens=64, num_sms=4, merge_self=True, dense=dense)
-    assert n == len(decode_variants(9, 2, 4)) + 1 + dense + 1  # 64 tokens: one write bucket of WRITE_NUM_WARPS
-    for b, a in zip(before, (pc.cache, pc.window_k, pc.window_v, pc.window_pos)):
+    # 64 tokens: one write bucket of WRITE_NUM_WARPS, written whole and in its two parts
+    assert n == len(decode_variants(9, 2, 4)) + 1 + dense + 3
+    for b, a in zip(before, (pc.cache, pc.windows, pc.window_pages, pc.window_pos)):
         assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))  # bitwise: unused window rows are NaN
 
 
@@ -66,7 +67,7 @@ def test_serving_after_warm_up_compiles_nothing(dtype):
     max_seqs, num_sms = 64, torch.cuda.get_device_properties(0).multi_processor_count
     rot = random_rotation(d).to(DEVICE)
     pc0 = pcs[0][0]
-    warm_up_kernels(pc0.cache, pc0.window_k, pc0.window_v, pc0.window_pos, rot, hkv * g, dtype, sink, recent,
+    warm_up_kernels(pc0.cache, pc0.windows, pc0.window_pages, pc0.window_pos, rot, hkv * g, dtype, sink, recent,
                     torch.float16, max_seqs, 8192, num_sms, merge_self=dtype != torch.float32, dense=True)
     compiled = _compiled()
     rows = decode_split_rows(max_seqs, hkv, num_sms)
@@ -87,14 +88,15 @@ def test_serving_after_warm_up_compiles_nothing(dtype):
             if dtype != torch.float32:
                 def own(q_p, k_p, v_p, cu, max_q, out_p):
                     return torch.zeros(q_p.shape[1], q_p.shape[0], dtype=torch.float32, device=DEVICE)
-            oscar_attention(out, q, q_rot, k, v, pc.cache, pc.window_k, pc.window_v, pc.window_pos, step.block_table,
+            oscar_attention(out, q, q_rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
                             step.seq_lens, step.cu_q, step.ring_slots, num_decodes, num_reqs, max(new), scale, sink,
                             recent, torch.float16, decode_splits(num_decodes, hkv, num_sms), part_out, part_lse,
                             own, True, dense)
         t = int(step.cu_q[-1])
-        oscar_write(random_rows((t, hkv, d), dtype, 1), random_rows((t, hkv, d), dtype, 2), rot, step.slot_mapping,
-                    step.cu_q, step.seq_lens, step.ring_slots, num_reqs, pc.cache, pc.window_k, pc.window_v,
-                    pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent, torch.float16,
-                    num_decodes)
+        for parts in ((True, True), (True, False), (False, True)):  # whole, and split around attention
+            oscar_write(random_rows((t, hkv, d), dtype, 1), random_rows((t, hkv, d), dtype, 2), rot,
+                        step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, pc.cache, pc.windows,
+                        pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent,
+                        torch.float16, num_decodes, write_codes=parts[0], write_windows=parts[1])
     torch.cuda.synchronize()
     assert _compiled() == compiled, f"compiled while serving: {compiled} -> {_compiled()} ({WRITE_NUM_WARPS=})"

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import triton
 
-from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape
+from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape, int2_region_bytes, window_pages_per_ring
 from oscar_vllm.reference.paged import layout_views
 
 L2_BYTES = 60 << 20  # H200; reads are spread over 4x this before a buffer is read again
@@ -105,8 +105,8 @@ class PagedInt2:
     """A decode or prefill batch over an INT2 cache whose windows hold what they would."""
 
     cache: torch.Tensor
-    window_k: torch.Tensor
-    window_v: torch.Tensor
+    windows: torch.Tensor
+    window_pages: torch.Tensor
     window_pos: torch.Tensor
     block_table: torch.Tensor
     seq_lens: torch.Tensor
@@ -114,7 +114,7 @@ class PagedInt2:
     ring_slots: torch.Tensor
 
     def args(self):
-        return (self.cache, self.window_k, self.window_v, self.window_pos, self.block_table, self.seq_lens,
+        return (self.cache, self.windows, self.window_pages, self.window_pos, self.block_table, self.seq_lens,
                 self.cu_q, self.ring_slots)
 
 
@@ -137,15 +137,18 @@ def make_int2_batch(ctx: list[int], q_lens: list[int], hkv: int, d: int, sink: i
         block_table[r, :n] = perm[at: at + n]
         at += n
     w = sink + recent
-    window_k = torch.empty(len(ctx), w, hkv, d, device="cuda", dtype=torch.bfloat16).normal_(generator=g)
-    window_v = torch.empty(len(ctx), w, hkv, d, device="cuda", dtype=torch.bfloat16).normal_(generator=g)
+    # The rings in pages as serving lays them out: serving-size pages, in the order allocated.
+    page_elems = hkv * int2_region_bytes(d) // 2
+    pages = window_pages_per_ring(w, page_elems, hkv, d)
+    windows = torch.empty(len(ctx) * pages, page_elems, device="cuda", dtype=torch.bfloat16).normal_(generator=g)
+    window_pages = torch.randperm(len(ctx) * pages, device="cuda", generator=g).to(torch.int32).view(len(ctx), pages)
     pos = torch.full((len(ctx), w), -1, dtype=torch.int32)
     for r, c in enumerate(ctx):
         held = list(range(min(sink, c))) + list(range(max(sink, c - recent), c))
         for p in held:
             pos[r, p if p < sink else sink + (p - sink) % recent] = p
     cu = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
-    return PagedInt2(cache, window_k, window_v, pos.cuda(), block_table,
+    return PagedInt2(cache, windows, window_pages, pos.cuda(), block_table,
                      torch.tensor(seq, dtype=torch.int32, device="cuda"), cu.cuda(),
                      torch.arange(len(ctx), dtype=torch.int32, device="cuda"))
 

@@ -26,12 +26,15 @@ from csrc_triton import oscar_attention, oscar_dense_kv, oscar_write
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 # Integer arguments a launch passes as multiples of 16 (Triton specializes those).
 ALIGNED_INTS = {"stride_cb", "stride_qt", "stride_rt", "stride_kt", "stride_vt", "stride_ot", "stride_qh",
-                "stride_rh", "stride_oh", "stride_kh", "stride_vh", "stride_bt", "stride_nt", "stride_nh"}
+                "stride_rh", "stride_oh", "stride_kh", "stride_vh", "stride_bt", "stride_nt", "stride_nh",
+                "stride_page"}
+WIN_E = 9  # window entries per page at 8 KV heads x head_dim 128 (paged_layout.window_entries_per_page)
 TYPES = {
     "out_ptr": "*bf16", "self_lse_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
     "q_ptr": "*bf16", "q_rot_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "key_ptr": "*bf16",
     "value_ptr": "*bf16", "rot_k_ptr": "*fp32", "slot_mapping_ptr": "*i64", "codes_ptr": "*u8",
     "params_ptr": "*fp16", "window_k_ptr": "*bf16", "window_v_ptr": "*bf16", "window_pos_ptr": "*i32",
+    "window_pages_ptr": "*i32",
     "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_q_ptr": "*i32", "ring_slot_ptr": "*i32",
     "k_out_ptr": "*bf16", "v_out_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "cu_k_ptr": "*i32",
     "qk_scale": "fp32", "num_splits": "i32",
@@ -48,24 +51,25 @@ def compile_kernel(fn, consts: dict, num_warps: int, num_stages: int):
 
 
 def decode_consts(args) -> dict:
-    return dict(HQ=8 * args.g, HKV=8, G=args.g, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, BLOCK_M=16, BLOCK_Q=1,
+    return dict(HQ=8 * args.g, HKV=8, G=args.g, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E, BLOCK_M=16, BLOCK_Q=1,
                 SPLIT=True, DECODE=True, NEW_KEYS=True, MERGE_SELF=False, DOT_DT=tl.float16, USE_ASM=not args.no_asm,
                 PRECISION="tf32", BLOCK_N_NEW=16)
 
 
 def prefill_consts(args) -> dict:
-    return dict(HQ=8 * args.g, HKV=8, G=args.g, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, BLOCK_M=args.block_m,
+    return dict(HQ=8 * args.g, HKV=8, G=args.g, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E, BLOCK_M=args.block_m,
                 BLOCK_Q=args.block_m // args.g, SPLIT=False, DECODE=False, NEW_KEYS=False, MERGE_SELF=True,
                 DOT_DT=tl.float16, USE_ASM=not args.no_asm, PRECISION="tf32", BLOCK_N_NEW=32)
 
 
 def write_consts(args) -> dict:
-    return dict(ROT_HEAD_STRIDE=0, HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, PARAM_BF16=args.bf16_params,
-                BLOCK_T=oscar_write.BLOCK_T, SEARCH_STEPS=oscar_write.SEARCH_STEPS)
+    return dict(ROT_HEAD_STRIDE=0, HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E,
+                PARAM_BF16=args.bf16_params, BLOCK_T=oscar_write.BLOCK_T, SEARCH_STEPS=oscar_write.SEARCH_STEPS,
+                WRITE_CODES=True, WRITE_WINDOWS=True)
 
 
 def dense_kv_consts(args) -> dict:
-    return dict(HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, OUT_BF16=True)
+    return dict(HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E, OUT_BF16=True)
 
 
 def sass_instructions(sass: str) -> list[tuple[int, str, str]]:

@@ -226,13 +226,13 @@ def prefill(args, bw: float, env: dict) -> list[dict]:
                                      _fa3_dense(fa, scale))
                 cu_k = torch.tensor([0, rows_kv], dtype=torch.int32, device="cuda")
                 row["dense_kv_ms"] = time_calls([lambda b=b: oscar_dense_kv(
-                    dense.k_buf, dense.v_buf, k, v, b.cache, b.window_k, b.window_v, b.window_pos, b.block_table,
+                    dense.k_buf, dense.v_buf, k, v, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table,
                     b.seq_lens, b.cu_q, cu_k, b.ring_slots, 1, rows_kv, SINK, RECENT)], rep_ms=100)
                 # Written: bf16 K and V of every row; read: the INT2 prefix, the ring, the chunk.
                 row["dense_kv_GBps"] = (rows_kv * hkv * d * 4 + int2_bytes_read([prefix], hkv, d, SINK, RECENT)
                                         + chunk * hkv * d * 4) / row["dense_kv_ms"] / 1e6
                 row["oscar_ms"] = time_calls([lambda b=b: oscar_dense_prefill_attention(
-                    out, q, v, b.cache, b.window_k, b.window_v, b.window_pos, b.block_table, b.seq_lens, b.cu_q,
+                    out, q, v, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table, b.seq_lens, b.cu_q,
                     b.ring_slots, 1, chunk, SINK, RECENT, dense)], rep_ms=100)
                 del dense
                 lse = torch.full((hq, chunk), float("-inf"), device="cuda")

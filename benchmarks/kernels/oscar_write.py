@@ -53,8 +53,8 @@ def main() -> None:
             for nw in args.num_warps:
                 row = {"shape": s.name, "tokens": t, "requests": len(q_lens), "num_warps": nw}
                 row["oscar_ms"] = time_calls([lambda nw=nw: oscar_write(
-                    k, v, rot, slots, b.cu_q, b.seq_lens, b.ring_slots, len(q_lens), b.cache, b.window_k,
-                    b.window_v, b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT,
+                    k, v, rot, slots, b.cu_q, b.seq_lens, b.ring_slots, len(q_lens), b.cache, b.windows,
+                    b.window_pages, b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT,
                     num_decodes=decodes, num_warps=nw or None)])
                 # Reads K and V (bf16), writes the INT2 slots and, for window positions, bf16 ring rows.
                 ring_rows = sum(min(n, RECENT) for n in q_lens)

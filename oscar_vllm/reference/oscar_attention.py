@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from oscar_vllm.quant import dequantize_int2, Int2Rows
-from oscar_vllm.reference.paged import block_size_of, layout_views
+from oscar_vllm.reference.paged import block_size_of, layout_views, read_ring
 from oscar_vllm.reference.oscar_write import window_index
 
 
@@ -27,8 +27,8 @@ def oscar_attention_reference(
     k: torch.Tensor,
     v: torch.Tensor,
     cache: torch.Tensor,
-    window_k: torch.Tensor,
-    window_v: torch.Tensor,
+    windows: torch.Tensor,
+    window_pages: torch.Tensor,
     window_pos: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -57,8 +57,7 @@ def oscar_attention_reference(
         ring = int(ring_slots[r])
         idx = window_index(kp, sink, recent)
         held = window_pos[ring].long().cpu()[idx] == kp
-        k_hi = window_k[ring].float().cpu()[idx]
-        v_hi = window_v[ring].float().cpu()[idx]
+        k_hi, v_hi = read_ring(windows, window_pages, ring, idx, hkv, d)
         # The window as the step finds it, the same for every query of a chunk.
         hi = (held & ((kp < sink) | (ctx - kp < recent)))[None, :]  # [1, ctx]
 

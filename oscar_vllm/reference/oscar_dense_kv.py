@@ -5,15 +5,15 @@ import torch
 
 from oscar_vllm.reference.oscar_attention import read_int2_slots
 from oscar_vllm.reference.oscar_write import window_index
-from oscar_vllm.reference.paged import block_size_of
+from oscar_vllm.reference.paged import block_size_of, read_ring
 
 
 def oscar_dense_kv_reference(
     k_new: torch.Tensor,
     v_new: torch.Tensor,
     cache: torch.Tensor,
-    window_k: torch.Tensor,
-    window_v: torch.Tensor,
+    windows: torch.Tensor,
+    window_pages: torch.Tensor,
     window_pos: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -38,8 +38,9 @@ def oscar_dense_kv_reference(
         ring = int(ring_slots[r])
         idx = window_index(kp, sink, recent)
         use = (window_pos[ring].long().cpu()[idx] == kp) & ((kp < sink) | (ctx - kp < recent))
-        k[use] = window_k[ring].float().cpu()[idx][use]
-        v[use] = window_v[ring].float().cpu()[idx][use]
+        k_hi, v_hi = read_ring(windows, window_pages, ring, idx, k_new.shape[1], d)
+        k[use] = k_hi[use]
+        v[use] = v_hi[use]
         ks += [k, k_new[q0:q1].float().cpu()]
         vs += [v, v_new[q0:q1].float().cpu()]
     return torch.cat(ks), torch.cat(vs)

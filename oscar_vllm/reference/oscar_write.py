@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from oscar_vllm.quant import quantize_int2
-from oscar_vllm.reference.paged import layout_views
+from oscar_vllm.reference.paged import layout_views, ring_index, window_views
 
 
 def window_index(pos: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
@@ -32,8 +32,8 @@ def oscar_write_reference(
     ring_slots: torch.Tensor,
     num_reqs: int,
     cache: torch.Tensor,
-    window_k: torch.Tensor,
-    window_v: torch.Tensor,
+    windows: torch.Tensor,
+    window_pages: torch.Tensor,
     window_pos: torch.Tensor,
     clip_ratio_k: float,
     clip_ratio_v: float,
@@ -65,6 +65,9 @@ def oscar_write_reference(
     keep = live[: len(req)] & ((pos < sink) | (pos >= end - recent))
     ring = ring_slots[:num_reqs].long().cpu()[req][keep]
     idx = window_index(pos[keep], sink, recent)
-    window_k[ring, idx] = k_rot[: len(req)][keep].to(window_k.dtype).to(window_k.device)
-    window_v[ring, idx] = value[: len(req)][keep].to(window_v.dtype).to(window_v.device)
+    k_views, v_views = window_views(windows, hkv, d)
+    page, slot = ring_index(window_pages, ring, idx, k_views.shape[1])
+    page, slot = page.to(windows.device), slot.to(windows.device)
+    k_views[page, slot] = k_rot[: len(req)][keep].to(windows.dtype).to(windows.device)
+    v_views[page, slot] = value[: len(req)][keep].to(windows.dtype).to(windows.device)
     window_pos[ring, idx] = pos[keep].to(window_pos.dtype).to(window_pos.device)

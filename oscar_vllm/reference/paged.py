@@ -34,3 +34,28 @@ def layout_views(cache: torch.Tensor, head_dim: int, param_dtype: torch.dtype
     v_codes = cache[:, :, codes: 2 * codes].view(nb, hkv, q, bs)
     params = cache[:, :, 2 * codes:].view(param_dtype).view(nb, hkv, 4, bs)
     return k_codes, v_codes, params
+
+
+def window_views(windows: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writable views of bf16 window pages ``[num_pages, page_elems]``: keys and values, each
+    ``[num_pages, E, Hkv, d]`` (``E`` entries per page, keys first in every page)."""
+    per_page = windows.shape[1] // (2 * num_kv_heads * head_dim)
+    n = per_page * num_kv_heads * head_dim
+    return (windows[:, :n].view(-1, per_page, num_kv_heads, head_dim),
+            windows[:, n: 2 * n].view(-1, per_page, num_kv_heads, head_dim))
+
+
+def ring_index(window_pages: torch.Tensor, rings: torch.Tensor, entries: torch.Tensor, per_page: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(page, slot)`` of each ring entry: ``window_pages[ring, entry // E]``, ``entry % E``."""
+    rings, entries = rings.long().cpu(), entries.long().cpu()
+    return window_pages.long().cpu()[rings, entries // per_page], entries % per_page
+
+
+def read_ring(windows: torch.Tensor, window_pages: torch.Tensor, ring: int, entries: torch.Tensor, num_kv_heads: int,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 CPU keys and values ``[N, Hkv, d]`` of ring ``ring``'s ``entries``."""
+    k_views, v_views = window_views(windows, num_kv_heads, head_dim)
+    page, slot = ring_index(window_pages, torch.full_like(entries, ring), entries, k_views.shape[1])
+    page, slot = page.to(windows.device), slot.to(windows.device)
+    return k_views[page, slot].float().cpu(), v_views[page, slot].float().cpu()

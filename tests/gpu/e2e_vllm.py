@@ -10,6 +10,11 @@ its GPU memory) and prints one JSON line with what it measured, prefixed ``RESUL
   qwen3     LLM(attention_backend=...) on the Qwen3-8B shape: generates, KV capacity
   decode    decode tokens/s at batch 1/32 and context 8K/32K (Qwen3-8B shape)
   serve     `oscar-vllm serve` on the Qwen3-8B shape, answered through the openai client
+  preempt   window pages under preemption (a KV cache too small for the batch) and aborts, SmolLM2:
+            outputs as a roomy cache gives them, and every page back in the pool at the end
+  prefix    prefix caching on against off on SmolLM2 (one engine each, in subprocesses): a shared
+            system prompt across requests sent together (first chunks mixed with cache hits),
+            the same after a cache reset, and perplexity with a cached shared prefix
 """
 from __future__ import annotations
 
@@ -177,12 +182,171 @@ def cmd_serve(args) -> None:
         server.wait(timeout=60)
 
 
+def prefix_workload(model_dir: str):
+    """Token lists from held-out text: a 1,536-token system prompt with 16 distinct 200-token
+    questions, and 23 windows of one shared 512-token prefix plus 1,536 distinct tokens."""
+    ids, _ = eval_windows(model_dir, 16384 + 23 * 1536 + 16 * 200, 64)
+    flat = [t for w in ids for t in w]
+    system, rest = flat[:1536], flat[1536:]
+    chats = [system + rest[i * 200:(i + 1) * 200] for i in range(16)]
+    rest = rest[16 * 200:]
+    shared = rest[:512]
+    windows = [shared + rest[512 + i * 1536: 512 + (i + 1) * 1536] for i in range(23)]
+    return chats, shared, windows
+
+
+# Where each window is cut for next-token scoring. vLLM never reads the prefix cache for a
+# request that asks for prompt logprobs, so the cached-prefix perplexity scores the token after
+# each cut (full-vocabulary logprobs of one generated position) instead.
+SCORE_CUTS = (100, 300, 500, 700, 900, 1100, 1300, 1500)
+
+
+def prefix_run(args) -> dict:
+    """One engine (caching on or off): greedy outputs with logprobs, and next-token NLL of
+    held-out text after a shared cached prefix."""
+    from vllm import LLM, SamplingParams
+
+    chats, shared, windows = prefix_workload(args.model)
+    kw = dict(additional_config=oscar_config(args.rotations)) if args.backend == "OSCAR" else {}
+    llm = LLM(args.model, attention_backend=args.backend, dtype="bfloat16", enforce_eager=True,
+              max_model_len=4096, max_num_batched_tokens=args.chunk, max_num_seqs=32, max_logprobs=-1,
+              enable_prefix_caching=args.caching == "on", gpu_memory_utilization=0.5, seed=0, **kw)
+    greedy = SamplingParams(max_tokens=32, temperature=0, logprobs=5, ignore_eos=True)
+
+    def outputs(reqs):
+        outs = llm.generate([{"prompt_token_ids": r} for r in reqs], greedy, use_tqdm=False)
+        return [{"ids": o.outputs[0].token_ids, "cached": o.num_cached_tokens or 0,
+                 "logprobs": [{str(k): v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs]}
+                for o in outs]
+
+    first = outputs(chats)  # sent together: the first request's chunks and the others' hits mix
+    again = outputs(chats)  # every request a hit on the whole system prompt
+    llm.reset_prefix_cache()
+    after_reset = outputs(chats)
+    llm.generate([{"prompt_token_ids": shared + [shared[0]]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    cuts = [(w, len(shared) + c) for w in windows for c in SCORE_CUTS]
+    scored = llm.generate([{"prompt_token_ids": w[:end]} for w, end in cuts],
+                          SamplingParams(max_tokens=1, temperature=0, logprobs=-1), use_tqdm=False)
+    nll = [-o.outputs[0].logprobs[0][w[end]].logprob for (w, end), o in zip(cuts, scored)]
+    top = [o.outputs[0].token_ids[0] for o in scored]
+    return {"first": first, "again": again, "after_reset": after_reset, "nll": nll, "top": top,
+            "cached_tokens": sum(o.num_cached_tokens or 0 for o in scored), "chunk": args.chunk}
+
+
+def first_mismatch(a: dict, b: dict) -> dict | None:
+    """vLLM's ``check_logprobs_close`` on one pair: equal ids, or at the first differing token
+    each side's token is among the other's top logprobs (floating point may flip a near tie)."""
+    for i, (x, y) in enumerate(zip(a["ids"], b["ids"])):
+        if x != y:
+            close = str(x) in b["logprobs"][i] and str(y) in a["logprobs"][i]
+            return {"index": i, "close": close}
+    return None
+
+
+def cmd_prefix(args) -> None:
+    import math
+
+    if args.caching:
+        Path(args.out).write_text(json.dumps(prefix_run(args)))
+        return
+    runs = {}
+    for caching in ("off", "on"):
+        out = Path(f"/tmp/oscar-prefix-{args.backend}-{caching}.json")
+        subprocess.run([sys.executable, __file__, "prefix", "--model", args.model, "--rotations", args.rotations,
+                        "--backend", args.backend, "--chunk", str(args.chunk), "--caching", caching,
+                        "--out", str(out)], check=True)
+        runs[caching] = json.loads(out.read_text())
+    off, on = runs["off"], runs["on"]
+    report = {}
+    for name in ("first", "again", "after_reset"):
+        diffs = [first_mismatch(a, b) for a, b in zip(off["first"], on[name])]
+        report[name] = {"equal": sum(d is None for d in diffs), "close": sum(d is not None and d["close"] for d in diffs),
+                        "far": sum(d is not None and not d["close"] for d in diffs), "requests": len(diffs),
+                        "cached_tokens": sum(o["cached"] for o in on[name])}
+    ppl = {k: math.exp(sum(r["nll"]) / len(r["nll"])) for k, r in runs.items()}
+    result(check="prefix", backend=args.backend, chunk=args.chunk, outputs=report, ppl_caching_off=ppl["off"],
+           ppl_caching_on=ppl["on"], tokens_scored=len(on["nll"]), cached_tokens_on=on["cached_tokens"],
+           cached_tokens_off=off["cached_tokens"],
+           same_top_token=sum(a == b for a, b in zip(off["top"], on["top"])) / len(on["top"]))
+
+
+def preempt_run(args) -> dict:
+    """One in-process engine (its scheduler inspectable): 16 requests, 4 aborted after a few steps
+    and 4 new ones sent in their place, run to the end."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    chats, _, windows = prefix_workload(args.model)
+    flat = [t for w in windows for t in w]
+    prompts = [flat[i * 700: i * 700 + 450 + 17 * i] for i in range(20)]
+    kw = dict(additional_config=oscar_config(args.rotations)) if args.backend == "OSCAR" else {}
+    if args.kv_blocks:
+        kw["num_gpu_blocks_override"] = args.kv_blocks
+    llm = LLM(args.model, attention_backend=args.backend, dtype="bfloat16", enforce_eager=True, max_model_len=2048,
+              max_num_seqs=16, gpu_memory_utilization=0.3, seed=0, **kw)
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    pages = getattr(scheduler, "oscar_window_pages", None)
+    free_start = pool.get_num_free_blocks()
+    preempted, peak_pages = [0], [0]
+    original = scheduler._preempt_request
+
+    def count_preemption(*a, **k):
+        preempted[0] += 1
+        return original(*a, **k)
+
+    scheduler._preempt_request = count_preemption
+    params = SamplingParams(max_tokens=160, temperature=0, logprobs=5, ignore_eos=True)
+    for i in range(16):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params)
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = {"ids": o.outputs[0].token_ids, "logprobs": [
+                    {str(k): v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs]}
+        steps += 1
+        if pages is not None:
+            peak_pages[0] = max(peak_pages[0], pages.pages_in_use)
+        if steps == 6:  # abort four mid-flight; four new requests take their rows and pages
+            engine.abort_request([f"r{i}" for i in range(4)])
+            for i in range(16, 20):
+                engine.add_request(f"r{i}", {"prompt_token_ids": prompts[i]}, params)
+    return {"outputs": done, "preemptions": preempted[0], "free_start": free_start,
+            "free_end": pool.get_num_free_blocks(), "pages_at_end": None if pages is None else pages.pages_in_use,
+            "peak_pages": peak_pages[0], "pages_per_request": None if pages is None else pages.pages_per_request,
+            "kv_blocks": scheduler.kv_cache_config.num_blocks}
+
+
+def cmd_preempt(args) -> None:
+    if args.kv_blocks is not None and args.out:
+        Path(args.out).write_text(json.dumps(preempt_run(args)))
+        return
+    runs = {}
+    for name, blocks in (("roomy", 0), ("tight", args.tight_blocks)):
+        out = Path(f"/tmp/oscar-preempt-{name}.json")
+        subprocess.run([sys.executable, __file__, "preempt", "--model", args.model, "--rotations", args.rotations,
+                        "--backend", args.backend, "--kv-blocks", str(blocks), "--out", str(out)], check=True)
+        runs[name] = json.loads(out.read_text())
+    roomy, tight = runs["roomy"], runs["tight"]
+    diffs = {r: first_mismatch(roomy["outputs"][r], o) for r, o in tight["outputs"].items()}
+    result(check="preempt", backend=args.backend, tight_kv_blocks=tight["kv_blocks"],
+           preemptions_tight=tight["preemptions"], preemptions_roomy=roomy["preemptions"],
+           requests=len(diffs), equal=sum(d is None for d in diffs.values()),
+           close=sum(d is not None and d["close"] for d in diffs.values()),
+           far=sum(d is not None and not d["close"] for d in diffs.values()),
+           pages_at_end=tight["pages_at_end"], peak_pages=tight["peak_pages"],
+           pages_per_request=tight["pages_per_request"],
+           free_blocks_start_end=[tight["free_start"], tight["free_end"]])
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("prepare")
     s.add_argument("--work", required=True)
-    for name in ("ppl", "qwen3", "decode", "serve"):
+    for name in ("ppl", "qwen3", "decode", "serve", "prefix", "preempt"):
         s = sub.add_parser(name)
         s.add_argument("--model", required=True)
         s.add_argument("--rotations", default="")
@@ -201,6 +365,14 @@ def main() -> None:
     sd.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     sd.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     sd.add_argument("--new-tokens", type=int, default=128)
+    sx = sub.choices["prefix"]
+    sx.add_argument("--chunk", type=int, default=8192)
+    sx.add_argument("--caching", choices=("on", "off"), help="run one engine and write --out (internal)")
+    sx.add_argument("--out")
+    se = sub.choices["preempt"]
+    se.add_argument("--tight-blocks", type=int, default=160, help="KV blocks of the tight run")
+    se.add_argument("--kv-blocks", type=int, help="run one engine with this many blocks (0: vLLM's) (internal)")
+    se.add_argument("--out")
     args = p.parse_args()
     globals()[f"cmd_{args.cmd}"](args)
 

@@ -11,6 +11,9 @@
 #   e2e     vLLM end to end: SmolLM2 perplexity through OSCAR vs the reference simulation,
 #           greedy text, CUDA graphs, the Qwen3-8B shape (generation, KV capacity)
 #   serve   `oscar-vllm serve` on the Qwen3-8B shape, answered by the openai client
+#   prefix  prefix caching on vs off (SmolLM2): outputs of a shared system prompt sent together,
+#           after a cache reset, and perplexity with a cached prefix (chunks 8192 and 256); window
+#           pages under forced preemption and aborts
 #   decode  decode tokens/s, OSCAR vs FLASH_ATTN, batch 1/32, context 8K/32K
 #   fidelity  the core issue's GPU fidelity benchmark
 #   bash tests/gpu/run.sh OUT_DIR [STAGE...]     (default stages: tests e2e serve decode)
@@ -74,6 +77,14 @@ for stage in $stages; do
         $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16
         $e2e ppl --model "$work/smollm2" --backend FLASH_ATTN --dtype bfloat16
       } 2>&1 | tee "$out/e2e.log" || status=1 ;;
+    prefix)
+      {
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
+        $e2e prefix --model "$work/smollm2" --rotations "$smol_rot" --chunk 8192
+        $e2e prefix --model "$work/smollm2" --rotations "$smol_rot" --chunk 256
+        $e2e preempt --model "$work/smollm2" --rotations "$smol_rot"
+        if [ -n "${OSCAR_PREFIX_CONTROL:-}" ]; then $e2e prefix --model "$work/smollm2" --backend FLASH_ATTN --chunk 256; fi
+      } 2>&1 | grep -v EngineCore | tee "$out/prefix.log" || status=1 ;;
     serve)
       $e2e serve --model "$work/qwen3-8b-shape" --rotations "$zoo" 2>&1 | tee "$out/serve.log" || status=1 ;;
     decode)
