@@ -95,12 +95,14 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         self.part_out = torch.empty(split_rows * num_heads * d, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(split_rows * num_heads, dtype=torch.float32, device=device)
 
-    def assign_windows(self, rows: list[int], pages: list[list[int]], num_blocks: int) -> None:
-        """New requests took ``rows``, with window ``pages`` each (block ids < ``num_blocks``):
-        empty their rings in every layer before they run, so no row reads a window it did not write."""
+    def assign_windows(self, rows: list[int], pages: list[list[int]], num_blocks: int, allow_null: bool = False) -> None:
+        """New requests took ``rows``, with window ``pages`` each (block ids < ``num_blocks``; the
+        null block 0 only with ``allow_null``, for vLLM's start-up warm-up): empty their rings in
+        every layer before they run, so no row reads a window it did not write."""
         if not rows:
             return
-        if any(len(p) != self.pages_per_ring or not all(0 < b < num_blocks for b in p) for p in pages):
+        first = 0 if allow_null else 1
+        if any(len(p) != self.pages_per_ring or not all(first <= b < num_blocks for b in p) for p in pages):
             raise WindowPagesError(
                 f"window pages {pages} for rows {rows}: each row needs {self.pages_per_ring} block ids in [1, {num_blocks})"
             )

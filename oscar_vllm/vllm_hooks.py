@@ -192,8 +192,11 @@ def assign_window_pages(runner, scheduler_output) -> None:
     rows = [runner.req_states.req_id_to_index[r] for r in new]
     for group, builder in builders:
         ratio = group.kv_cache_spec.block_size // BLOCK_SIZE
-        pages = [[b * ratio + i for b in given[r] for i in range(ratio)][: builder.pages_per_ring] for r in new]
-        builder.assign_windows(rows, pages, runner.kv_cache_config.num_blocks * ratio)
+        if given is None:  # vLLM's start-up warm-up: the null block
+            pages = [[0] * builder.pages_per_ring for _ in new]
+        else:
+            pages = [[b * ratio + i for b in given[r] for i in range(ratio)][: builder.pages_per_ring] for r in new]
+        builder.assign_windows(rows, pages, runner.kv_cache_config.num_blocks * ratio, allow_null=given is None)
 
 
 def oscar_attention_blocks(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:

@@ -126,14 +126,18 @@ def attach_to_scheduler(scheduler, pages_per_request: int) -> WindowPageAllocato
     return allocator
 
 
-def pages_of_new_requests(scheduler_output, req_ids) -> dict[str, list[int]]:
-    """The window pages of the requests a worker adds this step; a named error where the
-    scheduler gave none (it runs without the OSCAR scheduler hook)."""
+def pages_of_new_requests(scheduler_output, req_ids) -> dict[str, list[int]] | None:
+    """The window pages of the requests a worker adds this step.
+
+    ``None`` for an output no scheduler built: vLLM's start-up warm-up runs made-up requests
+    through the model before the scheduler exists; their rings go to the null block (no request
+    reads it, and their rows are emptied before a real request takes them). An output from the
+    OSCAR scheduler that lacks a request it sends is a named error.
+    """
     given = getattr(scheduler_output, SCHEDULER_OUTPUT_FIELD, None)
-    missing = [r for r in req_ids if given is None or r not in given]
+    if given is None:
+        return None
+    missing = [r for r in req_ids if r not in given]
     if missing:
-        raise WindowPagesError(
-            f"the scheduler gave no OSCAR window pages to request(s) {missing[:4]}: the OSCAR scheduler hook is not "
-            "installed in the engine process (it is installed when the engine's config names the OSCAR backend)"
-        )
+        raise WindowPagesError(f"the scheduler sent request(s) {missing[:4]} without their OSCAR window pages")
     return {r: given[r] for r in req_ids}

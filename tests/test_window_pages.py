@@ -135,16 +135,15 @@ def test_scheduler_output_names_the_pages_of_its_new_requests():
     assert not set(given["a"]) & set(given["b"])
 
 
-def test_worker_side_names_a_missing_hook():
+def test_worker_side_reads_the_pages_and_names_a_missing_request():
     class Output:
         pass
 
     out = Output()
-    with pytest.raises(WindowPagesError, match="scheduler hook is not installed"):
-        pages_of_new_requests(out, ["r1"])
+    assert pages_of_new_requests(out, ["_warmup_0_"]) is None, "vLLM's start-up warm-up: no scheduler"
     setattr(out, SCHEDULER_OUTPUT_FIELD, {"r1": [4, 5]})
     assert pages_of_new_requests(out, ["r1"]) == {"r1": [4, 5]}
-    with pytest.raises(WindowPagesError, match=r"\['r2'\]"):
+    with pytest.raises(WindowPagesError, match=r"\['r2'\] without their OSCAR window pages"):
         pages_of_new_requests(out, ["r1", "r2"])
 
 
