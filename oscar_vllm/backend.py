@@ -111,9 +111,9 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         for impl in self.layers:
             impl.window_pos.index_fill_(0, index, -1)
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> OscarAttentionMetadata:
-        m = common_attn_metadata
+    def fill_ring_slots(self, num_entries: int) -> None:
+        """Each batch entry's ring: the rows of the batch's requests, then the null row for the
+        entries a CUDA graph pads the batch with (they read an empty window)."""
         rows = self.batch_rows
         if rows is None:
             raise RuntimeError(
@@ -121,12 +121,17 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
                 "request's window ring; set VLLM_USE_V2_MODEL_RUNNER=1"
             )
         n = rows.shape[0]
-        if n > m.num_reqs or m.num_reqs > self.ring_slots.shape[0]:
-            raise RuntimeError(f"OSCAR: a batch of {m.num_reqs} entries for {n} request rows "
+        if n > num_entries or num_entries > self.ring_slots.shape[0]:
+            raise RuntimeError(f"OSCAR: a batch of {num_entries} entries for {n} request rows "
                                f"(at most {self.ring_slots.shape[0]} entries)")
         self.ring_slots[:n].copy_(rows, non_blocking=True)
-        if m.num_reqs > n:  # entries a CUDA graph pads the batch with: the empty row
-            self.ring_slots[n:m.num_reqs].fill_(self.null_row)
+        if num_entries > n:
+            self.ring_slots[n:num_entries].fill_(self.null_row)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> OscarAttentionMetadata:
+        m = common_attn_metadata
+        self.fill_ring_slots(m.num_reqs)
         num_decodes, _, _, _ = split_decodes_and_prefills(m, decode_threshold=1)
         # From CPU copies (no sync): seq_lens_cpu_upper_bound can only overstate a prefix.
         seq_cpu = m.seq_lens_cpu_upper_bound

@@ -160,3 +160,66 @@ def test_dense_prefill_is_taken_only_when_the_batch_fits():
         assert OscarAttentionImpl.dense_prefill(impl, md(**why), k) is None, why
     impl.dense_kv = None
     assert OscarAttentionImpl.dense_prefill(impl, md(), k) is None
+
+
+def builder_state(max_seqs=4, pages=3, layers=2):
+    from oscar_vllm.backend import OscarAttentionMetadataBuilder
+
+    state = SimpleNamespace(null_row=max_seqs, pages_per_ring=pages, batch_rows=None,
+                            window_pages=torch.zeros(max_seqs + 1, pages, dtype=torch.int32),
+                            ring_slots=torch.full((max_seqs + 2,), max_seqs, dtype=torch.int32),
+                            layers=[SimpleNamespace(window_pos=torch.arange(float(max_seqs + 1) * 5).view(-1, 5).int())
+                                    for _ in range(layers)])
+    return OscarAttentionMetadataBuilder, state
+
+
+def test_padded_batch_entries_read_the_empty_row():
+    cls, b = builder_state()
+    b.batch_rows = torch.tensor([2, 0], dtype=torch.int32)
+    b.ring_slots.fill_(1)  # what an earlier batch left
+    cls.fill_ring_slots(b, 5)  # a CUDA graph padded 2 requests to 5 entries
+    assert b.ring_slots[:5].tolist() == [2, 0, 4, 4, 4]
+    for bad in (1, 7):  # fewer entries than rows; more entries than the buffers hold
+        with pytest.raises(RuntimeError, match="entries for 2 request rows"):
+            cls.fill_ring_slots(b, bad)
+    b.batch_rows = None
+    with pytest.raises(RuntimeError, match="V2 model runner"):
+        cls.fill_ring_slots(b, 2)
+
+
+def test_new_rows_get_their_pages_and_empty_rings_in_every_layer():
+    from oscar_vllm.window_pages import WindowPagesError
+
+    cls, b = builder_state()
+    cls.assign_windows(b, [3, 1], [[7, 8, 9], [4, 5, 6]], num_blocks=10)
+    assert b.window_pages[3].tolist() == [7, 8, 9] and b.window_pages[1].tolist() == [4, 5, 6]
+    for layer in b.layers:
+        assert (layer.window_pos[[1, 3]] == -1).all() and (layer.window_pos[[0, 2, 4]] >= 0).all()
+    for pages in ([[1, 2]], [[0, 1, 2]], [[1, 2, 10]]):  # too few; the null block; past the pool
+        with pytest.raises(WindowPagesError, match="each row needs 3 block ids"):
+            cls.assign_windows(b, [0], pages, num_blocks=10)
+    cls.assign_windows(b, [0], [[0, 0, 0]], num_blocks=10, allow_null=True)  # vLLM's start-up warm-up
+
+
+def test_a_second_weight_hook_would_fold_twice_and_is_refused():
+    from oscar_vllm.fold import RotationFoldError
+    from oscar_vllm.settings import BACKEND_NAME
+    from oscar_vllm.vllm_hooks import prepare_model
+
+    backend = SimpleNamespace(get_name=lambda: BACKEND_NAME)
+
+    class Block(torch.nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            self.qkv_proj = torch.nn.Linear(2, 2)
+            self.o_proj = torch.nn.Linear(2, 2)
+            self.attn = torch.nn.Module()
+            self.attn.attn_backend = backend
+            self.attn.layer_name = f"model.layers.{i}.self_attn.attn"
+            self.attn.impl = SimpleNamespace(rot_k=torch.eye(2) if i == 1 else None)
+
+    model = torch.nn.Sequential(Block(0), Block(1))
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(RotationFoldError, match=r"layers \[1\] already hold their rotations"):
+        prepare_model(model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "no weight touched"
