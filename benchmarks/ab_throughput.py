@@ -106,8 +106,8 @@ def oscar_window_blocks(vllm_config) -> int:
     from oscar_vllm.vllm_hooks import window_pages_of_group
 
     model = vllm_config.model_config
-    spec = SimpleNamespace(block_size=vllm_config.cache_config.block_size,
-                           num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config), head_size=model.get_head_size())
+    spec = SimpleNamespace(block_size=vllm_config.cache_config.block_size, head_size=model.get_head_size(),
+                           num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config))
     return window_pages_of_group(spec, OscarSettings.from_vllm_config(vllm_config))[0]
 
 

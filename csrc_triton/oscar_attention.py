@@ -397,17 +397,20 @@ def _oscar_attention_kernel(
         m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, row_ok,
             blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pages_ptr,
-            window_pos_ptr, stride_wp, stride_page, qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, WIN_E, True, DOT_DT, USE_ASM, PRECISION)
+            window_pos_ptr, stride_wp, stride_page, qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, WIN_E,
+            True, DOT_DT, USE_ASM, PRECISION)
     for blk in range(tl.maximum(b_lo, sink_end), tl.minimum(b_hi, recent_start)):
         m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, row_ok,
             blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pages_ptr,
-            window_pos_ptr, stride_wp, stride_page, qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, WIN_E, False, DOT_DT, USE_ASM, PRECISION)
+            window_pos_ptr, stride_wp, stride_page, qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, WIN_E,
+            False, DOT_DT, USE_ASM, PRECISION)
     for blk in range(tl.maximum(b_lo, recent_start), b_hi):
         m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, row_ok,
             blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pages_ptr,
-            window_pos_ptr, stride_wp, stride_page, qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, WIN_E, True, DOT_DT, USE_ASM, PRECISION)
+            window_pos_ptr, stride_wp, stride_page, qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, WIN_E,
+            True, DOT_DT, USE_ASM, PRECISION)
 
     if NEW_KEYS:
         if split == 0:

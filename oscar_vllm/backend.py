@@ -104,7 +104,8 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         first = 0 if allow_null else 1
         if any(len(p) != self.pages_per_ring or not all(first <= b < num_blocks for b in p) for p in pages):
             raise WindowPagesError(
-                f"window pages {pages} for rows {rows}: each row needs {self.pages_per_ring} block ids in [1, {num_blocks})"
+                f"window pages {pages} for rows {rows}: each row needs {self.pages_per_ring} block ids in "
+                f"[{first}, {num_blocks})"
             )
         index = torch.tensor(rows, dtype=torch.long).to(self.window_pages.device, non_blocking=True)
         self.window_pages.index_copy_(0, index, torch.tensor(pages, dtype=torch.int32).to(index.device))

@@ -51,13 +51,15 @@ def compile_kernel(fn, consts: dict, num_warps: int, num_stages: int):
 
 
 def decode_consts(args) -> dict:
-    return dict(HQ=8 * args.g, HKV=8, G=args.g, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E, BLOCK_M=16, BLOCK_Q=1,
+    return dict(HQ=8 * args.g, HKV=8, G=args.g, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E,
+                BLOCK_M=16, BLOCK_Q=1,
                 SPLIT=True, DECODE=True, NEW_KEYS=True, MERGE_SELF=False, DOT_DT=tl.float16, USE_ASM=not args.no_asm,
                 PRECISION="tf32", BLOCK_N_NEW=16)
 
 
 def prefill_consts(args) -> dict:
-    return dict(HQ=8 * args.g, HKV=8, G=args.g, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E, BLOCK_M=args.block_m,
+    return dict(HQ=8 * args.g, HKV=8, G=args.g, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E,
+                BLOCK_M=args.block_m,
                 BLOCK_Q=args.block_m // args.g, SPLIT=False, DECODE=False, NEW_KEYS=False, MERGE_SELF=True,
                 DOT_DT=tl.float16, USE_ASM=not args.no_asm, PRECISION="tf32", BLOCK_N_NEW=32)
 

@@ -41,9 +41,9 @@ def main() -> None:
             k_out = torch.empty(total, hkv, d, device="cuda", dtype=torch.bfloat16)
             v_out = torch.empty_like(k_out)
             cu_k = torch.arange(n + 1, dtype=torch.int32, device="cuda") * (prefix + chunk)
-            ms = time_calls([lambda: oscar_dense_kv(k_out, v_out, k, v, b.cache, b.windows, b.window_pages, b.window_pos,
-                                                    b.block_table, b.seq_lens, b.cu_q, cu_k, b.ring_slots, n,
-                                                    prefix + chunk, SINK, RECENT)], rep_ms=100)
+            ms = time_calls([lambda: oscar_dense_kv(k_out, v_out, k, v, b.cache, b.windows, b.window_pages,
+                                                    b.window_pos, b.block_table, b.seq_lens, b.cu_q, cu_k,
+                                                    b.ring_slots, n, prefix + chunk, SINK, RECENT)], rep_ms=100)
             # Read: the INT2 prefix and its ring, the chunk's K and V; written: bf16 K and V of every row.
             nbytes = int2_bytes_read([prefix] * n, hkv, d, SINK, RECENT) + k.nbytes * 2 + k_out.nbytes * 2
             row = {"shape": s.name, "requests": n, "chunk": chunk, "prefix": prefix, "ms": ms,

@@ -67,7 +67,6 @@ def oscar_write_reference(
     idx = window_index(pos[keep], sink, recent)
     k_views, v_views = window_views(windows, hkv, d)
     page, slot = ring_index(window_pages, ring, idx, k_views.shape[1])
-    page, slot = page.to(windows.device), slot.to(windows.device)
     k_views[page, slot] = k_rot[: len(req)][keep].to(windows.dtype).to(windows.device)
     v_views[page, slot] = value[: len(req)][keep].to(windows.dtype).to(windows.device)
     window_pos[ring, idx] = pos[keep].to(window_pos.dtype).to(window_pos.device)

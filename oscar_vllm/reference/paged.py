@@ -47,9 +47,11 @@ def window_views(windows: torch.Tensor, num_kv_heads: int, head_dim: int) -> tup
 
 def ring_index(window_pages: torch.Tensor, rings: torch.Tensor, entries: torch.Tensor, per_page: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(page, slot)`` of each ring entry: ``window_pages[ring, entry // E]``, ``entry % E``."""
+    """``(page, slot)`` of each ring entry, ``window_pages[ring, entry // E]`` and ``entry % E``,
+    on ``window_pages``' device (where the pages are)."""
     rings, entries = rings.long().cpu(), entries.long().cpu()
-    return window_pages.long().cpu()[rings, entries // per_page], entries % per_page
+    page = window_pages.long().cpu()[rings, entries // per_page]
+    return page.to(window_pages.device), (entries % per_page).to(window_pages.device)
 
 
 def read_ring(windows: torch.Tensor, window_pages: torch.Tensor, ring: int, entries: torch.Tensor, num_kv_heads: int,
@@ -57,5 +59,4 @@ def read_ring(windows: torch.Tensor, window_pages: torch.Tensor, ring: int, entr
     """fp32 CPU keys and values ``[N, Hkv, d]`` of ring ``ring``'s ``entries``."""
     k_views, v_views = window_views(windows, num_kv_heads, head_dim)
     page, slot = ring_index(window_pages, torch.full_like(entries, ring), entries, k_views.shape[1])
-    page, slot = page.to(windows.device), slot.to(windows.device)
     return k_views[page, slot].float().cpu(), v_views[page, slot].float().cpu()
