@@ -108,7 +108,8 @@ def oscar_window_blocks(vllm_config) -> int:
     model = vllm_config.model_config
     spec = SimpleNamespace(block_size=vllm_config.cache_config.block_size, head_size=model.get_head_size(),
                            num_kv_heads=model.get_num_kv_heads(vllm_config.parallel_config))
-    return window_pages_of_group(spec, OscarSettings.from_vllm_config(vllm_config))[0]
+    sink, recent, _ = window_pages_of_group(spec, OscarSettings.from_vllm_config(vllm_config))
+    return sink + recent
 
 
 def run_worker(args) -> dict:

@@ -132,8 +132,6 @@ def _oscar_write_kernel(
     PARAM_BF16: tl.constexpr,
     BLOCK_T: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
-    WRITE_CODES: tl.constexpr,  # the INT2 pages
-    WRITE_WINDOWS: tl.constexpr,  # the BF16 rings
 ):
     Q: tl.constexpr = D // 4
     REGION: tl.constexpr = BLOCK_SIZE * (D // 2 + 8)
@@ -155,25 +153,23 @@ def _oscar_write_kernel(
         rot = tl.load(rot_k_ptr + h * ROT_HEAD_STRIDE + (c * KC + kc[:, None]) * D + dims[None, :])
         k_rot = tl.dot(k.to(tl.float32), rot, k_rot, input_precision="ieee")
 
-    if WRITE_CODES:
-        codes_k, scale_k, min_k = _quantize_rows(k_rot, clip_idx_k, D)
-        codes_v, scale_v, min_v = _quantize_rows(v, clip_idx_v, D)
-        base = (slot // BLOCK_SIZE) * stride_cb + h * REGION
-        tok = slot % BLOCK_SIZE
-        j = tl.arange(0, Q)[None, :]
-        tl.store(codes_ptr + base[:, None] + tok[:, None] * Q + j, _pack_quartered(codes_k, BLOCK_T, D),
-                 mask=live[:, None])
-        tl.store(codes_ptr + base[:, None] + BLOCK_SIZE * Q + j * BLOCK_SIZE + tok[:, None],
-                 _pack_quartered(codes_v, BLOCK_T, D), mask=live[:, None])
-        p = params_ptr + (base + 2 * BLOCK_SIZE * Q) // 2 + tok
-        tl.store(p, _to_param(scale_k, PARAM_BF16), mask=live)
-        tl.store(p + BLOCK_SIZE, _to_param(min_k, PARAM_BF16), mask=live)
-        tl.store(p + 2 * BLOCK_SIZE, _to_param(scale_v, PARAM_BF16), mask=live)
-        tl.store(p + 3 * BLOCK_SIZE, _to_param(min_v, PARAM_BF16), mask=live)
-    if WRITE_WINDOWS:
-        _write_windows(k_rot, v, t, live, h, num_reqs, num_decodes, cu_q_ptr, seq_lens_ptr, ring_slot_ptr,
-                       window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page,
-                       HKV, D, SINK, RECENT, WIN_E, BLOCK_T, SEARCH_STEPS)
+    codes_k, scale_k, min_k = _quantize_rows(k_rot, clip_idx_k, D)
+    codes_v, scale_v, min_v = _quantize_rows(v, clip_idx_v, D)
+    base = (slot // BLOCK_SIZE) * stride_cb + h * REGION
+    tok = slot % BLOCK_SIZE
+    j = tl.arange(0, Q)[None, :]
+    tl.store(codes_ptr + base[:, None] + tok[:, None] * Q + j, _pack_quartered(codes_k, BLOCK_T, D),
+             mask=live[:, None])
+    tl.store(codes_ptr + base[:, None] + BLOCK_SIZE * Q + j * BLOCK_SIZE + tok[:, None],
+             _pack_quartered(codes_v, BLOCK_T, D), mask=live[:, None])
+    p = params_ptr + (base + 2 * BLOCK_SIZE * Q) // 2 + tok
+    tl.store(p, _to_param(scale_k, PARAM_BF16), mask=live)
+    tl.store(p + BLOCK_SIZE, _to_param(min_k, PARAM_BF16), mask=live)
+    tl.store(p + 2 * BLOCK_SIZE, _to_param(scale_v, PARAM_BF16), mask=live)
+    tl.store(p + 3 * BLOCK_SIZE, _to_param(min_v, PARAM_BF16), mask=live)
+    _write_windows(k_rot, v, t, live, h, num_reqs, num_decodes, cu_q_ptr, seq_lens_ptr, ring_slot_ptr,
+                   window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page,
+                   HKV, D, SINK, RECENT, WIN_E, BLOCK_T, SEARCH_STEPS)
 
 
 @triton.jit
@@ -222,8 +218,6 @@ def oscar_write(
     param_dtype: torch.dtype = torch.float16,
     num_decodes: int = 0,
     num_warps: int | None = None,
-    write_codes: bool = True,
-    write_windows: bool = True,
 ) -> None:
     """Write ``key``/``value`` ``[T, Hkv, d]`` into the INT2 ``cache`` and the BF16 windows.
 
@@ -231,9 +225,7 @@ def oscar_write(
     arguments as documented on the kernel; ``clip_idx_*`` as ``oscar_vllm.quant.clip_index``
     gives them. Tokens whose slot is negative are skipped. ``num_decodes``: the batch's first
     requests have one token each (a hint that skips the token -> request search; 0 is always right).
-    ``num_warps``: else from ``WRITE_NUM_WARPS``. ``write_codes``/``write_windows``: write the INT2 pages,
-    the rings, or both (the backend writes the pages before attention when requests of the batch
-    may read blocks other requests of the same batch fill: prefix-cache hits on them).
+    ``num_warps``: else from ``WRITE_NUM_WARPS``.
     """
     t, hkv, d = key.shape
     if t == 0:
@@ -251,6 +243,5 @@ def oscar_write(
         ROT_HEAD_STRIDE=d * d if rot_k.dim() == 3 else 0,
         HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, SINK=sink, RECENT=recent,
         PARAM_BF16=param_dtype == torch.bfloat16, BLOCK_T=BLOCK_T, SEARCH_STEPS=SEARCH_STEPS,
-        WRITE_CODES=write_codes, WRITE_WINDOWS=write_windows,
         num_warps=num_warps or launch_bucket(WRITE_NUM_WARPS, t),
     )

@@ -20,10 +20,13 @@ actually running. Viewed as bf16 (``windows_view``), a page holds ``E = window_e
 entries of one ring: ``[E, num_kv_heads, d]`` rotated keys, then ``[E, num_kv_heads, d]`` values.
 A request's ring has ``sink + recent`` entries; position ``p`` lives at entry ``p`` if
 ``p < sink``, else ``sink + (p - sink) % recent``; entry ``i`` is in page
-``window_pages[ring, i // E]`` at slot ``i % E``. ``window_pos`` ``[num_rings, sink + recent]``
-int32 holds the position each entry holds (-1: empty). A reader trusts an entry only when
-``window_pos`` equals the position it wants, so a stale or missing entry falls back to the
-INT2 copy.
+``window_pages[ring, i // E]`` at slot ``i % E``. ``E`` divides ``sink`` (a page holds fewer
+entries than it could when that is what it takes), so the sink fills pages of its own and the
+recent window starts on a fresh page: the sink pages of one request can be the sink pages of
+others, and requests that share a cached prefix share its BF16 sink (``oscar_vllm.window_pages``).
+``window_pos`` ``[num_rings, sink + recent]`` int32 holds the position each entry holds (-1:
+empty). A reader trusts an entry only when ``window_pos`` equals the position it wants, so a
+stale or missing entry falls back to the INT2 copy.
 """
 import torch
 import triton
@@ -65,29 +68,38 @@ def windows_view(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.bfloat16).flatten(1)
 
 
-def window_entries_per_page(page_elems: int, num_kv_heads: int, head_dim: int) -> int:
-    """Ring entries (K and V of every KV head) one page of ``page_elems`` bf16 holds."""
-    return page_elems // (2 * num_kv_heads * head_dim)
-
-
-def window_pages_per_ring(entries: int, page_elems: int, num_kv_heads: int, head_dim: int) -> int:
-    """Pages one request's ring of ``entries`` (sink + recent) takes."""
-    per_page = window_entries_per_page(page_elems, num_kv_heads, head_dim)
-    if per_page < 1:
+def window_entries_per_page(page_elems: int, num_kv_heads: int, head_dim: int, sink: int) -> int:
+    """Ring entries (K and V of every KV head) one page of ``page_elems`` bf16 holds: as many as
+    fit, or fewer, the most that divide ``sink``, so that the sink fills whole pages."""
+    fit = page_elems // (2 * num_kv_heads * head_dim)
+    if fit < 1:
         raise ValueError(f"a page of {page_elems} bf16 cannot hold one window entry of {num_kv_heads} x {head_dim}")
-    return -(-entries // per_page)
+    return max(e for e in range(1, fit + 1) if sink % e == 0)
 
 
-def window_pages_per_request(entries: int, num_kv_heads: int, head_dim: int) -> int:
-    """Cache blocks one request's ring of ``entries`` takes (a block of one layer is its page)."""
-    return window_pages_per_ring(entries, num_kv_heads * int2_region_bytes(head_dim) // 2, num_kv_heads, head_dim)
+def window_pages_per_ring(sink: int, recent: int, page_elems: int, num_kv_heads: int, head_dim: int) -> int:
+    """Pages one request's ring of ``sink`` + ``recent`` entries takes."""
+    per_page = window_entries_per_page(page_elems, num_kv_heads, head_dim, sink)
+    return sink // per_page + -(-recent // per_page)
+
+
+def cache_page_elems(num_kv_heads: int, head_dim: int) -> int:
+    """bf16 elements of one cache block of one layer (a window page)."""
+    return num_kv_heads * int2_region_bytes(head_dim) // 2
+
+
+def window_pages_per_request(sink: int, recent: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """``(pages, sink pages)`` of one request's ring in cache blocks (a block of one layer is its page)."""
+    elems = cache_page_elems(num_kv_heads, head_dim)
+    per_page = window_entries_per_page(elems, num_kv_heads, head_dim, sink)
+    return window_pages_per_ring(sink, recent, elems, num_kv_heads, head_dim), sink // per_page
 
 
 def window_args(windows: torch.Tensor, window_pages: torch.Tensor, window_pos: torch.Tensor, num_kv_heads: int,
                 head_dim: int, sink: int, recent: int) -> dict:
     """The window arguments of every kernel that reads or writes the rings, checked."""
-    per_page = window_entries_per_page(windows.shape[-1], num_kv_heads, head_dim)
-    if (windows.dtype != torch.bfloat16 or windows.dim() != 2 or windows.stride(1) != 1 or per_page < 1
+    per_page = window_entries_per_page(windows.shape[-1], num_kv_heads, head_dim, sink)
+    if (windows.dtype != torch.bfloat16 or windows.dim() != 2 or windows.stride(1) != 1
             or window_pages.dtype != torch.int32 or window_pages.stride(1) != 1
             or window_pages.shape[1] * per_page < sink + recent
             or window_pos.dtype != torch.int32 or not window_pos.is_contiguous()

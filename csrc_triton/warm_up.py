@@ -3,7 +3,7 @@
 Triton compiles a kernel the first time it meets a new set of compile-time choices (the
 launch table's warps and stages, split or not, merge or own keys, the split count of the
 merge). Left to first use, that happens while requests wait, seconds per variant (the
-Qwen3-8B shape's 14 took 52.3 s on the H200), and the prefill-side variants are not reached by
+Qwen3-8B shape's 14, when the write had two more, took 52.3 s on the H200), and the prefill-side variants are not reached by
 vLLM's own warm-up or graph capture (a prefix-cache hit over many requests is the first to need
 the INT2 prefill kernel). The kernels leave the sizes that change per step unspecialized
 (``do_not_specialize``), so these launches on scratch tensors of one block compile exactly what
@@ -98,14 +98,10 @@ def warm_up_kernels(
                        sink, recent, param_dtype)
         launches += 1
 
-    # Whole writes, and the pages-before-attention / rings-after split of batches with cached prefixes.
-    parts = ((True, True), (True, False), (False, True))
     for t in sorted(k for k in WRITE_NUM_WARPS if k <= max(1, max_num_tokens)):
         padding = torch.full((t,), -1, dtype=torch.int64, device=dev)
         _, seq_lens, cu_q, ring_slots = batch(t, 1)
-        for write_codes, write_windows in parts:
-            oscar_write(rows(t, hkv), rows(t, hkv), rot_k, padding, cu_q, seq_lens, ring_slots, t, cache, windows,
-                        window_pages, window_pos, 0, 0, sink, recent, param_dtype, t, write_codes=write_codes,
-                        write_windows=write_windows)
-            launches += 1
+        oscar_write(rows(t, hkv), rows(t, hkv), rot_k, padding, cu_q, seq_lens, ring_slots, t, cache, windows,
+                    window_pages, window_pos, 0, 0, sink, recent, param_dtype, t)
+        launches += 1
     return launches

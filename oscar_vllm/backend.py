@@ -87,7 +87,9 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         max_batch = max(self.null_row, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
         split_rows = decode_split_rows(max_batch, self.num_kv_heads, self.num_sms)
         self.layers = [vllm_config.compilation_config.static_forward_context[name].impl for name in layer_names]
-        self.pages_per_ring = window_pages_per_request(settings.sink_size + settings.recent_size, self.num_kv_heads, d)
+        self.sink = settings.sink_size
+        self.pages_per_ring, self.sink_pages = window_pages_per_request(settings.sink_size, settings.recent_size,
+                                                                        self.num_kv_heads, d)
         # Row null_row never holds a window (its positions stay -1): padded batch entries read it.
         self.window_pages = torch.zeros(self.null_row + 1, self.pages_per_ring, dtype=torch.int32, device=device)
         self.ring_slots = torch.full((max_batch,), self.null_row, dtype=torch.int32, device=device)
@@ -95,10 +97,12 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         self.part_out = torch.empty(split_rows * num_heads * d, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(split_rows * num_heads, dtype=torch.float32, device=device)
 
-    def assign_windows(self, rows: list[int], pages: list[list[int]], num_blocks: int, allow_null: bool = False) -> None:
+    def assign_windows(self, rows: list[int], pages: list[list[int]], num_blocks: int, allow_null: bool = False,
+                       sink_shared: list[bool] | None = None) -> None:
         """New requests took ``rows``, with window ``pages`` each (block ids < ``num_blocks``; the
         null block 0 only with ``allow_null``, for vLLM's start-up warm-up): empty their rings in
-        every layer before they run, so no row reads a window it did not write."""
+        every layer before they run, so no row reads a window it did not write, but for the sink
+        of rows whose sink pages came from the prefix cache (``sink_shared``): those read it."""
         if not rows:
             return
         first = 0 if allow_null else 1
@@ -111,6 +115,12 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         self.window_pages.index_copy_(0, index, torch.tensor(pages, dtype=torch.int32).to(index.device))
         for impl in self.layers:
             impl.window_pos.index_fill_(0, index, -1)
+        shared = [r for r, c in zip(rows, sink_shared or []) if c]
+        if shared and self.sink:
+            held = torch.arange(self.sink, dtype=torch.int32).expand(len(shared), -1)
+            shared_index = torch.tensor(shared, dtype=torch.long)
+            for impl in self.layers:
+                impl.window_pos[shared_index.to(impl.window_pos.device), :self.sink] = held.to(impl.window_pos.device)
 
     def fill_ring_slots(self, num_entries: int) -> None:
         """Each batch entry's ring: the rows of the batch's requests, then the null row for the
@@ -332,21 +342,17 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         windows = windows_view(kv_cache)
-        write = functools.partial(
-            oscar_write, k, v, self.rot_k, md.slot_mapping[:n], md.query_start_loc, md.seq_lens, md.ring_slots,
-            md.num_reqs, kv_cache, windows, md.window_pages, self.window_pos, self.clip_idx_k, self.clip_idx_v,
-            self.sink, self.recent, self.param_dtype, md.num_decodes,
-        )
-        # A request may hit prefix-cache blocks another request of this batch fills: those pages
-        # are written before attention. The rings only after: this step reads the window as it was.
-        codes_first = md.prefill_has_prefix and md.num_decodes < md.num_reqs
-        if codes_first:
-            write(write_windows=False)
+        # Attention first, then the write: this step reads the windows as they were (a ring entry
+        # it overwrites may still be in a query's window). No request reads blocks another
+        # request of its batch fills: the scheduler's prefix-cache hits end before them
+        # (oscar_vllm.window_pages).
         oscar_attention(
             out, q, self.rotate(q), k, v, kv_cache, windows, md.window_pages, self.window_pos,
             md.block_table, md.seq_lens, md.query_start_loc, md.ring_slots, md.num_decodes, md.num_reqs,
             md.max_query_len, self.scale, self.sink, self.recent, self.param_dtype, md.decode_splits,
             md.part_out, md.part_lse, self.own_keys_attention, md.prefill_has_prefix, self.dense_prefill(md, k),
         )
-        write(write_codes=not codes_first)
+        oscar_write(k, v, self.rot_k, md.slot_mapping[:n], md.query_start_loc, md.seq_lens, md.ring_slots, md.num_reqs,
+                    kv_cache, windows, md.window_pages, self.window_pos, self.clip_idx_k, self.clip_idx_v, self.sink,
+                    self.recent, self.param_dtype, md.num_decodes)
         return output

@@ -79,14 +79,16 @@ def oscar_kv_cache_spec(layer, vllm_config):
     )
 
 
-def window_pages_of_group(spec, settings: OscarSettings) -> tuple[int, int]:
-    """``(scheduler blocks per request, kernel blocks per scheduler block)`` of a ring: a
-    ``--block-size`` above 64 splits each scheduler block into several kernel blocks (pages)."""
+def window_pages_of_group(spec, settings: OscarSettings) -> tuple[int, int, int]:
+    """``(sink, recent, ratio)``: scheduler blocks of a ring's sink and of its recent window, and
+    kernel blocks (pages) per scheduler block (a ``--block-size`` above 64 splits each scheduler
+    block into several)."""
     from csrc_triton.paged_layout import BLOCK_SIZE, window_pages_per_request
 
     ratio = spec.block_size // BLOCK_SIZE
-    pages = window_pages_per_request(settings.sink_size + settings.recent_size, spec.num_kv_heads, spec.head_size)
-    return -(-pages // ratio), ratio
+    pages, sink = window_pages_per_request(settings.sink_size, settings.recent_size, spec.num_kv_heads,
+                                           spec.head_size)
+    return -(-sink // ratio), -(-(pages - sink) // ratio), ratio
 
 
 def give_scheduler_window_pages(scheduler) -> None:
@@ -96,8 +98,9 @@ def give_scheduler_window_pages(scheduler) -> None:
         raise NotImplementedError(f"OSCAR serves models whose attention layers form one KV cache group, not {len(groups)}")
     spec = groups[0].kv_cache_spec
     settings = OscarSettings.from_vllm_config(scheduler.vllm_config)
-    pages, _ = window_pages_of_group(spec, settings)
-    attach_to_scheduler(scheduler, pages)
+    sink_pages, recent_pages, _ = window_pages_of_group(spec, settings)
+    attach_to_scheduler(scheduler, sink_pages, recent_pages, settings.sink_size, settings.recent_size)
+    pages = sink_pages + recent_pages
     blocks = scheduler.kv_cache_config.num_blocks
     max_seqs = scheduler.vllm_config.scheduler_config.max_num_seqs
     page_bytes = spec.page_size_bytes * len(groups[0].layer_names)
@@ -107,10 +110,10 @@ def give_scheduler_window_pages(scheduler) -> None:
 
     logger.info(
         "OSCAR: each running request's BF16 windows (sink %d + recent %d) take %d KV blocks (%.1f MiB), from the "
-        "KV cache pool while it runs; the pool's %d blocks hold %d tokens with 32 requests running, %d with 256, "
-        "%d with all %d (max_num_seqs)",
-        settings.sink_size, settings.recent_size, pages, pages * page_bytes / 2**20, blocks, tokens_with(32),
-        tokens_with(256), tokens_with(max_seqs), max_seqs,
+        "KV cache pool while it runs (the sink's %d are shared by requests that hit its prefix in the prefix cache); "
+        "the pool's %d blocks hold %d tokens with 32 requests running, %d with 256, %d with all %d (max_num_seqs)",
+        settings.sink_size, settings.recent_size, pages, pages * page_bytes / 2**20, sink_pages, blocks,
+        tokens_with(32), tokens_with(256), tokens_with(max_seqs), max_seqs,
     )
 
 
@@ -179,9 +182,14 @@ def install() -> None:
     _installed = True
 
 
+def kernel_pages(blocks: list[int], ratio: int, count: int) -> list[int]:
+    """The first ``count`` kernel blocks of scheduler ``blocks`` of ``ratio`` kernel blocks each."""
+    return [b * ratio + i for b in blocks for i in range(ratio)][:count]
+
+
 def assign_window_pages(runner, scheduler_output) -> None:
     """Give the rows of this step's new (and resumed) requests their window pages, as kernel
-    block ids, in every OSCAR builder; their rings start empty."""
+    block ids, in every OSCAR builder; their rings start empty but for a cached sink."""
     from csrc_triton.paged_layout import BLOCK_SIZE
 
     builders = oscar_builders(runner.attn_groups)
@@ -190,13 +198,19 @@ def assign_window_pages(runner, scheduler_output) -> None:
         return
     given = pages_of_new_requests(scheduler_output, new)
     rows = [runner.req_states.req_id_to_index[r] for r in new]
+    settings = OscarSettings.from_vllm_config(runner.vllm_config)
     for group, builder in builders:
         ratio = group.kv_cache_spec.block_size // BLOCK_SIZE
         if given is None:  # vLLM's start-up warm-up: the null block
-            pages = [[0] * builder.pages_per_ring for _ in new]
+            pages, shared = [[0] * builder.pages_per_ring for _ in new], [False] * len(new)
         else:
-            pages = [[b * ratio + i for b in given[r] for i in range(ratio)][: builder.pages_per_ring] for r in new]
-        builder.assign_windows(rows, pages, runner.kv_cache_config.num_blocks * ratio, allow_null=given is None)
+            sink_blocks, _, _ = window_pages_of_group(group.kv_cache_spec, settings)
+            pages = [kernel_pages(given[r][0][:sink_blocks], ratio, builder.sink_pages)
+                     + kernel_pages(given[r][0][sink_blocks:], ratio, builder.pages_per_ring - builder.sink_pages)
+                     for r in new]
+            shared = [given[r][1] for r in new]
+        builder.assign_windows(rows, pages, runner.kv_cache_config.num_blocks * ratio, allow_null=given is None,
+                               sink_shared=shared)
 
 
 def oscar_attention_blocks(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:

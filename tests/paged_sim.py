@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape
+from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape, window_pages_per_ring
 
 
 @dataclass
@@ -48,8 +48,8 @@ class PagedCache:
         self.cache = torch.randint(0, 256, int2_cache_shape(num_blocks, hkv, d), dtype=torch.uint8,
                                    generator=g).to(device)
         rings, per_page = num_reqs + 2, WINDOW_ENTRIES_PER_PAGE
-        pages_per_ring = -(-(sink + recent) // per_page)
         page_elems = 2 * per_page * hkv * d + 8
+        pages_per_ring = window_pages_per_ring(sink, recent, page_elems, hkv, d)
         perm = torch.randperm(rings * pages_per_ring + 1, generator=g)[: rings * pages_per_ring]
         self.window_pages = perm.view(rings, pages_per_ring).to(torch.int32).to(device)
         self.windows = torch.full((rings * pages_per_ring + 1, page_elems), float("nan"), dtype=torch.bfloat16,

@@ -17,6 +17,7 @@ from csrc_triton.oscar_attention import (
     oscar_prefill_attention,
 )
 from csrc_triton.oscar_write import oscar_write
+from csrc_triton.paged_layout import window_entries_per_page
 from oscar_vllm.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
 from oscar_vllm.quant import clip_index
 from oscar_vllm.reference.oscar_attention import causal_attention_reference, oscar_attention_reference
@@ -259,5 +260,46 @@ def test_prefix_cache_hit_never_reads_another_requests_window():
     stale = pc.window_pos.clone()
     stale[pc.ring_slots[1], : sink + recent] = torch.arange(sink + recent, dtype=torch.int32)
     other = oscar_attention_reference(q, q @ rot, k, v, pc.cache, pc.windows, pc.window_pages, stale,
+                                      *args[4:], 1, 0.125, sink, recent)
+    assert (other - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("new", [5, 1], ids=["prefill", "decode"])
+def test_a_hit_reads_the_shared_sink_pages_in_bf16(new):
+    """A request that hits a cached prefix shares the sink pages of the request that wrote
+    them (oscar_vllm.window_pages): its row names those pages and trusts the sink positions.
+    Kernel and twin read the same BF16 sink, which differs from the INT2 copy."""
+    d, hkv, g, sink, recent = 64, 1, 2, 4, 8
+    pc = PagedCache(2, 200, hkv, d, sink, recent, DEVICE)
+    rot = random_rotation(d).to(DEVICE)
+    clip = (clip_index(CLIP_K, d), clip_index(CLIP_V, d))
+    step = pc.schedule({0: 192})
+    k, v = random_rows((192, hkv, d), torch.float32, 1), random_rows((192, hkv, d), torch.float32, 2)
+    oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, 1, pc.cache,
+                pc.windows, pc.window_pages, pc.window_pos, *clip, sink, recent)
+    ring0, ring1 = int(pc.ring_slots[0]), int(pc.ring_slots[1])
+    sink_pages = sink // window_entries_per_page(pc.windows.shape[1], hkv, d, sink)
+    pc.block_table[1, :2] = pc.block_table[0, :2]
+    pc.window_pages[ring1, :sink_pages] = pc.window_pages[ring0, :sink_pages]
+    pc.window_pos[ring1] = -1
+    pc.window_pos[ring1, :sink] = torch.arange(sink, dtype=torch.int32)
+    pc.done[1] = 128
+    step = pc.schedule({1: new})
+    q = random_rows((new, hkv * g, d), torch.float32, 3)
+    k, v = random_rows((new, hkv, d), torch.float32, 4), random_rows((new, hkv, d), torch.float32, 5)
+    out = torch.full_like(q, float("nan"))
+    args = cache_args(pc, step)
+    if new == 1:
+        part_out = torch.full((hkv * g * 4 * d,), float("nan"), device=DEVICE)
+        part_lse = torch.full((hkv * g * 4,), float("nan"), device=DEVICE)
+        oscar_decode_attention(out, q, q @ rot, k, v, *args, 1, 0.125, sink, recent, num_splits=4,
+                               part_out=part_out, part_lse=part_lse)
+    else:
+        oscar_prefill_attention(out, q, q @ rot, k, v, *args, 1, 0.125, sink, recent)
+    want = oscar_attention_reference(q, q @ rot, k, v, *args, 1, 0.125, sink, recent)
+    torch.testing.assert_close(out.float().cpu(), want, rtol=1e-4, atol=1e-4)
+    int2_sink = pc.window_pos.clone()
+    int2_sink[ring1] = -1
+    other = oscar_attention_reference(q, q @ rot, k, v, pc.cache, pc.windows, pc.window_pages, int2_sink,
                                       *args[4:], 1, 0.125, sink, recent)
     assert (other - want).abs().max() > 1e-3

@@ -29,8 +29,8 @@ if ON_GPU:
     ]
 
 
-def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, split=False):
-    """Both through ``schedule``; ``split``: the kernel writes pages and rings in two launches."""
+def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype):
+    """Both through ``schedule``."""
     pc = PagedCache(max(max(s) for s in schedule) + 1, 2048, hkv, d, sink, recent, DEVICE)
     ref = pc.clone()
     rot = random_rotation(d, hkv if per_head else None).to(DEVICE)
@@ -42,10 +42,8 @@ def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, split
         v = random_rows((t, hkv, d), dtype, seed=2 * i + 1)
         common = (step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(step.reqs))
         num_decodes = next((i for i, n in enumerate(new.values()) if n > 1), len(new))
-        for parts in ([(True, False), (False, True)] if split else [(True, True)]):
-            oscar_write(k, v, rot, *common, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                        clip_index(0.96, d), clip_index(0.92, d), sink, recent, param_dtype, num_decodes,
-                        write_codes=parts[0], write_windows=parts[1])
+        oscar_write(k, v, rot, *common, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
+                    clip_index(0.96, d), clip_index(0.92, d), sink, recent, param_dtype, num_decodes)
         oscar_write_reference(k, v, rot, *common, ref.cache, ref.windows, ref.window_pages, ref.window_pos,
                               0.96, 0.92, sink, recent, param_dtype)
     return pc, ref
@@ -53,12 +51,11 @@ def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, split
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c[0]}-h{c[1]}-s{c[3]}-r{c[4]}")
-def test_write_matches_reference(case, dtype, param_dtype, split):
-    if (param_dtype == torch.bfloat16 or split) and case is not CASES[0] and not ON_GPU:
-        pytest.skip("bf16 scales, split writes: one case is enough under the (slow) interpreter")
-    pc, ref = run_both(*case, dtype, param_dtype, split)
+def test_write_matches_reference(case, dtype, param_dtype):
+    if param_dtype == torch.bfloat16 and case is not CASES[0] and not ON_GPU:
+        pytest.skip("bf16 scales: one case is enough under the (slow) interpreter")
+    pc, ref = run_both(*case, dtype, param_dtype)
     d = case[0]
     got, want = layout_views(pc.cache.cpu(), d, param_dtype), layout_views(ref.cache.cpu(), d, param_dtype)
     for codes_got, codes_want in zip(got[:2], want[:2]):
@@ -69,7 +66,7 @@ def test_write_matches_reference(case, dtype, param_dtype, split):
     rtol = 8e-3 if param_dtype == torch.bfloat16 else 1e-3
     torch.testing.assert_close(params_got, params_want, rtol=rtol, atol=1e-5, equal_nan=True)
     assert torch.equal(pc.window_pos.cpu(), ref.window_pos.cpu())
-    (k_got, v_got), (k_want, v_want) = (window_views(x.windows, case[1], d) for x in (pc, ref))
+    (k_got, v_got), (k_want, v_want) = (window_views(x.windows, case[1], d, case[3]) for x in (pc, ref))
     # Keys: k @ R in another summation order may round to the neighbouring bf16.
     torch.testing.assert_close(k_got.float().cpu(), k_want.float().cpu(), rtol=8e-3, atol=1e-3, equal_nan=True)
     assert torch.equal(v_got.float().cpu().nan_to_num(7.0), v_want.float().cpu().nan_to_num(7.0))

@@ -165,7 +165,7 @@ def test_dense_prefill_is_taken_only_when_the_batch_fits():
 def builder_state(max_seqs=4, pages=3, layers=2):
     from oscar_vllm.backend import OscarAttentionMetadataBuilder
 
-    state = SimpleNamespace(null_row=max_seqs, pages_per_ring=pages, batch_rows=None,
+    state = SimpleNamespace(null_row=max_seqs, pages_per_ring=pages, sink_pages=1, sink=2, batch_rows=None,
                             window_pages=torch.zeros(max_seqs + 1, pages, dtype=torch.int32),
                             ring_slots=torch.full((max_seqs + 2,), max_seqs, dtype=torch.int32),
                             layers=[SimpleNamespace(window_pos=torch.arange(float(max_seqs + 1) * 5).view(-1, 5).int())
@@ -199,6 +199,16 @@ def test_new_rows_get_their_pages_and_empty_rings_in_every_layer():
         with pytest.raises(WindowPagesError, match="each row needs 3 block ids"):
             cls.assign_windows(b, [0], pages, num_blocks=10)
     cls.assign_windows(b, [0], [[0, 0, 0]], num_blocks=10, allow_null=True)  # vLLM's start-up warm-up
+
+
+def test_rows_that_share_a_cached_sink_read_it_and_nothing_else():
+    cls, b = builder_state()
+    cls.assign_windows(b, [3], [[7, 8, 9]], num_blocks=10)
+    cls.assign_windows(b, [1, 2], [[7, 5, 6], [1, 2, 4]], num_blocks=10, sink_shared=[True, False])
+    assert b.window_pages[1].tolist() == [7, 5, 6], "row 1 shares row 3's sink page"
+    for layer in b.layers:
+        assert layer.window_pos[1].tolist() == [0, 1, -1, -1, -1], "the sink (2 positions) only"
+        assert (layer.window_pos[[2, 3]] == -1).all()
 
 
 def test_a_second_weight_hook_would_fold_twice_and_is_refused():

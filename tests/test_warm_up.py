@@ -44,8 +44,8 @@ def test_warm_up_writes_nothing(dense):
     before = [t.clone() for t in (pc.cache, pc.windows, pc.window_pages, pc.window_pos)]
     n = warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, 4, torch.float32, 4, 8,
                         torch.float16, max_num_seqs=9, max_num_tokens=64, num_sms=4, merge_self=True, dense=dense)
-    # 64 tokens: one write bucket of WRITE_NUM_WARPS, written whole and in its two parts
-    assert n == len(decode_variants(9, 2, 4)) + 1 + dense + 3
+    # 64 tokens: one write bucket of WRITE_NUM_WARPS
+    assert n == len(decode_variants(9, 2, 4)) + 1 + dense + 1
     for b, a in zip(before, (pc.cache, pc.windows, pc.window_pages, pc.window_pos)):
         assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))  # bitwise: unused window rows are NaN
 
@@ -93,10 +93,9 @@ def test_serving_after_warm_up_compiles_nothing(dtype):
                             recent, torch.float16, decode_splits(num_decodes, hkv, num_sms), part_out, part_lse,
                             own, True, dense)
         t = int(step.cu_q[-1])
-        for parts in ((True, True), (True, False), (False, True)):  # whole, and split around attention
-            oscar_write(random_rows((t, hkv, d), dtype, 1), random_rows((t, hkv, d), dtype, 2), rot,
-                        step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, pc.cache, pc.windows,
-                        pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent,
-                        torch.float16, num_decodes, write_codes=parts[0], write_windows=parts[1])
+        oscar_write(random_rows((t, hkv, d), dtype, 1), random_rows((t, hkv, d), dtype, 2), rot,
+                    step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, pc.cache, pc.windows,
+                    pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent,
+                    torch.float16, num_decodes)
     torch.cuda.synchronize()
     assert _compiled() == compiled, f"compiled while serving: {compiled} -> {_compiled()} ({WRITE_NUM_WARPS=})"

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import triton
 
-from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape, int2_region_bytes, window_pages_per_ring
+from csrc_triton.paged_layout import BLOCK_SIZE, cache_page_elems, int2_cache_shape, window_pages_per_ring
 from oscar_vllm.reference.paged import layout_views
 
 L2_BYTES = 60 << 20  # H200; reads are spread over 4x this before a buffer is read again
@@ -138,8 +138,8 @@ def make_int2_batch(ctx: list[int], q_lens: list[int], hkv: int, d: int, sink: i
         at += n
     w = sink + recent
     # The rings in pages as serving lays them out: serving-size pages, in the order allocated.
-    page_elems = hkv * int2_region_bytes(d) // 2
-    pages = window_pages_per_ring(w, page_elems, hkv, d)
+    page_elems = cache_page_elems(hkv, d)
+    pages = window_pages_per_ring(sink, recent, page_elems, hkv, d)
     windows = torch.empty(len(ctx) * pages, page_elems, device="cuda", dtype=torch.bfloat16).normal_(generator=g)
     window_pages = torch.randperm(len(ctx) * pages, device="cuda", generator=g).to(torch.int32).view(len(ctx), pages)
     pos = torch.full((len(ctx), w), -1, dtype=torch.int32)

@@ -28,7 +28,7 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 ALIGNED_INTS = {"stride_cb", "stride_qt", "stride_rt", "stride_kt", "stride_vt", "stride_ot", "stride_qh",
                 "stride_rh", "stride_oh", "stride_kh", "stride_vh", "stride_bt", "stride_nt", "stride_nh",
                 "stride_page"}
-WIN_E = 9  # window entries per page at 8 KV heads x head_dim 128 (paged_layout.window_entries_per_page)
+WIN_E = 8  # window entries per page at 8 KV heads x head_dim 128, sink 64 (paged_layout.window_entries_per_page)
 TYPES = {
     "out_ptr": "*bf16", "self_lse_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
     "q_ptr": "*bf16", "q_rot_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "key_ptr": "*bf16",
@@ -66,8 +66,7 @@ def prefill_consts(args) -> dict:
 
 def write_consts(args) -> dict:
     return dict(ROT_HEAD_STRIDE=0, HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E,
-                PARAM_BF16=args.bf16_params, BLOCK_T=oscar_write.BLOCK_T, SEARCH_STEPS=oscar_write.SEARCH_STEPS,
-                WRITE_CODES=True, WRITE_WINDOWS=True)
+                PARAM_BF16=args.bf16_params, BLOCK_T=oscar_write.BLOCK_T, SEARCH_STEPS=oscar_write.SEARCH_STEPS)
 
 
 def dense_kv_consts(args) -> dict:

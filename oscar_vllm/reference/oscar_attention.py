@@ -57,7 +57,7 @@ def oscar_attention_reference(
         ring = int(ring_slots[r])
         idx = window_index(kp, sink, recent)
         held = window_pos[ring].long().cpu()[idx] == kp
-        k_hi, v_hi = read_ring(windows, window_pages, ring, idx, hkv, d)
+        k_hi, v_hi = read_ring(windows, window_pages, ring, idx, hkv, d, sink)
         # The window as the step finds it, the same for every query of a chunk.
         hi = (held & ((kp < sink) | (ctx - kp < recent)))[None, :]  # [1, ctx]
 
@@ -72,7 +72,9 @@ def oscar_attention_reference(
         s_new = s_new.masked_fill(~causal, float("-inf"))
         p = torch.softmax(torch.cat([s_prefix, s_new], dim=-1) * scale, dim=-1)
         p_pre, p_new = p[..., :ctx], p[..., ctx:]
-        o = (p_pre * hi) @ heads(v_hi) + (p_pre * ~hi) @ heads(v_lo) + p_new @ heads(v[q0:q1])
+        # Chosen, not masked by a product: ring entries nobody wrote may hold anything (NaN).
+        v_pre = torch.where(hi[0][:, None, None], v_hi.float().cpu(), v_lo.float().cpu())
+        o = p_pre @ heads(v_pre) + p_new @ heads(v[q0:q1])
         out[q0:q1] = o.transpose(0, 1)
     return out
 

@@ -38,7 +38,7 @@ def oscar_dense_kv_reference(
         ring = int(ring_slots[r])
         idx = window_index(kp, sink, recent)
         use = (window_pos[ring].long().cpu()[idx] == kp) & ((kp < sink) | (ctx - kp < recent))
-        k_hi, v_hi = read_ring(windows, window_pages, ring, idx, k_new.shape[1], d)
+        k_hi, v_hi = read_ring(windows, window_pages, ring, idx, k_new.shape[1], d, sink)
         k[use] = k_hi[use]
         v[use] = v_hi[use]
         ks += [k, k_new[q0:q1].float().cpu()]

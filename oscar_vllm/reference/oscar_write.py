@@ -65,7 +65,7 @@ def oscar_write_reference(
     keep = live[: len(req)] & ((pos < sink) | (pos >= end - recent))
     ring = ring_slots[:num_reqs].long().cpu()[req][keep]
     idx = window_index(pos[keep], sink, recent)
-    k_views, v_views = window_views(windows, hkv, d)
+    k_views, v_views = window_views(windows, hkv, d, sink)
     page, slot = ring_index(window_pages, ring, idx, k_views.shape[1])
     k_views[page, slot] = k_rot[: len(req)][keep].to(windows.dtype).to(windows.device)
     v_views[page, slot] = value[: len(req)][keep].to(windows.dtype).to(windows.device)

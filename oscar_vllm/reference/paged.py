@@ -36,10 +36,13 @@ def layout_views(cache: torch.Tensor, head_dim: int, param_dtype: torch.dtype
     return k_codes, v_codes, params
 
 
-def window_views(windows: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def window_views(windows: torch.Tensor, num_kv_heads: int, head_dim: int, sink: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Writable views of bf16 window pages ``[num_pages, page_elems]``: keys and values, each
-    ``[num_pages, E, Hkv, d]`` (``E`` entries per page, keys first in every page)."""
-    per_page = windows.shape[1] // (2 * num_kv_heads * head_dim)
+    ``[num_pages, E, Hkv, d]`` (keys first in every page). ``E``: the most entries that fit and
+    divide ``sink``, so the sink fills pages of its own."""
+    fit = windows.shape[1] // (2 * num_kv_heads * head_dim)
+    per_page = max(e for e in range(1, fit + 1) if sink % e == 0)
     n = per_page * num_kv_heads * head_dim
     return (windows[:, :n].view(-1, per_page, num_kv_heads, head_dim),
             windows[:, n: 2 * n].view(-1, per_page, num_kv_heads, head_dim))
@@ -55,8 +58,8 @@ def ring_index(window_pages: torch.Tensor, rings: torch.Tensor, entries: torch.T
 
 
 def read_ring(windows: torch.Tensor, window_pages: torch.Tensor, ring: int, entries: torch.Tensor, num_kv_heads: int,
-              head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+              head_dim: int, sink: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 CPU keys and values ``[N, Hkv, d]`` of ring ``ring``'s ``entries``."""
-    k_views, v_views = window_views(windows, num_kv_heads, head_dim)
+    k_views, v_views = window_views(windows, num_kv_heads, head_dim, sink)
     page, slot = ring_index(window_pages, torch.full_like(entries, ring), entries, k_views.shape[1])
     return k_views[page, slot].float().cpu(), v_views[page, slot].float().cpu()

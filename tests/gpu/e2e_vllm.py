@@ -15,6 +15,9 @@ its GPU memory) and prints one JSON line with what it measured, prefixed ``RESUL
   prefix    prefix caching on against off on SmolLM2 (one engine each, in subprocesses): a shared
             system prompt across requests sent together (first chunks mixed with cache hits),
             the same after a cache reset, and perplexity with a cached shared prefix
+  chunked   prompt logprobs through chunked prefill (chunks 256 and 8192), sent together and
+            one request at a time, SmolLM2
+  report    the RESULT lines of prefix, preempt and chunked logs as a markdown table (no GPU)
 """
 from __future__ import annotations
 
@@ -251,7 +254,7 @@ def cmd_prefix(args) -> None:
         return
     runs = {}
     for caching in ("off", "on"):
-        out = Path(f"/tmp/oscar-prefix-{args.backend}-{caching}.json")
+        out = Path(f"/tmp/oscar-prefix-{args.backend}-{args.chunk}-{caching}.json")
         subprocess.run([sys.executable, __file__, "prefix", "--model", args.model, "--rotations", args.rotations,
                         "--backend", args.backend, "--chunk", str(args.chunk), "--caching", caching,
                         "--out", str(out)], check=True)
@@ -268,6 +271,8 @@ def cmd_prefix(args) -> None:
            ppl_caching_on=ppl["on"], tokens_scored=len(on["nll"]), cached_tokens_on=on["cached_tokens"],
            cached_tokens_off=off["cached_tokens"],
            same_top_token=sum(a == b for a, b in zip(off["top"], on["top"])) / len(on["top"]))
+    if report["again"]["cached_tokens"] == 0 or off["cached_tokens"]:
+        raise SystemExit("prefix: the rerun hit no cached prefix, or caching off hit one")
 
 
 def preempt_run(args) -> dict:
@@ -339,6 +344,93 @@ def cmd_preempt(args) -> None:
            pages_at_end=tight["pages_at_end"], peak_pages=tight["peak_pages"],
            pages_per_request=tight["pages_per_request"],
            free_blocks_start_end=[tight["free_start"], tight["free_end"]])
+    if tight["preemptions"] == 0 or tight["free_start"] != tight["free_end"] or tight["pages_at_end"]:
+        raise SystemExit("preempt: no preemption, or blocks or window pages not all back at the end")
+
+
+def chunked_run(args) -> dict:
+    """One engine, prefix caching off: the prompt logprobs of 8 held-out windows of 1,800 tokens
+    sent together, then one at a time (so the last chunk of each, 8 tokens, runs alone)."""
+    import math
+
+    from vllm import LLM, SamplingParams
+
+    _, _, windows = prefix_workload(args.model)
+    prompts = [w[:1800] for w in windows[:8]]
+    kw = dict(additional_config=oscar_config(args.rotations)) if args.backend == "OSCAR" else {}
+    llm = LLM(args.model, attention_backend=args.backend, dtype="bfloat16", enforce_eager=True, max_model_len=4096,
+              max_num_batched_tokens=args.chunk, max_num_seqs=32, enable_prefix_caching=False,
+              gpu_memory_utilization=0.4, seed=0, **kw)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def nll(outs) -> list[list[float]]:
+        return [[-d[t].logprob for d, t in zip(o.prompt_logprobs[1:], p[1:])] for p, o in zip(prompts, outs)]
+
+    together = nll(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+    alone = nll([llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts])
+    return {"together": together, "alone": alone, "nan": sum(math.isnan(x) for r in together + alone for x in r)}
+
+
+def cmd_chunked(args) -> None:
+    import math
+
+    if args.out:
+        Path(args.out).write_text(json.dumps(chunked_run(args)))
+        return
+    runs = {}
+    for chunk in (256, 8192):
+        out = Path(f"/tmp/oscar-chunked-{args.backend}-{chunk}.json")
+        subprocess.run([sys.executable, __file__, "chunked", "--model", args.model, "--rotations", args.rotations,
+                        "--backend", args.backend, "--chunk", str(chunk), "--out", str(out)], check=True)
+        runs[chunk] = json.loads(out.read_text())
+
+    def mean(rows) -> float:
+        return sum(x for r in rows for x in r) / sum(len(r) for r in rows)
+
+    small = runs[256]
+    gap = mean(small["alone"]) - mean(small["together"])
+    result(check="chunked", backend=args.backend, nan=small["nan"] + runs[8192]["nan"],
+           nll_chunk256_together=mean(small["together"]), nll_chunk256_alone=mean(small["alone"]),
+           nll_chunk8192=mean(runs[8192]["together"]),
+           max_token_nll_gap_together_alone=max(abs(a - b) for ra, rb in zip(small["together"], small["alone"])
+                                                for a, b in zip(ra, rb)))
+    # A batch changes the floating-point order, so single tokens may move; the mean may not.
+    if small["nan"] + runs[8192]["nan"] or not math.isfinite(gap) or abs(gap) > 0.01:
+        raise SystemExit("chunked: NaN prompt logprobs, or one request's chunks alone score differently from the "
+                         "same chunks in a batch")
+
+
+def cmd_report(args) -> None:
+    """The prefix, preempt and chunked results of ``args.logs`` as markdown (for the README)."""
+    rows = [json.loads(line[len("RESULT "):]) for log in args.logs for line in Path(log).read_text().splitlines()
+            if line.startswith("RESULT ")]
+    lines = ["# Prefix caching, preemption and chunked prefill through vLLM", ""]
+    seen = set()
+    for r in rows:
+        key = (r["check"], r.get("chunk"), r["date"])
+        if key in seen:  # run.sh's logs may repeat a line
+            continue
+        seen.add(key)
+        head = f"- `{r['command']}`, {r['date']}, {r['hardware']}, {r['backend']}"
+        if r["check"] == "prefix":
+            o = r["outputs"]
+            cells = "; ".join(f"{name.replace('_', ' ')}: {o[name]['equal']} equal, {o[name]['close']} close, "
+                              f"{o[name]['far']} far ({o[name]['cached_tokens']:,} cached tokens)"
+                              for name in ("first", "again", "after_reset"))
+            lines.append(f"{head}: caching on against off, {o['first']['requests']} chats on a shared system "
+                         f"prompt, {cells}; next-token perplexity after a cached prefix {r['ppl_caching_on']:.3f} "
+                         f"on, {r['ppl_caching_off']:.3f} off ({r['tokens_scored']} tokens, "
+                         f"{r['cached_tokens_on']:,} cached)")
+        elif r["check"] == "preempt":
+            lines.append(f"{head}: {r['tight_kv_blocks']}-block cache against a roomy one, {r['preemptions_tight']} "
+                         f"preemptions, {r['requests']} requests {r['equal']} equal, {r['close']} close, {r['far']} "
+                         f"far; free blocks at start and end {r['free_blocks_start_end']}, window pages held at the "
+                         f"end {r['pages_at_end']}")
+        elif r["check"] == "chunked":
+            lines.append(f"{head}: NaN prompt logprobs {r['nan']}; mean NLL chunk 256 together "
+                         f"{r['nll_chunk256_together']:.4f}, alone {r['nll_chunk256_alone']:.4f}, chunk 8192 "
+                         f"{r['nll_chunk8192']:.4f}")
+    Path(args.out).write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -346,7 +438,10 @@ def main() -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("prepare")
     s.add_argument("--work", required=True)
-    for name in ("ppl", "qwen3", "decode", "serve", "prefix", "preempt"):
+    s = sub.add_parser("report")
+    s.add_argument("logs", nargs="+")
+    s.add_argument("--out", required=True)
+    for name in ("ppl", "qwen3", "decode", "serve", "prefix", "preempt", "chunked"):
         s = sub.add_parser(name)
         s.add_argument("--model", required=True)
         s.add_argument("--rotations", default="")
@@ -369,8 +464,12 @@ def main() -> None:
     sx.add_argument("--chunk", type=int, default=8192)
     sx.add_argument("--caching", choices=("on", "off"), help="run one engine and write --out (internal)")
     sx.add_argument("--out")
+    sc = sub.choices["chunked"]
+    sc.add_argument("--chunk", type=int, default=256)
+    sc.add_argument("--out", help="run one engine with --chunk and write here (internal)")
     se = sub.choices["preempt"]
-    se.add_argument("--tight-blocks", type=int, default=160, help="KV blocks of the tight run")
+    se.add_argument("--tight-blocks", type=int, default=99,
+                    help="KV blocks of the tight run: two requests and their window pages, 2-3 blocks to spare")
     se.add_argument("--kv-blocks", type=int, help="run one engine with this many blocks (0: vLLM's) (internal)")
     se.add_argument("--out")
     args = p.parse_args()

@@ -12,8 +12,11 @@
 #           greedy text, CUDA graphs, the Qwen3-8B shape (generation, KV capacity)
 #   serve   `oscar-vllm serve` on the Qwen3-8B shape, answered by the openai client
 #   prefix  prefix caching on vs off (SmolLM2): outputs of a shared system prompt sent together,
-#           after a cache reset, and perplexity with a cached prefix (chunks 8192 and 256); window
-#           pages under forced preemption and aborts
+#           again and after a cache reset, and perplexity with a cached prefix (chunks 8192 and 256)
+#   preempt window pages under forced preemption and aborts (SmolLM2): outputs against a roomy
+#           cache, every block and page back at the end
+#   chunked prompt logprobs through chunked prefill (chunks 256 and 8192, SmolLM2): no NaN, and a
+#           request's chunks alone in a step give what they give in a batch
 #   decode  decode tokens/s, OSCAR vs FLASH_ATTN, batch 1/32, context 8K/32K
 #   fidelity  the core issue's GPU fidelity benchmark
 #   bash tests/gpu/run.sh OUT_DIR [STAGE...]     (default stages: tests e2e serve decode)
@@ -82,9 +85,18 @@ for stage in $stages; do
         [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
         $e2e prefix --model "$work/smollm2" --rotations "$smol_rot" --chunk 8192
         $e2e prefix --model "$work/smollm2" --rotations "$smol_rot" --chunk 256
-        $e2e preempt --model "$work/smollm2" --rotations "$smol_rot"
         if [ -n "${OSCAR_PREFIX_CONTROL:-}" ]; then $e2e prefix --model "$work/smollm2" --backend FLASH_ATTN --chunk 256; fi
       } 2>&1 | grep -v EngineCore | tee "$out/prefix.log" || status=1 ;;
+    chunked)
+      {
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
+        $e2e chunked --model "$work/smollm2" --rotations "$smol_rot"
+      } 2>&1 | grep -v EngineCore | tee "$out/chunked.log" || status=1 ;;
+    preempt)
+      {
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
+        $e2e preempt --model "$work/smollm2" --rotations "$smol_rot"
+      } 2>&1 | grep -v EngineCore | tee "$out/preempt.log" || status=1 ;;
     serve)
       $e2e serve --model "$work/qwen3-8b-shape" --rotations "$zoo" 2>&1 | tee "$out/serve.log" || status=1 ;;
     decode)
