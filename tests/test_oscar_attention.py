@@ -228,21 +228,25 @@ def test_pipeline_matches_mixed_cache_reference(case, prefill):
         assert (err > 2e-2).float().mean() <= 1e-2, (err > 2e-2).float().mean()
 
 
+def _request_zero_written(d, hkv, sink, recent):
+    """Two requests' paged cache in which request 0 has prefilled 192 tokens (three full blocks)."""
+    pc = PagedCache(2, 200, hkv, d, sink, recent, DEVICE)
+    rot = random_rotation(d).to(DEVICE)
+    step = pc.schedule({0: 192})
+    k, v = random_rows((192, hkv, d), torch.float32, 1), random_rows((192, hkv, d), torch.float32, 2)
+    oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, 1, pc.cache,
+                pc.windows, pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent)
+    return pc, rot
+
+
 def test_prefix_cache_hit_never_reads_another_requests_window():
     """A request that reuses another's cached blocks (vLLM prefix caching) and gets a ring row
     a finished request left behind reads the shared prefix from INT2 where its own ring is
     empty: exactly the paged reference, whose ring is as the runner leaves it (emptied)."""
     d, hkv, g, sink, recent = 64, 1, 2, 4, 8
-    pc = PagedCache(2, 200, hkv, d, sink, recent, DEVICE)
-    rot = random_rotation(d).to(DEVICE)
-    clip = (clip_index(CLIP_K, d), clip_index(CLIP_V, d))
-    # Request 0 prefills 192 tokens (three full blocks).
-    step = pc.schedule({0: 192})
-    k, v = random_rows((192, hkv, d), torch.float32, 1), random_rows((192, hkv, d), torch.float32, 2)
-    oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, 1, pc.cache,
-                pc.windows, pc.window_pages, pc.window_pos, *clip, sink, recent)
+    pc, rot = _request_zero_written(d, hkv, sink, recent)
     # Request 1 hits the first two blocks and takes request 0's ring row after it finished
-    # (the runner empties the row: window_store.apply_resets).
+    # (the runner empties the row: the builder's assign_windows).
     pc.block_table[1, :2] = pc.block_table[0, :2]
     pc.ring_slots[1] = pc.ring_slots[0]
     pc.window_pos[pc.ring_slots[1]] = -1
@@ -270,13 +274,7 @@ def test_a_hit_reads_the_shared_sink_pages_in_bf16(new):
     them (oscar_vllm.window_pages): its row names those pages and trusts the sink positions.
     Kernel and twin read the same BF16 sink, which differs from the INT2 copy."""
     d, hkv, g, sink, recent = 64, 1, 2, 4, 8
-    pc = PagedCache(2, 200, hkv, d, sink, recent, DEVICE)
-    rot = random_rotation(d).to(DEVICE)
-    clip = (clip_index(CLIP_K, d), clip_index(CLIP_V, d))
-    step = pc.schedule({0: 192})
-    k, v = random_rows((192, hkv, d), torch.float32, 1), random_rows((192, hkv, d), torch.float32, 2)
-    oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, 1, pc.cache,
-                pc.windows, pc.window_pages, pc.window_pos, *clip, sink, recent)
+    pc, rot = _request_zero_written(d, hkv, sink, recent)
     ring0, ring1 = int(pc.ring_slots[0]), int(pc.ring_slots[1])
     sink_pages = sink // window_entries_per_page(pc.windows.shape[1], hkv, d, sink)
     pc.block_table[1, :2] = pc.block_table[0, :2]
