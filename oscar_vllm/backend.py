@@ -117,10 +117,10 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
             impl.window_pos.index_fill_(0, index, -1)
         shared = [r for r, c in zip(rows, sink_shared or []) if c]
         if shared and self.sink:
-            held = torch.arange(self.sink, dtype=torch.int32).expand(len(shared), -1)
-            shared_index = torch.tensor(shared, dtype=torch.long)
+            shared_index = torch.tensor(shared, dtype=torch.long).to(index.device, non_blocking=True)
+            held = torch.arange(self.sink, dtype=torch.int32, device=index.device).expand(len(shared), -1)
             for impl in self.layers:
-                impl.window_pos[shared_index.to(impl.window_pos.device), :self.sink] = held.to(impl.window_pos.device)
+                impl.window_pos[shared_index, :self.sink] = held
 
     def fill_ring_slots(self, num_entries: int) -> None:
         """Each batch entry's ring: the rows of the batch's requests, then the null row for the

@@ -198,13 +198,12 @@ def assign_window_pages(runner, scheduler_output) -> None:
         return
     given = pages_of_new_requests(scheduler_output, new)
     rows = [runner.req_states.req_id_to_index[r] for r in new]
-    settings = OscarSettings.from_vllm_config(runner.vllm_config)
     for group, builder in builders:
         ratio = group.kv_cache_spec.block_size // BLOCK_SIZE
         if given is None:  # vLLM's start-up warm-up: the null block
             pages, shared = [[0] * builder.pages_per_ring for _ in new], [False] * len(new)
         else:
-            sink_blocks, _, _ = window_pages_of_group(group.kv_cache_spec, settings)
+            sink_blocks = -(-builder.sink_pages // ratio)  # as window_pages_of_group counts them
             pages = [kernel_pages(given[r][0][:sink_blocks], ratio, builder.sink_pages)
                      + kernel_pages(given[r][0][sink_blocks:], ratio, builder.pages_per_ring - builder.sink_pages)
                      for r in new]

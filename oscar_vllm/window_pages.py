@@ -52,7 +52,6 @@ class RequestPages:
     sink: list = field(default_factory=list)  # KVCacheBlocks of the sink, maybe shared
     recent: list = field(default_factory=list)  # KVCacheBlocks of the recent window, its own
     shared: bool = False  # the sink pages came from the prefix cache, holding the sink already
-    cached: bool = False  # the sink pages are in the prefix cache (shared, or cached since)
 
 
 class WindowPageAllocator:
@@ -135,16 +134,19 @@ class WindowPageAllocator:
         sink = self.shared_sink_of(request_id, new_computed_blocks)
         if sink is not None and request_id not in self.held:
             self.block_pool.touch(sink)
-            self.held[request_id] = RequestPages(sink=list(sink), shared=True, cached=True)
+            self.held[request_id] = RequestPages(sink=list(sink), shared=True)
 
     def take(self, request_id: str) -> None:
-        pages = self.held.setdefault(request_id, RequestPages())
-        if not pages.recent:
-            if not pages.shared:
-                pages.sink = self.block_pool.get_new_blocks(self.sink_pages)
-                if self.sink_pages:
-                    self.unregistered[request_id] = None
-            pages.recent = self.block_pool.get_new_blocks(self.recent_pages)
+        pages = self.held.get(request_id)
+        if pages is not None and pages.recent:  # a running request: called every step
+            return
+        if pages is None:
+            pages = self.held[request_id] = RequestPages()
+        if not pages.shared:
+            pages.sink = self.block_pool.get_new_blocks(self.sink_pages)
+            if self.sink_pages:
+                self.unregistered[request_id] = None
+        pages.recent = self.block_pool.get_new_blocks(self.recent_pages)
 
     def release(self, request_id: str) -> list:
         """The request's page blocks, no longer held (the caller returns them to the pool), the
@@ -163,6 +165,12 @@ class WindowPageAllocator:
         """Whether the request's sink pages came from the prefix cache (it reads, never writes them)."""
         return self.held[request_id].shared
 
+    def sink_cached(self, request_id: str) -> bool:
+        """Whether the request's sink pages are in the prefix cache (shared, or cached since):
+        only cached pages carry a block hash, the tags ``end_step`` gives them."""
+        sink = self.held[request_id].sink
+        return bool(sink) and sink[0].block_hash is not None
+
     def begin_step(self) -> None:
         self.fresh.clear()
 
@@ -178,11 +186,9 @@ class WindowPageAllocator:
             request = self.requests[request_id]
             if self.cached_sink(request.block_hashes) is not None:
                 continue
-            pages = self.held[request_id]
-            for tag, page in zip(self.sink_tags(request.block_hashes), pages.sink):
+            for tag, page in zip(self.sink_tags(request.block_hashes), self.held[request_id].sink):
                 page.set_block_hash(tag)
                 self.block_pool.cached_block_hash_to_block.insert(tag, page)
-            pages.cached = True
 
     def install(self, coordinator) -> None:
         """Wrap this coordinator's (one instance's) methods, as ``allocate_slots``, the

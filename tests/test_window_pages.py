@@ -140,9 +140,9 @@ def test_a_hit_shares_the_cached_sink_and_recomputes_its_recent_window():
     prompt = list(range(5 * BLOCK))
     a = request("a", prompt)
     admit(kv, a, alloc)
-    assert not alloc.held["a"].cached, "a writes its own sink"
+    assert not alloc.sink_cached("a"), "a writes its own sink"
     end_step(kv, alloc)
-    assert alloc.held["a"].cached, "cached once its sink block is"
+    assert alloc.sink_cached("a"), "cached once its sink block is"
     sink_page = alloc.page_ids("a")[0]
     for rid, extra in (("b", [1, 2]), ("c", list(range(40)))):
         r = request(rid, prompt + extra)
@@ -213,7 +213,7 @@ def test_a_hit_whose_sink_pages_were_evicted_is_no_hit():
     b = request("b", prompt + [1])
     assert admit(kv, b, alloc)[1] == 0 and not alloc.sink_shared("b"), "recomputed, sink included"
     end_step(kv, alloc)
-    assert alloc.held["b"].cached
+    assert alloc.sink_cached("b")
     assert admit(kv, request("c", prompt + [1]), alloc)[1] > 0 and alloc.page_ids("c")[0] == alloc.page_ids("b")[0]
 
 
@@ -224,7 +224,7 @@ def test_a_second_copy_of_a_cached_sink_is_not_cached_again():
     admit(kv, a, alloc)
     admit(kv, b, alloc)  # the same step: no hit, b writes a sink of its own
     end_step(kv, alloc)
-    assert alloc.held["a"].cached and not alloc.held["b"].cached
+    assert alloc.sink_cached("a") and not alloc.sink_cached("b")
     b_sink = alloc.page_ids("b")[0]
     kv.free(b)
     assert kv.block_pool.blocks[b_sink].block_hash is None, "b's copy went back as a plain free block"
