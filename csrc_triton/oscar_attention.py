@@ -288,8 +288,7 @@ def _store_quarters(ptr, row_off, row_mask, x0, x1, x2, x3, Q: tl.constexpr):
 # csrc_triton/warm_up.py relies on this to compile, before serving, all that serving launches.
 @triton.jit(
     do_not_specialize=["num_reqs", "num_splits", "stride_lse_h", "stride_bt"],
-    do_not_specialize_on_alignment=["self_lse_ptr", "block_table_ptr", "seq_lens_ptr", "cu_q_ptr", "ring_slot_ptr",
-                                    "window_v_ptr"],
+    do_not_specialize_on_alignment=["self_lse_ptr", "block_table_ptr", "seq_lens_ptr", "cu_q_ptr", "ring_slot_ptr"],
 )
 def _oscar_attention_kernel(
     out_ptr,  # [T, HQ, D] output; with MERGE_SELF it holds the step's own-keys attention on entry

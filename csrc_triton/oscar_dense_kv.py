@@ -42,8 +42,7 @@ def _store_rows(ptr, off, mask, x, OUT_BF16: tl.constexpr):
 # table's width is the server's (see _oscar_attention_kernel).
 @triton.jit(
     do_not_specialize=["stride_bt"],
-    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "cu_q_ptr", "cu_k_ptr", "ring_slot_ptr",
-                                    "window_v_ptr"],
+    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "cu_q_ptr", "cu_k_ptr", "ring_slot_ptr"],
 )
 def _oscar_dense_kv_kernel(
     k_out_ptr,  # [total_k, HKV, D] dense keys, rotated basis

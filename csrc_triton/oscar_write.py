@@ -94,7 +94,7 @@ def _to_param(x, PARAM_BF16: tl.constexpr):
 # so one compiled variant serves them all (see _oscar_attention_kernel).
 @triton.jit(
     do_not_specialize=["num_tokens", "num_reqs", "num_decodes", "clip_idx_k", "clip_idx_v"],
-    do_not_specialize_on_alignment=["slot_mapping_ptr", "cu_q_ptr", "seq_lens_ptr", "ring_slot_ptr", "window_v_ptr"],
+    do_not_specialize_on_alignment=["slot_mapping_ptr", "cu_q_ptr", "seq_lens_ptr", "ring_slot_ptr"],
 )
 def _oscar_write_kernel(
     key_ptr,  # [T, HKV, D] this step's keys, RoPE applied, not rotated

@@ -109,8 +109,16 @@ def window_args(windows: torch.Tensor, window_pages: torch.Tensor, window_pos: t
             f"positions {tuple(window_pos.shape)} {window_pos.dtype} do not hold rings of {sink} + {recent} entries "
             f"of {num_kv_heads} x {head_dim} (bf16 [num_pages, page_elems], int32 [rings, pages], int32 [rings, entries])"
         )
+    # The kernels are compiled with the values as 16-byte aligned as the keys (Triton's pointer
+    # specialization): an odd offset would compile a slower variant while serving.
+    values_at = per_page * num_kv_heads * head_dim
+    if (values_at * windows.element_size()) % 16:
+        raise ValueError(
+            f"window values start {values_at} elements into a page, not a multiple of 16 bytes "
+            f"({per_page} entries x {num_kv_heads} KV heads x head_dim {head_dim})"
+        )
     return dict(
-        window_k_ptr=windows, window_v_ptr=windows[:, per_page * num_kv_heads * head_dim:],
+        window_k_ptr=windows, window_v_ptr=windows[:, values_at:],
         window_pages_ptr=window_pages, window_pos_ptr=window_pos, stride_wp=window_pages.stride(0),
         stride_page=windows.stride(0), WIN_E=per_page,
     )

@@ -17,7 +17,7 @@ from csrc_triton.oscar_attention import (
     oscar_prefill_attention,
 )
 from csrc_triton.oscar_write import oscar_write
-from csrc_triton.paged_layout import window_entries_per_page
+from csrc_triton.paged_layout import window_args, window_entries_per_page
 from oscar_vllm.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
 from oscar_vllm.quant import clip_index
 from oscar_vllm.reference.oscar_attention import causal_attention_reference, oscar_attention_reference
@@ -95,6 +95,17 @@ def test_decode_splits_fill_the_gpu_and_stay_bounded():
         s = decode_splits(n, 8, 132)
         assert 1 <= s <= MAX_DECODE_SPLITS and s & (s - 1) == 0
         assert n * 8 * s >= 132 or s == MAX_DECODE_SPLITS
+
+
+def test_window_values_must_start_16_byte_aligned():
+    """The kernels compile the ring's value pointer as aligned as its keys; a layout that breaks
+    that is refused, not served by a slower variant compiled mid-run."""
+    pages, pos = torch.zeros(2, 8, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32)
+    assert window_entries_per_page(48, 1, 4, 3) == 3
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        window_args(torch.zeros(9, 48, dtype=torch.bfloat16), pages, pos, 1, 4, 3, 1)
+    args = window_args(torch.zeros(9, 64, dtype=torch.bfloat16), pages, pos, 1, 8, 2, 2)
+    assert args["window_v_ptr"].data_ptr() - args["window_k_ptr"].data_ptr() == 2 * 8 * 2
 
 
 @pytest.mark.parametrize("use_asm", [False, True] if ON_GPU else [False])

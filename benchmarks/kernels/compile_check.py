@@ -1,7 +1,8 @@
 """Compile the OSCAR kernels for Hopper (sm_90) on any machine, no GPU needed, and show what
 came out: registers, spills, shared memory and, for every loop of the SASS, its instruction
 mix (are the loads 16 bytes wide and asynchronous, how many HMMA, barriers, conversions).
-Arguments are specialized as a real launch would be (pointers and strides 16-aligned).
+Arguments are specialized as a real launch would be (pointers and strides 16-aligned, except
+the pointers a kernel lists in ``do_not_specialize_on_alignment``).
 
     python benchmarks/kernels/compile_check.py decode --num-warps 4 --num-stages 3
     python benchmarks/kernels/compile_check.py prefill --block-m 128 --num-warps 8 --dump /tmp/prefill.sass
@@ -44,8 +45,9 @@ TYPES = {
 def compile_kernel(fn, consts: dict, num_warps: int, num_stages: int):
     names = list(inspect.signature(fn.fn).parameters)
     signature = {n: "constexpr" if n in consts else TYPES.get(n, "i32") for n in names}
+    unaligned = set(fn.do_not_specialize_on_alignment or ())
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n not in consts and (signature[n].startswith("*") or n in ALIGNED_INTS)}
+             if n not in consts and n not in unaligned and (signature[n].startswith("*") or n in ALIGNED_INTS)}
     src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
