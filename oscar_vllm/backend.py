@@ -55,7 +55,7 @@ class OscarAttentionMetadata:
     num_decodes: int  # the batch's first requests, one query token each (vLLM orders them so)
     decode_splits: int  # most programs a decode request's prefix is split over
     prefill_has_prefix: bool  # some prefill request has cached tokens (or may: an upper bound)
-    prefill_kv_rows: int  # sum of the prefill requests' lengths (upper bound; -1: unknown)
+    prefill_kv_rows: int  # sum of the prefill requests' lengths (-1: unknown)
     prefill_max_seq: int  # longest prefill request (upper bound)
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs], including this step
@@ -144,7 +144,8 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         m = common_attn_metadata
         self.fill_ring_slots(m.num_reqs)
         num_decodes, _, _, _ = split_decodes_and_prefills(m, decode_threshold=1)
-        # From CPU copies (no sync): seq_lens_cpu_upper_bound can only overstate a prefix.
+        # From CPU copies (no sync): seq_lens_cpu_upper_bound is exact for prefill rows (it
+        # overstates only async speculative decodes), so the dense path sizes its buffers by it.
         seq_cpu = m.seq_lens_cpu_upper_bound
         q_cpu = m.query_start_loc_cpu
         prefill_seq = None if seq_cpu is None else seq_cpu[num_decodes:m.num_reqs]
@@ -322,7 +323,13 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         if (self.dense_kv is None or not md.prefill_has_prefix or md.num_decodes == md.num_reqs
                 or not 0 <= md.prefill_kv_rows <= self.dense_kv[0].shape[0]):
             return None
-        return DensePrefill(self.rotate(k[md.num_decodes:]), *self.dense_kv, md.prefill_max_seq,
+        # FlashAttention-3 loads whole 128-row key tiles and masks the rows past a sequence only
+        # in the scores: their values still meet p = 0 in p @ v, and 0 * NaN is NaN. vLLM orders
+        # the longest chunk last, so its last tile reaches past the batch's rows: the buffers are
+        # cut there (the tiles' loads then fill zeros), never left to what an earlier step wrote.
+        rows = md.prefill_kv_rows
+        k_buf, v_buf = self.dense_kv
+        return DensePrefill(self.rotate(k[md.num_decodes:]), k_buf[:rows], v_buf[:rows], md.prefill_max_seq,
                             self.flash_attention)
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -302,7 +302,8 @@ def give_dense_prefill_buffers(impls: list, vllm_config) -> int:
     rows = vllm_config.model_config.max_model_len + vllm_config.scheduler_config.max_num_batched_tokens
     device = impls[0].window_pos.device
     dtype = vllm_config.model_config.dtype
-    buffers = tuple(torch.empty(rows, hkv, d, dtype=dtype, device=device) for _ in range(2))
+    # Zeros, not empty: whatever FlashAttention loads past a batch's rows must be finite.
+    buffers = tuple(torch.zeros(rows, hkv, d, dtype=dtype, device=device) for _ in range(2))
     for impl in impls:
         impl.dense_kv = buffers
     return sum(b.nbytes for b in buffers)

@@ -88,3 +88,37 @@ def test_dense_kv_rejects_a_buffer_of_the_wrong_shape():
     with pytest.raises(ValueError, match="k_out must be contiguous"):
         oscar_dense_kv(bad, bad, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
                        step.seq_lens, step.cu_q, cumulative(step.seq_lens), step.ring_slots, 1, 73, 4, 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention needs a GPU")
+@pytest.mark.parametrize("prefix,new", [([0, 1536], [56, 200]), ([1504, 0, 1648], [24, 88, 232])])
+def test_dense_prefill_through_flash_attention_ignores_rows_past_the_batch(prefix, new):
+    """The backend's dense path with vLLM's FlashAttention, chunks ordered as vLLM orders them
+    (the longest last) and NaN in every buffer row past the batch: FlashAttention reads whole
+    key tiles, and the rows past the last chunk must not reach its output."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from oscar_vllm.backend import OscarAttentionImpl, _flash_attention
+
+    d, hkv, g, sink, recent, dtype = 64, 3, 3, 64, 256, torch.bfloat16
+    scale = 1 / math.sqrt(d)
+    attention = _flash_attention(scale, dtype)
+    if attention is None:
+        pytest.skip("no FlashAttention build")
+    pc, step, q, q_rot, k, v = prepare(d, hkv, g, sink, recent, prefix, new, dtype)
+    rot = random_rotation(d).to(DEVICE)
+    buffers = [torch.full((4352, hkv, d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
+    impl = SimpleNamespace(dense_kv=tuple(buffers), rotate=lambda x: (x.float() @ rot).to(x.dtype),
+                           flash_attention=attention)
+    md = SimpleNamespace(prefill_has_prefix=True, num_decodes=0, num_reqs=len(new),
+                         prefill_kv_rows=int(step.seq_lens.sum()), prefill_max_seq=int(step.seq_lens.max()))
+    dense = OscarAttentionImpl.dense_prefill(impl, md, k)
+    out = torch.full_like(q, float("nan"))
+    oscar_attention(out, q, q_rot, k, v, *cache_args(pc, step), 0, len(new), step.max_query_len, scale, sink,
+                    recent, dense=dense)
+    assert not out.isnan().any()
+    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), len(new), scale, sink, recent)
+    # The twin's bounds (test_dense_prefill_matches_reference) with room for FlashAttention's
+    # bf16 probabilities in p @ v; garbage read past the batch lands far outside them.
+    assert_close_to_reference(out, want, dtype, bf16_max=3e-2, bf16_mean=1.2e-2)

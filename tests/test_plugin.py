@@ -135,6 +135,7 @@ def test_dense_prefill_buffers_are_shared_and_sized_for_a_longest_request():
     impls = [impl() for _ in range(3)]
     assert give_dense_prefill_buffers(impls, config) == 2 * (1000 + 256) * 8 * 128 * 2
     assert impls[0].dense_kv[0].shape == (1256, 8, 128) and impls[0].dense_kv[0].dtype == torch.bfloat16
+    assert not impls[0].dense_kv[0].any(), "zeros: whatever FlashAttention reads past a batch is finite"
     assert all(i.dense_kv is impls[0].dense_kv for i in impls), "one pair of buffers for all layers"
     no_flash = [impl(), impl()]
     no_flash[1].flash_attention = None  # an fp32 model: FlashAttention cannot run, nor the dense path
@@ -154,7 +155,10 @@ def test_dense_prefill_is_taken_only_when_the_batch_fits():
 
     dense = OscarAttentionImpl.dense_prefill(impl, md(), k)
     assert dense.k_rot[:, 0, 0].tolist() == [4.0, 6.0, 8.0, 10.0, 12.0], "the prefill rows, rotated"
-    assert dense.k_buf is buf and dense.max_seq_len == 100 and dense.attention is print
+    assert dense.k_buf.data_ptr() == buf.data_ptr() and dense.max_seq_len == 100 and dense.attention is print
+    # Cut at the batch's rows: FlashAttention's last key tile must not read what earlier steps left.
+    cut = OscarAttentionImpl.dense_prefill(impl, md(prefill_kv_rows=37), k)
+    assert cut.k_buf.shape == cut.v_buf.shape == (37, 2, 16) and cut.k_buf.data_ptr() == buf.data_ptr()
     for why in (dict(prefill_kv_rows=101), dict(prefill_kv_rows=-1), dict(prefill_has_prefix=False),
                 dict(num_decodes=3)):
         assert OscarAttentionImpl.dense_prefill(impl, md(**why), k) is None, why

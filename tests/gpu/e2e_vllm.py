@@ -201,7 +201,7 @@ def prefix_workload(model_dir: str):
 # Where each window is cut for next-token scoring. vLLM never reads the prefix cache for a
 # request that asks for prompt logprobs, so the cached-prefix perplexity scores the token after
 # each cut (full-vocabulary logprobs of one generated position) instead.
-SCORE_CUTS = (300, 700, 1100, 1500)
+SCORE_CUTS = tuple(range(300, 1536, 150))  # 9 per window, 207 tokens
 
 
 def prefix_run(args) -> dict:
@@ -273,6 +273,8 @@ def cmd_prefix(args) -> None:
            same_top_token=sum(a == b for a, b in zip(off["top"], on["top"])) / len(on["top"]))
     if report["again"]["cached_tokens"] == 0 or off["cached_tokens"]:
         raise SystemExit("prefix: the rerun hit no cached prefix, or caching off hit one")
+    if not all(math.isfinite(p) for p in ppl.values()):
+        raise SystemExit("prefix: NaN logprobs")
 
 
 def preempt_run(args) -> dict:
@@ -350,12 +352,14 @@ def cmd_preempt(args) -> None:
 
 def chunked_run(args) -> dict:
     """One engine, prefix caching off: the prompt logprobs of 8 held-out windows of 1,800 tokens
-    sent together, then one at a time (so the last chunk of each, 8 tokens, runs alone)."""
+    sent together, then one at a time (so the last chunk of each, 8 tokens, runs alone); then
+    16 chats generating, whose last prompt chunk meets the next one's first chunk in a step and
+    is sampled (prompt logprobs never score that position)."""
     import math
 
     from vllm import LLM, SamplingParams
 
-    _, _, windows = prefix_workload(args.model)
+    chats, _, windows = prefix_workload(args.model)
     prompts = [w[:1800] for w in windows[:8]]
     kw = dict(additional_config=oscar_config(args.rotations)) if args.backend == "OSCAR" else {}
     llm = LLM(args.model, attention_backend=args.backend, dtype="bfloat16", enforce_eager=True, max_model_len=4096,
@@ -368,7 +372,11 @@ def chunked_run(args) -> dict:
 
     together = nll(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
     alone = nll([llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts])
-    return {"together": together, "alone": alone, "nan": sum(math.isnan(x) for r in together + alone for x in r)}
+    greedy = SamplingParams(max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
+    sampled = [lp[t].logprob for o in llm.generate([{"prompt_token_ids": c} for c in chats], greedy, use_tqdm=False)
+               for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+    return {"together": together, "alone": alone, "nan": sum(math.isnan(x) for r in together + alone for x in r),
+            "sampled_nan": sum(math.isnan(x) for x in sampled), "sampled": len(sampled)}
 
 
 def cmd_chunked(args) -> None:
@@ -389,15 +397,17 @@ def cmd_chunked(args) -> None:
 
     small = runs[256]
     gap = mean(small["alone"]) - mean(small["together"])
-    result(check="chunked", backend=args.backend, nan=small["nan"] + runs[8192]["nan"],
+    sampled_nan = small["sampled_nan"] + runs[8192]["sampled_nan"]
+    result(check="chunked", backend=args.backend, nan=small["nan"] + runs[8192]["nan"], sampled_nan=sampled_nan,
+           sampled=small["sampled"] + runs[8192]["sampled"],
            nll_chunk256_together=mean(small["together"]), nll_chunk256_alone=mean(small["alone"]),
            nll_chunk8192=mean(runs[8192]["together"]),
            max_token_nll_gap_together_alone=max(abs(a - b) for ra, rb in zip(small["together"], small["alone"])
                                                 for a, b in zip(ra, rb)))
     # A batch changes the floating-point order, so single tokens may move; the mean may not.
-    if small["nan"] + runs[8192]["nan"] or not math.isfinite(gap) or abs(gap) > 0.01:
-        raise SystemExit("chunked: NaN prompt logprobs, or one request's chunks alone score differently from the "
-                         "same chunks in a batch")
+    if small["nan"] + runs[8192]["nan"] or sampled_nan or not math.isfinite(gap) or abs(gap) > 0.01:
+        raise SystemExit("chunked: NaN prompt or sampled logprobs, or one request's chunks alone score differently "
+                         "from the same chunks in a batch")
 
 
 def cmd_report(args) -> None:
@@ -427,7 +437,8 @@ def cmd_report(args) -> None:
                          f"far; free blocks at start and end {r['free_blocks_start_end']}, window pages held at the "
                          f"end {r['pages_at_end']}")
         elif r["check"] == "chunked":
-            lines.append(f"{head}: NaN prompt logprobs {r['nan']}; mean NLL chunk 256 together "
+            sampled = f", NaN sampled logprobs {r['sampled_nan']} of {r['sampled']}" if "sampled" in r else ""
+            lines.append(f"{head}: NaN prompt logprobs {r['nan']}{sampled}; mean NLL chunk 256 together "
                          f"{r['nll_chunk256_together']:.4f}, alone {r['nll_chunk256_alone']:.4f}, chunk 8192 "
                          f"{r['nll_chunk8192']:.4f}")
     Path(args.out).write_text("\n".join(lines) + "\n")
