@@ -167,12 +167,18 @@ def test_a_hit_shares_the_cached_sink_and_recomputes_its_recent_window():
     assert admit(kv, request("e", prompt + [9]), alloc)[1] == 0
 
 
-def test_a_shared_sink_counts_only_what_it_takes_from_the_free_blocks():
+def cached_prefix(prompt_blocks: int):
+    """A 40-block pool in which request "a" of ``prompt_blocks`` blocks ran a step: its sink is cached."""
     kv, alloc = manager(40)
-    prompt = list(range(4 * BLOCK))
+    prompt = list(range(prompt_blocks * BLOCK))
     a = request("a", prompt)
     admit(kv, a, alloc)
     end_step(kv, alloc)
+    return kv, alloc, prompt, a
+
+
+def test_a_shared_sink_counts_only_what_it_takes_from_the_free_blocks():
+    kv, alloc, prompt, a = cached_prefix(4)
     free = kv.block_pool.get_num_free_blocks()
     admit(kv, request("b", prompt + [1]), alloc)  # 5 blocks, 2 of them hit; a holds them and the sink page
     assert kv.block_pool.get_num_free_blocks() == free - 3 - RECENT_PAGES
@@ -202,11 +208,7 @@ def test_a_hit_ends_before_blocks_the_same_step_fills():
 
 
 def test_a_hit_whose_sink_pages_were_evicted_is_no_hit():
-    kv, alloc = manager(40)
-    prompt = list(range(5 * BLOCK))
-    a = request("a", prompt)
-    admit(kv, a, alloc)
-    end_step(kv, alloc)
+    kv, alloc, prompt, a = cached_prefix(5)
     sink_page = alloc.page_ids("a")[0]
     kv.free(a)
     kv.block_pool.evict_blocks({sink_page})  # as vLLM evicts a cached block it reuses
