@@ -25,6 +25,7 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -187,6 +188,79 @@ def evaluate(
     bar.close()
     ref = scores[REFERENCE]
     return {m.name: {**m.describe(), **scores[m.name].summary(ref)} for m in methods}
+
+
+# ---------------------------------------------------------------------------- cached prefix
+
+# The prefix-caching workload of ``tests/gpu/e2e_vllm.py prefix``, from held-out token ids: 16
+# chats of one 1,536-token system prompt and a distinct 200-token question each, then one shared
+# 512-token prefix that starts each of 23 windows of 1,536 distinct tokens more. Each window is
+# scored at 9 cuts (207 tokens): the prompt is the window up to ``prefix + cut``.
+CACHED_PREFIX_CUTS = tuple(range(300, 1536, 150))
+CACHED_PREFIX_TOKENS = 1536 + 16 * 200 + 512 + 23 * 1536
+
+
+def cached_prefix_workload(ids: Sequence[int]) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """``(chats, shared prefix, windows)`` as token lists (see ``CACHED_PREFIX_TOKENS``)."""
+    if len(ids) < CACHED_PREFIX_TOKENS:
+        raise ValueError(f"the cached-prefix workload needs {CACHED_PREFIX_TOKENS} tokens, got {len(ids)}")
+    ids = [int(t) for t in ids[:CACHED_PREFIX_TOKENS]]
+    system, rest = ids[:1536], ids[1536:]
+    chats = [system + rest[i * 200:(i + 1) * 200] for i in range(16)]
+    rest = rest[16 * 200:]
+    shared = rest[:512]
+    windows = [shared + rest[512 + i * 1536: 512 + (i + 1) * 1536] for i in range(23)]
+    return chats, shared, windows
+
+
+@torch.no_grad()
+def cached_prefix_reads(
+    loaded: LoadedModel,
+    windows: list[list[int]],
+    prefix_len: int,
+    oscar: dict[int, LayerCacheSpec],
+    sink: int = 64,
+    recent: int = 256,
+    cuts: Sequence[int] = CACHED_PREFIX_CUTS,
+) -> dict[str, dict[str, list[float]]]:
+    """NLL of the tokens ``tests/gpu/e2e_vllm.py prefix`` scores, as the reference cache reads them
+    each way vLLM can serve a window cut at ``end = prefix_len + cut``:
+
+    - ``bf16``: a BF16 cache.
+    - ``one_chunk``: OSCAR, the prompt prefilled in one chunk (prefix caching off): every key
+      is read in BF16.
+    - ``hit``: OSCAR, the chunk after a prefix-cache hit on the shared prefix: the sink and the
+      chunk in BF16, the rest of the prefix quantized (a hit brings no recent window).
+    - ``decode``: OSCAR, each position as a decode step reads the cache: the sink and the last
+      ``recent`` keys in BF16, the rest quantized.
+
+    Returns ``{read: {"cut": [...], "after": [...]}}``: per window and cut, the NLL of the token at
+    ``end`` (the prompt's last position predicts it) and of the token after it (predicted from
+    position ``end``, a decode step once the token at ``end`` is sampled)."""
+    total = len(windows[0])
+    ends = torch.tensor([prefix_len + c for c in cuts])
+    if any(len(w) != total for w in windows) or int(ends.max()) + 2 > total:
+        raise ValueError(f"windows must share one length above {int(ends.max()) + 1} tokens")
+    bf16 = layer_specs(METHODS_BY_NAME[REFERENCE], {}, list(oscar))
+    everything_bf16 = torch.zeros(total, dtype=torch.long)
+    after_hit = torch.where(torch.arange(total) < prefix_len, 0, prefix_len)
+    reads = {
+        "bf16": lambda i: MixedCacheHook(bf16[i], 0, 0),
+        "one_chunk": lambda i: MixedCacheHook(oscar[i], sink, recent, chunk_starts=everything_bf16),
+        "hit": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=after_hit),
+        "decode": lambda i: MixedCacheHook(oscar[i], sink, recent),
+    }
+    device = next(loaded.model.parameters()).device
+    nll = {read: {"cut": [], "after": []} for read in reads}
+    for window in tqdm(windows, desc="cached-prefix reads", unit="window"):
+        ids = torch.tensor(window[: int(ends.max()) + 2], device=device)
+        for read, make_hook in reads.items():
+            with attention_hooks(loaded.model, make_hook):
+                logits = loaded.model(ids[None, :-1], use_cache=False).logits[0]
+            for name, pos in (("cut", ends - 1), ("after", ends)):
+                logp = torch.log_softmax(logits[pos.to(device)].float(), dim=-1)
+                nll[read][name] += (-logp.gather(-1, ids[pos + 1, None])[:, 0]).tolist()
+    return nll
 
 
 # ---------------------------------------------------------------------------- reporting

@@ -148,16 +148,23 @@ class CaptureHook:
 
 class MixedCacheHook:
     """Attention over the simulated mixed-precision cache of one layer; with ``prefill_chunk``,
-    as a server prefills the sequence in chunks of that many tokens (see ``mixed_cache``)."""
+    as a server prefills the sequence in chunks of that many tokens, with ``chunk_starts``
+    (``[T]``, one per position) in the chunks given (see ``mixed_cache``)."""
 
-    def __init__(self, spec: LayerCacheSpec, sink: int, recent: int, prefill_chunk: int = 0):
-        self.spec, self.sink, self.recent, self.prefill_chunk = spec, sink, recent, prefill_chunk
+    def __init__(self, spec: LayerCacheSpec, sink: int, recent: int, prefill_chunk: int = 0,
+                 chunk_starts: torch.Tensor | None = None):
+        if prefill_chunk and chunk_starts is not None:
+            raise ValueError("give prefill_chunk or chunk_starts, not both")
+        self.spec, self.sink, self.recent = spec, sink, recent
+        self.prefill_chunk, self.chunk_starts = prefill_chunk, chunk_starts
 
     def __call__(self, q, k, v, scaling):
+        pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])
         starts = None
         if self.prefill_chunk:
-            pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])
             starts = pos // self.prefill_chunk * self.prefill_chunk
+        elif self.chunk_starts is not None:
+            starts = self.chunk_starts[pos]
         return mixed_cache_attention(q, k, v, self.spec, self.sink, self.recent, scaling, chunk_starts=starts)
 
 

@@ -14,7 +14,8 @@ its GPU memory) and prints one JSON line with what it measured, prefixed ``RESUL
             outputs as a roomy cache gives them, and every page back in the pool at the end
   prefix    prefix caching on against off on SmolLM2 (one engine each, in subprocesses): a shared
             system prompt across requests sent together (first chunks mixed with cache hits),
-            the same after a cache reset, and perplexity with a cached shared prefix
+            the same after a cache reset, and perplexity after a cached shared prefix (of the token
+            the prompt's last position predicts, and of the one the decode step after it predicts)
   chunked   prompt logprobs through chunked prefill (chunks 256 and 8192), sent together and
             one request at a time, SmolLM2
   report    the RESULT lines of prefix, preempt and chunked logs as a markdown table (no GPU)
@@ -186,28 +187,20 @@ def cmd_serve(args) -> None:
 
 
 def prefix_workload(model_dir: str):
-    """Token lists from held-out text: a 1,536-token system prompt with 16 distinct 200-token
-    questions, and 23 windows of one shared 512-token prefix plus 1,536 distinct tokens."""
-    ids, _ = eval_windows(model_dir, 16384 + 23 * 1536 + 16 * 200, 64)
-    flat = [t for w in ids for t in w]
-    system, rest = flat[:1536], flat[1536:]
-    chats = [system + rest[i * 200:(i + 1) * 200] for i in range(16)]
-    rest = rest[16 * 200:]
-    shared = rest[:512]
-    windows = [shared + rest[512 + i * 1536: 512 + (i + 1) * 1536] for i in range(23)]
-    return chats, shared, windows
+    """``oscar_vllm.evaluate.cached_prefix_workload`` on the evaluation text: 16 chats on a 1,536-token
+    system prompt, and 23 windows of one shared 512-token prefix plus 1,536 distinct tokens."""
+    from oscar_vllm.evaluate import CACHED_PREFIX_TOKENS, cached_prefix_workload
 
-
-# Where each window is cut for next-token scoring. vLLM never reads the prefix cache for a
-# request that asks for prompt logprobs, so the cached-prefix perplexity scores the token after
-# each cut (full-vocabulary logprobs of one generated position) instead.
-SCORE_CUTS = tuple(range(300, 1536, 150))  # 9 per window, 207 tokens
+    ids, _ = eval_windows(model_dir, CACHED_PREFIX_TOKENS, 64)
+    return cached_prefix_workload([t for w in ids for t in w])
 
 
 def prefix_run(args) -> dict:
     """One engine (caching on or off): greedy outputs with logprobs, and next-token NLL of
     held-out text after a shared cached prefix."""
     from vllm import LLM, SamplingParams
+
+    from oscar_vllm.evaluate import CACHED_PREFIX_CUTS
 
     chats, shared, windows = prefix_workload(args.model)
     kw = dict(additional_config=oscar_config(args.rotations)) if args.backend == "OSCAR" else {}
@@ -227,12 +220,16 @@ def prefix_run(args) -> dict:
     llm.reset_prefix_cache()
     after_reset = outputs(chats)
     llm.generate([{"prompt_token_ids": shared + [shared[0]]}], SamplingParams(max_tokens=1), use_tqdm=False)
-    cuts = [(w, len(shared) + c) for w in windows for c in SCORE_CUTS]
-    scored = llm.generate([{"prompt_token_ids": w[:end]} for w, end in cuts],
-                          SamplingParams(max_tokens=1, temperature=0, logprobs=-1), use_tqdm=False)
+    # vLLM never reads the prefix cache for a request that asks for prompt logprobs, so each cut is
+    # a request that generates the text's next two tokens: the first is forced (allowed_token_ids;
+    # raw logprobs are taken before it applies), so the second is a decode step over the cache.
+    cuts = [(w, len(shared) + c) for w in windows for c in CACHED_PREFIX_CUTS]
+    params = [SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, allowed_token_ids=[w[end]],
+                             logprob_token_ids=[w[end], w[end + 1]]) for w, end in cuts]
+    scored = llm.generate([{"prompt_token_ids": w[:end]} for w, end in cuts], params, use_tqdm=False)
     nll = [-o.outputs[0].logprobs[0][w[end]].logprob for (w, end), o in zip(cuts, scored)]
-    top = [o.outputs[0].token_ids[0] for o in scored]
-    return {"first": first, "again": again, "after_reset": after_reset, "nll": nll, "top": top,
+    nll_after = [-o.outputs[0].logprobs[1][w[end + 1]].logprob for (w, end), o in zip(cuts, scored)]
+    return {"first": first, "again": again, "after_reset": after_reset, "nll": nll, "nll_after": nll_after,
             "cached_tokens": sum(o.num_cached_tokens or 0 for o in scored), "chunk": args.chunk}
 
 
@@ -244,6 +241,12 @@ def first_mismatch(a: dict, b: dict) -> dict | None:
             close = str(x) in b["logprobs"][i] and str(y) in a["logprobs"][i]
             return {"index": i, "close": close}
     return None
+
+
+# How much worse the decode step after a cached prefix may score than without caching: its
+# windows are the same, but the prompt's keys past the hit come from a chunk that read the
+# prefix's middle in 2-bit, not in BF16 as one chunk over the whole prompt does.
+DECODE_PPL_TOLERANCE = 1.01
 
 
 def cmd_prefix(args) -> None:
@@ -267,14 +270,19 @@ def cmd_prefix(args) -> None:
                         "far": sum(d is not None and not d["close"] for d in diffs), "requests": len(diffs),
                         "cached_tokens": sum(o["cached"] for o in on[name])}
     ppl = {k: math.exp(sum(r["nll"]) / len(r["nll"])) for k, r in runs.items()}
+    ppl_after = {k: math.exp(sum(r["nll_after"]) / len(r["nll_after"])) for k, r in runs.items()}
     result(check="prefix", backend=args.backend, chunk=args.chunk, outputs=report, ppl_caching_off=ppl["off"],
-           ppl_caching_on=ppl["on"], tokens_scored=len(on["nll"]), cached_tokens_on=on["cached_tokens"],
-           cached_tokens_off=off["cached_tokens"],
-           same_top_token=sum(a == b for a, b in zip(off["top"], on["top"])) / len(on["top"]))
+           ppl_caching_on=ppl["on"], decode_ppl_caching_off=ppl_after["off"], decode_ppl_caching_on=ppl_after["on"],
+           tokens_scored=len(on["nll"]), cached_tokens_on=on["cached_tokens"], cached_tokens_off=off["cached_tokens"])
     if report["again"]["cached_tokens"] == 0 or off["cached_tokens"]:
         raise SystemExit("prefix: the rerun hit no cached prefix, or caching off hit one")
-    if not all(math.isfinite(p) for p in ppl.values()):
+    if not all(math.isfinite(p) for p in (*ppl.values(), *ppl_after.values())):
         raise SystemExit("prefix: NaN logprobs")
+    # A decode step reads the same windows with and without the hit; only the prompt's own keys
+    # differ, computed by chunks that read the cached prefix in 2-bit instead of BF16.
+    if ppl_after["on"] > DECODE_PPL_TOLERANCE * ppl_after["off"]:
+        raise SystemExit(f"prefix: decode perplexity after a cached prefix {ppl_after['on']:.3f}, without caching "
+                         f"{ppl_after['off']:.3f}")
 
 
 def preempt_run(args) -> dict:
@@ -429,8 +437,10 @@ def cmd_report(args) -> None:
                               for name in ("first", "again", "after_reset"))
             lines.append(f"{head}: caching on against off, {o['first']['requests']} chats on a shared system "
                          f"prompt, {cells}; next-token perplexity after a cached prefix {r['ppl_caching_on']:.3f} "
-                         f"on, {r['ppl_caching_off']:.3f} off ({r['tokens_scored']} tokens, "
-                         f"{r['cached_tokens_on']:,} cached)")
+                         f"on, {r['ppl_caching_off']:.3f} off" + (
+                             f", at the decode step after it {r['decode_ppl_caching_on']:.3f} on, "
+                             f"{r['decode_ppl_caching_off']:.3f} off" if "decode_ppl_caching_on" in r else "") +
+                         f" ({r['tokens_scored']} tokens, {r['cached_tokens_on']:,} cached)")
         elif r["check"] == "preempt":
             lines.append(f"{head}: {r['tight_kv_blocks']}-block cache against a roomy one, {r['preemptions_tight']} "
                          f"preemptions, {r['requests']} requests {r['equal']} equal, {r['close']} close, {r['far']} "

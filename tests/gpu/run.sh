@@ -12,7 +12,8 @@
 #           greedy text, CUDA graphs, the Qwen3-8B shape (generation, KV capacity)
 #   serve   `oscar-vllm serve` on the Qwen3-8B shape, answered by the openai client
 #   prefix  prefix caching on vs off (SmolLM2): outputs of a shared system prompt sent together,
-#           again and after a cache reset, and perplexity with a cached prefix (chunks 8192 and 256)
+#           again and after a cache reset, and perplexity after a cached prefix, next token and the
+#           decode step after it (chunks 8192 and 256)
 #   preempt window pages under forced preemption and aborts (SmolLM2): outputs against a roomy
 #           cache, every block and page back at the end
 #   chunked prompt logprobs through chunked prefill (chunks 256 and 8192, SmolLM2): no NaN, and a

@@ -1,0 +1,95 @@
+"""What a prefix-cache hit changes in what OSCAR reads, in the reference cache (CPU, SmolLM2).
+
+``tests/gpu/e2e_vllm.py prefix`` scores the same held-out windows through vLLM with prefix
+caching on and off. With caching off, a prompt is prefilled in one chunk, whose last position
+reads every key in BF16; with caching on, the chunk after the hit reads the cached prefix, and
+the prefix's middle (past the sink) is 2-bit there. This runs the same windows and cuts through
+the reference cache (``oscar_vllm.mixed_cache``) each of those ways, plus as a decode step reads
+them, so the vLLM numbers can be read against what the method itself gives:
+
+    python benchmarks/cached_prefix_reads.py --out results/windows/cached_prefix_reads
+
+Writes ``cached_prefix_reads.{md,json}`` into ``--out``.
+"""
+import argparse
+import json
+import math
+from pathlib import Path
+
+from oscar_vllm import corpus
+from oscar_vllm.evaluate import (
+    CACHED_PREFIX_CUTS,
+    METHODS_BY_NAME,
+    cached_prefix_reads,
+    cached_prefix_workload,
+    environment,
+    layer_specs,
+)
+from oscar_vllm.calibrate import DTYPES
+from oscar_vllm.hf import load_model
+from oscar_vllm.rotation_io import load_rotations
+
+READS = {
+    "bf16": "BF16 cache",
+    "one_chunk": "OSCAR, prompt prefilled in one chunk (caching off): every key BF16",
+    "hit": "OSCAR, chunk after a hit on the shared prefix: sink and chunk BF16, rest of the prefix 2-bit",
+    "decode": "OSCAR, as a decode step: sink and last 256 BF16, the rest 2-bit",
+}
+
+
+def ppl(nll: list[float]) -> float:
+    return math.exp(sum(nll) / len(nll))
+
+
+def report(nll: dict, meta: dict) -> str:
+    base = {name: ppl(nll["bf16"][name]) for name in ("cut", "after")}
+    rows = []
+    for read, what in READS.items():
+        cells = [f"{ppl(nll[read][name]):.3f} ({100 * (ppl(nll[read][name]) / base[name] - 1):+.2f}%)"
+                 for name in ("cut", "after")]
+        rows.append(f"| {read} | {what} | {cells[0]} | {cells[1]} |")
+    return "\n".join([
+        "# Cached-prefix reads in the reference cache", "",
+        f"- date: {meta['date']}; hardware: {meta['hardware']}; model: {meta['model']} ({meta['dtype']})",
+        f"- command: `{meta['command']}`",
+        f"- {meta['versions']}",
+        f"- rotations: {meta['rotations']} ({meta['method']}); sink {meta['sink']}, recent {meta['recent']}",
+        f"- windows: {meta['windows']} of a shared {meta['prefix']}-token prefix plus distinct held-out text "
+        f"({corpus.EVALUATION_NAME}), cut at prefix + {', '.join(map(str, meta['cuts']))}: "
+        f"{meta['tokens']} tokens per column, the workload of `tests/gpu/e2e_vllm.py prefix`",
+        "- token at the cut: predicted by the prompt's last position (what the vLLM check scores as "
+        "next-token perplexity); token after: predicted from the cut, as the decode step after it reads the cache",
+        "", "| read | how the cache is read | perplexity, token at the cut | token after |",
+        "|---|---|---|---|", *rows, ""])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rotations", type=Path, default=Path("results/smollm2_rotations"))
+    p.add_argument("--windows", type=int, default=23, help="windows to score, of 23 (default: %(default)s)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--out", type=Path, default=Path("runs/cached_prefix_reads"))
+    args = p.parse_args()
+
+    loaded = load_model(None, None, args.device, DTYPES[args.dtype])
+    rotations = load_rotations(args.rotations, loaded.shape)
+    # What the backend serves: the file's fitted clip ratios where it has them, FP16 scales.
+    method = METHODS_BY_NAME["oscar-int2-fit" if rotations.clip_ratios_k else "oscar-int2"]
+    oscar = layer_specs(method, {"oscar": rotations}, list(range(loaded.shape.num_layers)))
+    _, shared, windows = cached_prefix_workload(corpus.tokenize(loaded.tokenizer, corpus.evaluation_text()).tolist())
+    windows = windows[: args.windows]
+    nll = cached_prefix_reads(loaded, windows, len(shared), oscar)
+    meta = {**environment("python benchmarks/cached_prefix_reads.py"), "model": loaded.name, "dtype": args.dtype,
+            "rotations": str(args.rotations), "method": method.name, "sink": 64, "recent": 256,
+            "prefix": len(shared), "windows": len(windows), "cuts": list(CACHED_PREFIX_CUTS),
+            "tokens": len(windows) * len(CACHED_PREFIX_CUTS)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cached_prefix_reads.json").write_text(json.dumps({"meta": meta, "nll": nll}) + "\n")
+    text = report(nll, meta)
+    (args.out / "cached_prefix_reads.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
