@@ -79,6 +79,11 @@ def oscar_kv_cache_spec(layer, vllm_config):
     )
 
 
+def scheduler_blocks(pages: int, ratio: int) -> int:
+    """Scheduler blocks that hold ``pages`` kernel blocks, ``ratio`` to a scheduler block."""
+    return -(-pages // ratio)
+
+
 def window_pages_of_group(spec, settings: OscarSettings) -> tuple[int, int, int]:
     """``(sink, recent, ratio)``: scheduler blocks of a ring's sink and of its recent window, and
     kernel blocks (pages) per scheduler block (a ``--block-size`` above 64 splits each scheduler
@@ -88,7 +93,7 @@ def window_pages_of_group(spec, settings: OscarSettings) -> tuple[int, int, int]
     ratio = spec.block_size // BLOCK_SIZE
     pages, sink = window_pages_per_request(settings.sink_size, settings.recent_size, spec.num_kv_heads,
                                            spec.head_size)
-    return -(-sink // ratio), -(-(pages - sink) // ratio), ratio
+    return scheduler_blocks(sink, ratio), scheduler_blocks(pages - sink, ratio), ratio
 
 
 def give_scheduler_window_pages(scheduler) -> None:
@@ -203,7 +208,7 @@ def assign_window_pages(runner, scheduler_output) -> None:
         if given is None:  # vLLM's start-up warm-up: the null block
             pages, shared = [[0] * builder.pages_per_ring for _ in new], [False] * len(new)
         else:
-            sink_blocks = -(-builder.sink_pages // ratio)  # as window_pages_of_group counts them
+            sink_blocks = scheduler_blocks(builder.sink_pages, ratio)
             pages = [kernel_pages(given[r][0][:sink_blocks], ratio, builder.sink_pages)
                      + kernel_pages(given[r][0][sink_blocks:], ratio, builder.pages_per_ring - builder.sink_pages)
                      for r in new]
