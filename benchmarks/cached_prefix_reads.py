@@ -1,11 +1,12 @@
 """What a prefix-cache hit changes in what OSCAR reads, in the reference cache (CPU, SmolLM2).
 
 ``tests/gpu/e2e_vllm.py prefix`` scores the same held-out windows through vLLM with prefix
-caching on and off. With caching off, a prompt is prefilled in one chunk, whose last position
-reads every key in BF16; with caching on, the chunk after the hit reads the cached prefix, and
-the prefix's middle (past the sink) is 2-bit there. This runs the same windows and cuts through
-the reference cache (``oscar_vllm.mixed_cache``) each of those ways, plus as a decode step reads
-them, so the vLLM numbers can be read against what the method itself gives:
+caching on and off, in chunks of 8192 and 256 tokens. With caching off, a prompt of one chunk
+reads every key in BF16, and a later chunk finds the ring before it in BF16; with caching on,
+the chunk after the hit reads the cached prefix, whose middle (past the sink) is 2-bit there,
+with no ring before it. This runs the same windows and cuts through the reference cache
+(``oscar_vllm.mixed_cache``) each of those ways, plus as a decode step reads them, so the vLLM
+numbers can be read against what the method itself gives:
 
     python benchmarks/cached_prefix_reads.py --out results/windows/cached_prefix_reads
 
@@ -32,7 +33,9 @@ from oscar_vllm.rotation_io import load_rotations
 READS = {
     "bf16": "BF16 cache",
     "one_chunk": "OSCAR, prompt prefilled in one chunk (caching off): every key BF16",
-    "hit": "OSCAR, chunk after a hit on the shared prefix: sink and chunk BF16, rest of the prefix 2-bit",
+    "chunked": "OSCAR, prompt prefilled in chunks of {chunk} (caching off): chunk, sink and ring before it BF16",
+    "hit": "OSCAR, one chunk after a hit on the shared prefix: sink and chunk BF16, rest of the prefix 2-bit",
+    "hit_chunked": "OSCAR, chunks of {chunk} after that hit: the first as `hit`, later ones also with their ring",
     "decode": "OSCAR, as a decode step: sink and last 256 BF16, the rest 2-bit",
 }
 
@@ -47,7 +50,7 @@ def report(nll: dict, meta: dict) -> str:
     for read, what in READS.items():
         cells = [f"{ppl(nll[read][name]):.3f} ({100 * (ppl(nll[read][name]) / base[name] - 1):+.2f}%)"
                  for name in ("cut", "after")]
-        rows.append(f"| {read} | {what} | {cells[0]} | {cells[1]} |")
+        rows.append(f"| {read} | {what.format(chunk=meta['chunk'])} | {cells[0]} | {cells[1]} |")
     return "\n".join([
         "# Cached-prefix reads in the reference cache", "",
         f"- date: {meta['date']}; hardware: {meta['hardware']}; model: {meta['model']} ({meta['dtype']})",
@@ -67,6 +70,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rotations", type=Path, default=Path("results/smollm2_rotations"))
     p.add_argument("--windows", type=int, default=23, help="windows to score, of 23 (default: %(default)s)")
+    p.add_argument("--chunk", type=int, default=256, help="prefill chunk of the chunked reads (default: %(default)s)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--out", type=Path, default=Path("runs/cached_prefix_reads"))
@@ -79,10 +83,10 @@ def main() -> None:
     oscar = layer_specs(method, {"oscar": rotations}, list(range(loaded.shape.num_layers)))
     _, shared, windows = cached_prefix_workload(corpus.tokenize(loaded.tokenizer, corpus.evaluation_text()).tolist())
     windows = windows[: args.windows]
-    nll = cached_prefix_reads(loaded, windows, len(shared), oscar)
+    nll = cached_prefix_reads(loaded, windows, len(shared), oscar, chunk=args.chunk)
     meta = {**environment("python benchmarks/cached_prefix_reads.py"), "model": loaded.name, "dtype": args.dtype,
             "rotations": str(args.rotations), "method": method.name, "sink": 64, "recent": 256,
-            "prefix": len(shared), "windows": len(windows), "cuts": list(CACHED_PREFIX_CUTS),
+            "prefix": len(shared), "windows": len(windows), "cuts": list(CACHED_PREFIX_CUTS), "chunk": args.chunk,
             "tokens": len(windows) * len(CACHED_PREFIX_CUTS)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cached_prefix_reads.json").write_text(json.dumps({"meta": meta, "nll": nll}) + "\n")

@@ -222,6 +222,7 @@ def cached_prefix_reads(
     sink: int = 64,
     recent: int = 256,
     cuts: Sequence[int] = CACHED_PREFIX_CUTS,
+    chunk: int = 256,
 ) -> dict[str, dict[str, list[float]]]:
     """NLL of the tokens ``tests/gpu/e2e_vllm.py prefix`` scores, as the reference cache reads them
     each way vLLM can serve a window cut at ``end = prefix_len + cut``:
@@ -229,8 +230,13 @@ def cached_prefix_reads(
     - ``bf16``: a BF16 cache.
     - ``one_chunk``: OSCAR, the prompt prefilled in one chunk (prefix caching off): every key
       is read in BF16.
+    - ``chunked``: OSCAR, the prompt prefilled in chunks of ``chunk`` tokens (caching off): a
+      chunk reads itself, the sink and the ring of ``recent - 1`` keys before it in BF16.
     - ``hit``: OSCAR, the chunk after a prefix-cache hit on the shared prefix: the sink and the
       chunk in BF16, the rest of the prefix quantized (a hit brings no recent window).
+    - ``hit_chunked``: the same hit, the rest of the prompt in chunks of ``chunk``: the first
+      reads as ``hit`` does, later ones also find the ring before them (the prefix itself as
+      ``chunked`` computed it).
     - ``decode``: OSCAR, each position as a decode step reads the cache: the sink and the last
       ``recent`` keys in BF16, the rest quantized.
 
@@ -242,12 +248,20 @@ def cached_prefix_reads(
     if any(len(w) != total for w in windows) or int(ends.max()) + 2 > total:
         raise ValueError(f"windows must share one length above {int(ends.max()) + 1} tokens")
     bf16 = layer_specs(METHODS_BY_NAME[REFERENCE], {}, list(oscar))
+    pos = torch.arange(total)
     everything_bf16 = torch.zeros(total, dtype=torch.long)
-    after_hit = torch.where(torch.arange(total) < prefix_len, 0, prefix_len)
+    after_hit = torch.where(pos < prefix_len, 0, prefix_len)
+    # Where each position's BF16 keys (past the sink) begin: its chunk, less the ring before it;
+    # after the hit the ring holds only what the request computed itself.
+    start = torch.where(pos < prefix_len, pos // chunk * chunk, prefix_len + (pos - prefix_len) // chunk * chunk)
+    with_ring = (start - recent + 1).clamp(min=0)
+    hit_chunked = torch.where(pos < prefix_len, with_ring, with_ring.clamp(min=prefix_len))
     reads = {
         "bf16": lambda i: MixedCacheHook(bf16[i], 0, 0),
         "one_chunk": lambda i: MixedCacheHook(oscar[i], sink, recent, chunk_starts=everything_bf16),
+        "chunked": lambda i: MixedCacheHook(oscar[i], sink, recent, prefill_chunk=chunk),
         "hit": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=after_hit),
+        "hit_chunked": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=hit_chunked),
         "decode": lambda i: MixedCacheHook(oscar[i], sink, recent),
     }
     device = next(loaded.model.parameters()).device

@@ -64,7 +64,7 @@ def plain_nll(loaded: LoadedModel, ws: list[list[int]], after: bool) -> list[flo
 def test_bf16_read_scores_the_tokens_at_and_after_each_cut(tiny):
     ws = windows()
     nll = cached_prefix_reads(tiny, ws, PREFIX, specs("int2"), sink=4, recent=8, cuts=CUTS)
-    assert set(nll) == {"bf16", "one_chunk", "hit", "decode"}
+    assert set(nll) == {"bf16", "one_chunk", "chunked", "hit", "hit_chunked", "decode"}
     for name, after in (("cut", False), ("after", True)):
         assert len(nll["bf16"][name]) == len(ws) * len(CUTS)
         torch.testing.assert_close(torch.tensor(nll["bf16"][name]), torch.tensor(plain_nll(tiny, ws, after)),
@@ -73,7 +73,7 @@ def test_bf16_read_scores_the_tokens_at_and_after_each_cut(tiny):
 
 def test_lossless_rows_make_every_read_the_same(tiny):
     nll = cached_prefix_reads(tiny, windows(), PREFIX, specs("bf16"), sink=4, recent=8, cuts=CUTS)
-    for read in ("one_chunk", "hit", "decode"):
+    for read in ("one_chunk", "chunked", "hit", "hit_chunked", "decode"):
         for name in ("cut", "after"):
             torch.testing.assert_close(torch.tensor(nll[read][name]), torch.tensor(nll["bf16"][name]),
                                        atol=2e-2, rtol=0)
@@ -94,6 +94,22 @@ def test_a_hit_quantizes_only_the_prefix_past_the_sink(tiny):
     # sequence it reads every key in BF16, as one chunk does.
     full = cached_prefix_reads(tiny, ws, PREFIX, specs("int2"), sink=4, recent=LENGTH, cuts=CUTS)
     assert full["decode"]["after"] == full["one_chunk"]["after"]
+
+
+def test_chunked_reads_after_a_hit_find_a_ring_from_the_second_chunk(tiny):
+    ws, kw = windows(), dict(sink=4, recent=8, cuts=CUTS)
+    # A chunk longer than the window is one chunk, with caching off and after the hit.
+    whole = cached_prefix_reads(tiny, ws, PREFIX, specs("int2"), chunk=LENGTH, **kw)
+    assert whole["chunked"] == whole["one_chunk"] and whole["hit_chunked"] == whole["hit"]
+    # Chunks of PREFIX tokens: the prefix is one chunk either way. Cuts 10 and 21 end in the
+    # first chunk after the hit, which reads as `hit` does; cut 37 ends in the second, whose
+    # ring holds the first chunk's last keys in BF16.
+    part = cached_prefix_reads(tiny, ws, PREFIX, specs("int2"), chunk=PREFIX, **kw)
+    hit, hit_chunked = (torch.tensor(part[r]["cut"]).view(len(ws), len(CUTS)) for r in ("hit", "hit_chunked"))
+    torch.testing.assert_close(hit_chunked[:, :2], hit[:, :2], atol=1e-6, rtol=0)
+    assert (hit_chunked[:, 2] - hit[:, 2]).abs().max() > 1e-3
+    one, chunked = (torch.tensor(part[r]["cut"]).view(len(ws), len(CUTS)) for r in ("one_chunk", "chunked"))
+    assert (chunked[:, 1:] - one[:, 1:]).abs().max() > 1e-3
 
 
 def test_chunk_starts_on_a_grid_are_prefill_chunks(tiny):
