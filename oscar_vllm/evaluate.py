@@ -248,20 +248,25 @@ def cached_prefix_reads(
     if any(len(w) != total for w in windows) or int(ends.max()) + 2 > total:
         raise ValueError(f"windows must share one length above {int(ends.max()) + 1} tokens")
     bf16 = layer_specs(METHODS_BY_NAME[REFERENCE], {}, list(oscar))
-    pos = torch.arange(total)
+    positions = torch.arange(total)
+    in_prefix = positions < prefix_len
+
+    def after_hit(size: int) -> torch.Tensor:
+        """Where each position's BF16 keys (past the sink) begin when the prompt is prefilled in
+        chunks of ``size``, the prefix uncached and the rest after a hit on it: its chunk, less the
+        ring before it; after the hit the ring holds only what the request computed itself."""
+        start = torch.where(in_prefix, positions // size * size, prefix_len + (positions - prefix_len) // size * size)
+        with_ring = (start - recent + 1).clamp(min=0)
+        return torch.where(in_prefix, with_ring, with_ring.clamp(min=prefix_len))
+
     everything_bf16 = torch.zeros(total, dtype=torch.long)
-    after_hit = torch.where(pos < prefix_len, 0, prefix_len)
-    # Where each position's BF16 keys (past the sink) begin: its chunk, less the ring before it;
-    # after the hit the ring holds only what the request computed itself.
-    start = torch.where(pos < prefix_len, pos // chunk * chunk, prefix_len + (pos - prefix_len) // chunk * chunk)
-    with_ring = (start - recent + 1).clamp(min=0)
-    hit_chunked = torch.where(pos < prefix_len, with_ring, with_ring.clamp(min=prefix_len))
+    one_chunk_hit, chunked_hit = after_hit(total), after_hit(chunk)
     reads = {
         "bf16": lambda i: MixedCacheHook(bf16[i], 0, 0),
         "one_chunk": lambda i: MixedCacheHook(oscar[i], sink, recent, chunk_starts=everything_bf16),
         "chunked": lambda i: MixedCacheHook(oscar[i], sink, recent, prefill_chunk=chunk),
-        "hit": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=after_hit),
-        "hit_chunked": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=hit_chunked),
+        "hit": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=one_chunk_hit),
+        "hit_chunked": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=chunked_hit),
         "decode": lambda i: MixedCacheHook(oscar[i], sink, recent),
     }
     device = next(loaded.model.parameters()).device
