@@ -196,8 +196,10 @@ def evaluate(
 # chats of one 1,536-token system prompt and a distinct 200-token question each, then one shared
 # 512-token prefix that starts each of 23 windows of 1,536 distinct tokens more. Each window is
 # scored at 9 cuts (207 tokens): the prompt is the window up to ``prefix + cut``.
-CACHED_PREFIX_CUTS = tuple(range(300, 1536, 150))
-CACHED_PREFIX_TOKENS = 1536 + 16 * 200 + 512 + 23 * 1536
+_SYSTEM, _CHATS, _QUESTION = 1536, 16, 200
+_PREFIX, _WINDOWS, _WINDOW = 512, 23, 1536
+CACHED_PREFIX_CUTS = tuple(range(300, _WINDOW, 150))
+CACHED_PREFIX_TOKENS = _SYSTEM + _CHATS * _QUESTION + _PREFIX + _WINDOWS * _WINDOW
 
 
 def cached_prefix_workload(ids: Sequence[int]) -> tuple[list[list[int]], list[int], list[list[int]]]:
@@ -205,11 +207,10 @@ def cached_prefix_workload(ids: Sequence[int]) -> tuple[list[list[int]], list[in
     if len(ids) < CACHED_PREFIX_TOKENS:
         raise ValueError(f"the cached-prefix workload needs {CACHED_PREFIX_TOKENS} tokens, got {len(ids)}")
     ids = [int(t) for t in ids[:CACHED_PREFIX_TOKENS]]
-    system, rest = ids[:1536], ids[1536:]
-    chats = [system + rest[i * 200:(i + 1) * 200] for i in range(16)]
-    rest = rest[16 * 200:]
-    shared = rest[:512]
-    windows = [shared + rest[512 + i * 1536: 512 + (i + 1) * 1536] for i in range(23)]
+    system, rest = ids[:_SYSTEM], ids[_SYSTEM:]
+    chats = [system + rest[i * _QUESTION:(i + 1) * _QUESTION] for i in range(_CHATS)]
+    shared, rest = rest[_CHATS * _QUESTION:][:_PREFIX], rest[_CHATS * _QUESTION + _PREFIX:]
+    windows = [shared + rest[i * _WINDOW:(i + 1) * _WINDOW] for i in range(_WINDOWS)]
     return chats, shared, windows
 
 
