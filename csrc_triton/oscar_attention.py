@@ -42,7 +42,8 @@ from csrc_triton.paged_layout import (
     param_view,
     window_args,
     window_index,
-    window_offset,
+    v_token,
+    window_page,
 )
 
 LOG2E = 1.4426950408889634
@@ -126,6 +127,19 @@ def _load_quarters_t(ptr, col_off, col_mask, Q: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def _load_values_t(ptr, row_off, row_mask, Q: tl.constexpr, WIN_E: tl.constexpr, DT: tl.constexpr):
+    """Four ``[rows, Q]`` tiles of ring values, which pages store transposed (dim ``d`` of a
+    row at ``row_off + d * WIN_E``)."""
+    p = ptr + row_off[:, None] + tl.arange(0, Q)[None, :] * WIN_E
+    m = row_mask[:, None]
+    x0 = tl.load(p, mask=m, other=0.0).to(DT)
+    x1 = tl.load(p + Q * WIN_E, mask=m, other=0.0).to(DT)
+    x2 = tl.load(p + 2 * Q * WIN_E, mask=m, other=0.0).to(DT)
+    x3 = tl.load(p + 3 * Q * WIN_E, mask=m, other=0.0).to(DT)
+    return x0, x1, x2, x3
+
+
+@triton.jit
 def _dot4(a0, a1, a2, a3, b0, b1, b2, b3, PRECISION: tl.constexpr):
     """``sum_i a_i @ b_i``: a full-D product assembled from quarter tiles."""
     s = tl.dot(a0, b0, input_precision=PRECISION)
@@ -177,13 +191,15 @@ def _attend_int2_block(
     """
     Q: tl.constexpr = D // 4
     REGION: tl.constexpr = BLOCK_SIZE * (D // 2 + 8)
-    kp = blk * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    # The block's keys in the V codes' column order, so that V loads stay contiguous.
+    col = tl.arange(0, BLOCK_SIZE)
+    tok = v_token(col)
+    kp = blk * BLOCK_SIZE + tok
     base = tl.load(bt_ptr + blk).to(tl.int64) * stride_cb + h * REGION
-    tok = tl.arange(0, BLOCK_SIZE)
     j = tl.arange(0, Q)
     # Whole blocks are read (they are allocated); keys past ctx are masked in window blocks.
     k_codes = tl.load(codes_ptr + base + tok[None, :] * Q + j[:, None])  # [Q, BS]: K^T, dims contiguous
-    v_codes = tl.load(codes_ptr + base + BLOCK_SIZE * Q + j[None, :] * BLOCK_SIZE + tok[:, None])  # [BS, Q]
+    v_codes = tl.load(codes_ptr + base + BLOCK_SIZE * Q + j[None, :] * BLOCK_SIZE + col[:, None])  # [BS, Q]
     p_ptr = params_ptr + (base + 2 * BLOCK_SIZE * Q) // 2 + tok
     # Scales and mins per key, with the softmax scale (and 2^24 for the codes) folded in.
     k_scale = tl.load(p_ptr).to(tl.float32) * (qk_scale * 16777216.0)
@@ -203,8 +219,9 @@ def _attend_int2_block(
         v_min = tl.where(k_ok, v_min, 0.0)
         entry, held = _ring_lookup(window_pos_ptr, ring, kp, k_ok, SINK, RECENT)
         in_window = (held & ((kp < SINK) | (ctx - kp < RECENT)))[None, :]
-        w_off = window_offset(window_pages_ptr, stride_wp, ring, entry, held, stride_page, WIN_E, HKV * D) + h * D
-        rk0, rk1, rk2, rk3 = _load_quarters_t(window_k_ptr, w_off, held, Q, DOT_DT)
+        page = window_page(window_pages_ptr, stride_wp, ring, entry, held, stride_page, WIN_E)
+        slot = entry % WIN_E
+        rk0, rk1, rk2, rk3 = _load_quarters_t(window_k_ptr, page + slot * (HKV * D) + h * D, held, Q, DOT_DT)
         s_ring = _dot4((qs0 * 1.0).to(DOT_DT), (qs1 * 4.0).to(DOT_DT), (qs2 * 16.0).to(DOT_DT),
                        (qs3 * 64.0).to(DOT_DT), rk0, rk1, rk2, rk3, PRECISION)
         s = tl.where(in_window, s_ring * qk_scale, s)
@@ -231,7 +248,7 @@ def _attend_int2_block(
     acc3 = tl.dot(pv, _codes(v_codes, 3, DOT_DT, USE_ASM), acc3, input_precision=PRECISION)
     if WINDOW:
         p_ring = tl.where(in_window, p, 0.0).to(DOT_DT)
-        rv0, rv1, rv2, rv3 = _load_quarters(window_v_ptr, w_off, held, Q, DOT_DT)
+        rv0, rv1, rv2, rv3 = _load_values_t(window_v_ptr, page + h * D * WIN_E + slot, held, Q, WIN_E, DOT_DT)
         acc0, acc1, acc2, acc3 = _add_true_values(acc0, acc1, acc2, acc3, p_ring, rv0, rv1, rv2, rv3, PRECISION)
     return m_i, l_i, acc0, acc1, acc2, acc3, acc_min
 
@@ -729,6 +746,40 @@ def oscar_attention(
             out[dec], q[dec], q_rot[dec], k[dec], v[dec], cache, windows, window_pages, window_pos, block_table,
             seq_lens, cu_q, ring_slots, d, scale, sink, recent, param_dtype, decode_splits, part_out, part_lse,
         )
+    oscar_prefill_batch(out, q, q_rot, k, v, cache, windows, window_pages, window_pos, block_table, seq_lens, cu_q,
+                        ring_slots, d, num_reqs, max_query_len, scale, sink, recent, param_dtype, own_keys_attention,
+                        prefill_has_prefix, dense)
+    return out
+
+
+def oscar_prefill_batch(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    q_rot: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    windows: torch.Tensor,
+    window_pages: torch.Tensor,
+    window_pos: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_q: torch.Tensor,
+    ring_slots: torch.Tensor,
+    num_decodes: int,
+    num_reqs: int,
+    max_query_len: int,
+    scale: float,
+    sink: int,
+    recent: int,
+    param_dtype: torch.dtype = torch.float16,
+    own_keys_attention=None,
+    prefill_has_prefix: bool = True,
+    dense: DensePrefill | None = None,
+) -> torch.Tensor:
+    """The prefill requests of a batch, ``[num_decodes, num_reqs)`` (tensors indexed as the whole
+    batch's), as :func:`oscar_attention` runs them."""
+    d = num_decodes
     if d < num_reqs:
         pre = slice(d, None)
         cu = cu_q[d: num_reqs + 1] - d

@@ -25,7 +25,8 @@ from csrc_triton.paged_layout import (
     to_bf16_rne,
     window_args,
     window_index,
-    window_offset,
+    v_token,
+    window_page,
 )
 
 
@@ -82,7 +83,8 @@ def _oscar_dense_kv_kernel(
         return
     q_start = tl.load(cu_q_ptr + r)
     ctx = seq_len - (tl.load(cu_q_ptr + r + 1) - q_start)
-    tok = tl.arange(0, BLOCK_SIZE)
+    col = tl.arange(0, BLOCK_SIZE)
+    tok = v_token(col)  # the block in the V codes' column order: contiguous V loads
     pos = blk * BLOCK_SIZE + tok
     j = tl.arange(0, Q)
     row = (tl.load(cu_k_ptr + r) + pos).to(tl.int64)
@@ -92,7 +94,7 @@ def _oscar_dense_kv_kernel(
         cached = pos < ctx
         base = tl.load(block_table_ptr + r * stride_bt + blk).to(tl.int64) * stride_cb + h * REGION
         k_codes = tl.load(codes_ptr + base + tok[:, None] * Q + j[None, :])  # [BS, Q] token-major
-        v_codes = tl.load(codes_ptr + base + BLOCK_SIZE * Q + j[None, :] * BLOCK_SIZE + tok[:, None])  # dim-major
+        v_codes = tl.load(codes_ptr + base + BLOCK_SIZE * Q + j[None, :] * BLOCK_SIZE + col[:, None])
         p_ptr = params_ptr + (base + 2 * BLOCK_SIZE * Q) // 2 + tok
         k_scale = tl.load(p_ptr).to(tl.float32)[:, None]
         k_min = tl.load(p_ptr + BLOCK_SIZE).to(tl.float32)[:, None]
@@ -102,14 +104,17 @@ def _oscar_dense_kv_kernel(
         entry = window_index(pos, SINK, RECENT)
         held = tl.load(window_pos_ptr + ring * (SINK + RECENT) + entry, mask=cached, other=-1) == pos
         use_ring = (held & ((pos < SINK) | (ctx - pos < RECENT)))[:, None]
-        w_off = (window_offset(window_pages_ptr, stride_wp, ring, entry, held, stride_page, WIN_E, HKV * D)
-                 + h * D)[:, None] + j[None, :]
+        page = window_page(window_pages_ptr, stride_wp, ring, entry, held, stride_page, WIN_E)[:, None]
+        slot = (entry % WIN_E)[:, None]
+        k_off = page + slot * (HKV * D) + h * D + j[None, :]
+        v_off = page + (h * D + j[None, :]) * WIN_E + slot
         for i in tl.static_range(4):
             # c·scale is exact in fp32 (2-bit times 16-bit), so this rounds once, as the reference.
             k = ((k_codes >> (2 * i)) & 3).to(tl.float32) * k_scale + k_min
             v = ((v_codes >> (2 * i)) & 3).to(tl.float32) * v_scale + v_min
-            k = tl.where(use_ring, tl.load(window_k_ptr + w_off + i * Q, mask=use_ring, other=0.0).to(tl.float32), k)
-            v = tl.where(use_ring, tl.load(window_v_ptr + w_off + i * Q, mask=use_ring, other=0.0).to(tl.float32), v)
+            k = tl.where(use_ring, tl.load(window_k_ptr + k_off + i * Q, mask=use_ring, other=0.0).to(tl.float32), k)
+            v = tl.where(use_ring, tl.load(window_v_ptr + v_off + i * Q * WIN_E, mask=use_ring, other=0.0).to(tl.float32),
+                         v)
             _store_rows(k_out_ptr, out_off + i * Q, cached[:, None], k, OUT_BF16)
             _store_rows(v_out_ptr, out_off + i * Q, cached[:, None], v, OUT_BF16)
 

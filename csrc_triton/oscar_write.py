@@ -15,6 +15,9 @@ rotation is folded into the model's weights). Reference:
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from csrc_triton.paged_layout import (
     BLOCK_SIZE,
@@ -25,7 +28,8 @@ from csrc_triton.paged_layout import (
     to_bf16_rne,
     window_args,
     window_index,
-    window_offset,
+    v_column,
+    window_page,
 )
 
 BLOCK_T = 16  # tokens per program (the smallest tile tl.dot takes)
@@ -160,7 +164,7 @@ def _oscar_write_kernel(
     j = tl.arange(0, Q)[None, :]
     tl.store(codes_ptr + base[:, None] + tok[:, None] * Q + j, _pack_quartered(codes_k, BLOCK_T, D),
              mask=live[:, None])
-    tl.store(codes_ptr + base[:, None] + BLOCK_SIZE * Q + j * BLOCK_SIZE + tok[:, None],
+    tl.store(codes_ptr + base[:, None] + BLOCK_SIZE * Q + j * BLOCK_SIZE + v_column(tok)[:, None],
              _pack_quartered(codes_v, BLOCK_T, D), mask=live[:, None])
     p = params_ptr + (base + 2 * BLOCK_SIZE * Q) // 2 + tok
     tl.store(p, _to_param(scale_k, PARAM_BF16), mask=live)
@@ -191,10 +195,10 @@ def _write_windows(k_rot, v, t, live, h, num_reqs, num_decodes, cu_q_ptr, seq_le
     keep = r_ok & ((pos < SINK) | (pos >= seq_len - RECENT))
     ring = tl.load(ring_slot_ptr + r, mask=keep, other=0).to(tl.int64)
     entry = window_index(pos, SINK, RECENT)
-    w = (window_offset(window_pages_ptr, stride_wp, ring, entry, keep, stride_page, WIN_E, HKV * D)
-         + h * D)[:, None] + dims[None, :]
-    tl.store(window_k_ptr + w, to_bf16_rne(k_rot), mask=keep[:, None])
-    tl.store(window_v_ptr + w, to_bf16_rne(v), mask=keep[:, None])
+    page = window_page(window_pages_ptr, stride_wp, ring, entry, keep, stride_page, WIN_E)[:, None]
+    slot = (entry % WIN_E)[:, None]
+    tl.store(window_k_ptr + page + slot * (HKV * D) + h * D + dims[None, :], to_bf16_rne(k_rot), mask=keep[:, None])
+    tl.store(window_v_ptr + page + (h * D + dims[None, :]) * WIN_E + slot, to_bf16_rne(v), mask=keep[:, None])
     tl.store(window_pos_ptr + ring * (SINK + RECENT) + entry, pos, mask=keep & (h == 0))
 
 
@@ -245,3 +249,267 @@ def oscar_write(
         PARAM_BF16=param_dtype == torch.bfloat16, BLOCK_T=BLOCK_T, SEARCH_STEPS=SEARCH_STEPS,
         num_warps=num_warps or launch_bucket(WRITE_NUM_WARPS, t),
     )
+
+
+# ----------------------------------------------------------------- decode: write before attention
+
+@gluon.constexpr_function
+def _acc_layout(num_warps):
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, num_warps], instr_shape=[16, 8])
+
+
+@gluon.jit
+def _kth_smallest_abs_4ary(x, k):
+    """The ``k``-th smallest (0-based) ``|x|`` of each row of ``[R, D]``, exactly: a search on
+    the bit pattern (ordered like the values for non-negative floats), two bits a step (16
+    steps of three independent counts instead of 31 of one). Rows live in one warp each, so a
+    count is a warp's shuffles, never a barrier."""
+    bits = gl.abs(x).to(gl.int32, bitcast=True)
+    lo = gl.zeros([x.shape[0]], gl.int32, layout=gl.SliceLayout(1, x.type.layout))
+    hi = gl.max(bits, axis=1)
+    for _ in gl.static_range(16):
+        q1 = lo + (hi - lo) // 4
+        q2 = lo + (hi - lo) // 2
+        q3 = hi - (hi - lo) // 4
+        # The smallest pattern with more than k entries at or below it lies in [lo, hi].
+        c1 = gl.sum((bits <= q1[:, None]).to(gl.int32), axis=1) > k
+        c2 = gl.sum((bits <= q2[:, None]).to(gl.int32), axis=1) > k
+        c3 = gl.sum((bits <= q3[:, None]).to(gl.int32), axis=1) > k
+        new_hi = gl.where(c1, q1, gl.where(c2, q2, gl.where(c3, q3, hi)))
+        lo = gl.where(c1, lo, gl.where(c2, q1 + 1, gl.where(c3, q2 + 1, q3 + 1)))
+        hi = new_hi
+    return hi.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _quantize_rows_warp(x, clip_idx):
+    """``_quantize_rows`` for rows that each live in one warp: (codes, scale, min)."""
+    if clip_idx >= 0:
+        thr = _kth_smallest_abs_4ary(x, clip_idx)[:, None]
+        x = gl.minimum(gl.maximum(x, -thr), thr)
+    lo = gl.min(x, axis=1)
+    hi = gl.max(x, axis=1)
+    scale = gl.div_rn(gl.maximum(hi - lo, 1e-8), 3.0)
+    zero = gl.div_rn(-lo, scale)
+    codes = gl.floor(gl.div_rn(x, scale[:, None]) + zero[:, None] + 0.5)
+    codes = gl.minimum(gl.maximum(codes, 0.0), 3.0).to(gl.int32)
+    return codes, scale, lo
+
+
+@gluon.jit
+def _gl_bf16_bits_rne(x):
+    """fp32 -> bf16 bit pattern, round to nearest even (as ``paged_layout.bf16_bits_rne``)."""
+    bits = x.to(gl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(gl.uint16)
+
+
+@gluon.jit
+def _gl_to_param(x, PARAM_BF16: gl.constexpr):
+    if PARAM_BF16:
+        y = _gl_bf16_bits_rne(x).to(gl.bfloat16, bitcast=True)
+    else:
+        y = x.to(gl.float16)
+    return y
+
+
+@gluon.jit
+def _times_rotation(x, r_hi, r_mid, r_lo, acc):
+    """``x @ R`` for 16-bit rows ``x`` (A fragment), R as three bf16 terms (B fragments): the
+    small terms first. fp16 rows are split into a bf16 high and low part (exact)."""
+    if x.dtype == gl.bfloat16:
+        acc = mma_v2(x, r_lo, acc)
+        acc = mma_v2(x, r_mid, acc)
+        acc = mma_v2(x, r_hi, acc)
+    else:
+        xf = x.to(gl.float32)
+        x_hi = xf.to(gl.bfloat16)
+        x_lo = (xf - x_hi.to(gl.float32)).to(gl.bfloat16)
+        acc = mma_v2(x_lo, r_lo, acc)
+        acc = mma_v2(x_hi, r_lo, acc)
+        acc = mma_v2(x_lo, r_mid, acc)
+        acc = mma_v2(x_hi, r_mid, acc)
+        acc = mma_v2(x_lo, r_hi, acc)
+        acc = mma_v2(x_hi, r_hi, acc)
+    return acc
+
+
+# One program: TP decode tokens (one request each) of one KV head.
+@gluon.jit(do_not_specialize=["num_tokens", "clip_idx_k", "clip_idx_v"],
+           do_not_specialize_on_alignment=["slot_mapping_ptr", "seq_lens_ptr", "ring_slot_ptr"])
+def _oscar_write_decode_kernel(
+    key_ptr,  # [T, HKV, D] this step's keys, RoPE applied, not rotated
+    value_ptr,  # [T, HKV, D] this step's values, already in the rotated basis
+    query_ptr,  # [T, HKV * G, D] this step's queries, RoPE applied
+    q_rot_ptr,  # [T, HKV * G, D] out: the queries in the key-rotated basis (query's dtype)
+    rot_t_ptr,  # bf16 [3, D, D] (or [3, HKV, D, D]): R transposed ([.., j, i] = R[i, j]) as hi + mid + lo
+    slot_mapping_ptr,  # int64 [T] cache slot of each token, < 0: padding
+    seq_lens_ptr,  # int32 [T] sequence length after this step (token t is request t)
+    ring_slot_ptr,  # int32 [T]
+    codes_ptr,  # uint8 [num_blocks, HKV, REGION] INT2 pages (paged_layout)
+    params_ptr,  # 16-bit view of the same pages
+    window_k_ptr,  # bf16 [num_pages, page_elems] window pages: keys first
+    window_v_ptr,  # the same pages from their values, stored transposed
+    window_pages_ptr,  # int32 [S, pages per ring]
+    window_pos_ptr,  # int32 [S, SINK + RECENT]
+    num_tokens,
+    clip_idx_k,  # sorted-|x| index of the K clip threshold, -1 = no clip
+    clip_idx_v,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb,  # bytes from one cache block to the next
+    stride_wp,  # window_pages row stride
+    stride_page,  # elements from one window page to the next
+    ROT_HEAD_STRIDE: gl.constexpr,
+    HKV: gl.constexpr,
+    G: gl.constexpr,
+    D: gl.constexpr,
+    SINK: gl.constexpr,
+    RECENT: gl.constexpr,
+    WIN_E: gl.constexpr,
+    PARAM_BF16: gl.constexpr,
+    TP: gl.constexpr,  # tokens a program
+    QM: gl.constexpr,  # TP * G padded to a power of two >= 16: the queries' MMA rows
+    KM: gl.constexpr,  # TP padded to a power of two >= 16: the keys' MMA rows
+    R_TERM: gl.constexpr,  # elements from one bf16 term of rot_t to the next
+):
+    NW: gl.constexpr = gl.num_warps()
+    Q: gl.constexpr = D // 4
+    REGION: gl.constexpr = 64 * (D // 2 + 8)
+    h = gl.program_id(1)
+    t0 = gl.program_id(0) * TP
+
+    # Keys and queries times R on the tensor cores: R (fp32) is three bf16 terms (``decode_rotation``)
+    # and the keys one or two (bf16 models: exact; fp16: high and low part), so the products are
+    # exact and only the fp32 sums' order differs from the reference's fp32 product.
+    ACC: gl.constexpr = _acc_layout(NW)
+    A_X: gl.constexpr = gl.DotOperandLayout(0, ACC, 8)
+    B_R: gl.constexpr = gl.DotOperandLayout(1, ACC, 8)
+    rk = gl.arange(0, D, layout=gl.SliceLayout(1, B_R))
+    rj = gl.arange(0, D, layout=gl.SliceLayout(0, B_R))
+    r_ptr = rot_t_ptr + h * ROT_HEAD_STRIDE + rj[None, :] * D + rk[:, None]
+    r_hi = gl.load(r_ptr)
+    r_mid = gl.load(r_ptr + R_TERM)
+    r_lo = gl.load(r_ptr + 2 * R_TERM)
+    xd = gl.arange(0, D, layout=gl.SliceLayout(0, A_X))
+
+    qr = gl.arange(0, QM, layout=gl.SliceLayout(1, A_X))
+    q_ok = (qr < TP * G) & (t0 + qr // G < num_tokens)
+    q = gl.load(query_ptr + (t0 + qr // G).to(gl.int64)[:, None] * stride_qt + (h * G + qr % G)[:, None] * stride_qh
+                + xd[None, :], mask=q_ok[:, None], other=0.0)
+    q_rot = _times_rotation(q, r_hi, r_mid, r_lo, gl.zeros([QM, D], gl.float32, layout=ACC))
+    orow = gl.arange(0, QM, layout=gl.SliceLayout(1, ACC))
+    o_ok = (orow < TP * G) & (t0 + orow // G < num_tokens)
+    gl.store(q_rot_ptr + (t0 + orow // G).to(gl.int64)[:, None] * stride_ot + (h * G + orow % G)[:, None] * stride_oh
+             + gl.arange(0, D, layout=gl.SliceLayout(0, ACC))[None, :], q_rot.to(q_rot_ptr.dtype.element_ty),
+             mask=o_ok[:, None])
+
+    kr = gl.arange(0, KM, layout=gl.SliceLayout(1, A_X))
+    k_ok = (kr < TP) & (t0 + kr < num_tokens)
+    k = gl.load(key_ptr + (t0 + kr).to(gl.int64)[:, None] * stride_kt + h * stride_kh + xd[None, :],
+                mask=k_ok[:, None], other=0.0)
+    k_rot = _times_rotation(k, r_hi, r_mid, r_lo, gl.zeros([KM, D], gl.float32, layout=ACC))
+
+    # Clip, quantize, pack: a row per warp, lane l holding dims l, l+Q, l+2Q, l+3Q (the byte of
+    # the quartered packing it writes).
+    QL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])
+    # KM rows, the first TP of them this program's tokens.
+    k_rot = gl.convert_layout(k_rot, QL)
+    tq = gl.arange(0, KM, layout=gl.SliceLayout(1, QL))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
+    t_ok = (tq < TP) & (t0 + tq < num_tokens)
+    tok = (t0 + tq).to(gl.int64)
+    v = gl.load(value_ptr + tok[:, None] * stride_vt + h * stride_vh + dq[None, :], mask=t_ok[:, None],
+                other=0.0).to(gl.float32)
+    slot = gl.load(slot_mapping_ptr + tok, mask=t_ok, other=-1)
+    live = slot >= 0
+    codes_k, scale_k, min_k = _quantize_rows_warp(k_rot, clip_idx_k)
+    codes_v, scale_v, min_v = _quantize_rows_warp(v, clip_idx_v)
+    base = (slot // 64) * stride_cb + h * REGION
+    blk_tok = (slot % 64).to(gl.int32)
+    shift = 2 * (dq // Q)
+    packed_k = gl.sum(gl.reshape(codes_k << shift[None, :], [KM, 4, Q]), axis=1).to(gl.uint8)
+    packed_v = gl.sum(gl.reshape(codes_v << shift[None, :], [KM, 4, Q]), axis=1).to(gl.uint8)
+    packed_k = gl.convert_layout(packed_k, QL)
+    packed_v = gl.convert_layout(packed_v, QL)
+    jb = gl.arange(0, Q, layout=gl.SliceLayout(0, QL))
+    gl.store(codes_ptr + base[:, None] + blk_tok[:, None] * Q + jb[None, :], packed_k, mask=live[:, None])
+    v_col = 16 * ((blk_tok >> 4) & 3) + 2 * (blk_tok & 7) + ((blk_tok >> 3) & 1)
+    gl.store(codes_ptr + base[:, None] + 64 * Q + jb[None, :] * 64 + v_col[:, None], packed_v, mask=live[:, None])
+    p = params_ptr + (base + 128 * Q) // 2 + blk_tok
+    gl.store(p, _gl_to_param(scale_k, PARAM_BF16), mask=live)
+    gl.store(p + 64, _gl_to_param(min_k, PARAM_BF16), mask=live)
+    gl.store(p + 128, _gl_to_param(scale_v, PARAM_BF16), mask=live)
+    gl.store(p + 192, _gl_to_param(min_v, PARAM_BF16), mask=live)
+
+    # The ring: a decode token is the newest position, always in the recent window (and in the
+    # sink while the sequence is shorter than it).
+    seq_len = gl.load(seq_lens_ptr + tok, mask=live, other=1)
+    pos = seq_len - 1
+    keep = live & ((pos < SINK) | (RECENT > 0))
+    ring = gl.load(ring_slot_ptr + tok, mask=keep, other=0).to(gl.int64)
+    entry = gl.where(pos < SINK, pos, SINK + (pos - SINK) % gl.maximum(RECENT, 1))
+    page = gl.load(window_pages_ptr + ring * stride_wp + entry // WIN_E, mask=keep, other=0).to(gl.int64) * stride_page
+    wslot = (entry % WIN_E).to(gl.int64)
+    gl.store(window_k_ptr + (page + wslot * (HKV * D) + h * D)[:, None] + dq[None, :],
+             _gl_bf16_bits_rne(k_rot).to(gl.bfloat16, bitcast=True), mask=keep[:, None])
+    gl.store(window_v_ptr + (page + h * D * WIN_E + wslot)[:, None] + dq[None, :] * WIN_E,
+             _gl_bf16_bits_rne(v).to(gl.bfloat16, bitcast=True), mask=keep[:, None])
+    gl.store(window_pos_ptr + ring * (SINK + RECENT) + entry, pos, mask=keep & (h == 0))
+
+
+def decode_write_tokens(g: int) -> int:
+    """Decode tokens a write program takes: as many as keep its query rows one 16-row MMA tile."""
+    return max(1, 16 // triton.next_power_of_2(g))
+
+
+def oscar_write_decode(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query: torch.Tensor,
+    q_rot: torch.Tensor,
+    rot_t: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    ring_slots: torch.Tensor,
+    cache: torch.Tensor,
+    windows: torch.Tensor,
+    window_pages: torch.Tensor,
+    window_pos: torch.Tensor,
+    clip_idx_k: int,
+    clip_idx_v: int,
+    sink: int,
+    recent: int,
+    param_dtype: torch.dtype = torch.float16,
+) -> None:
+    """A decode batch's write, before its attention: token ``t`` (request ``t``) of ``key``/
+    ``value`` ``[T, Hkv, d]`` into the INT2 pages and its ring (as ``oscar_write``), and its
+    queries ``query`` ``[T, Hq, d]`` rotated into ``q_rot`` (same shape, in the same launch).
+    ``rot_t``: the key rotation as ``decode_rotation`` gives it."""
+    t, hkv, d = key.shape
+    if t == 0:
+        return
+    check_int2_cache(cache, d)
+    g = query.shape[1] // hkv
+    win = window_args(windows, window_pages, window_pos, hkv, d, sink, recent)
+    tp = decode_write_tokens(g)
+    num_warps = 4 if d >= 128 else 2
+    _oscar_write_decode_kernel[(triton.cdiv(t, tp), hkv)](
+        key, value, query, q_rot, rot_t, slot_mapping, seq_lens, ring_slots, cache, param_view(cache, param_dtype),
+        win["window_k_ptr"], win["window_v_ptr"], window_pages, window_pos, t, clip_idx_k, clip_idx_v,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), query.stride(0), query.stride(1),
+        q_rot.stride(0), q_rot.stride(1), cache.stride(0), win["stride_wp"], win["stride_page"],
+        ROT_HEAD_STRIDE=d * d if rot_t.dim() == 4 else 0, HKV=hkv, G=g, D=d, SINK=sink, RECENT=recent,
+        WIN_E=win["WIN_E"], PARAM_BF16=param_dtype == torch.bfloat16, TP=tp,
+        QM=max(16, triton.next_power_of_2(tp * g)), KM=max(16, triton.next_power_of_2(tp)), R_TERM=rot_t[0].numel(),
+        num_warps=num_warps,
+    )
+
+
+def decode_rotation(rot_k: torch.Tensor) -> torch.Tensor:
+    """``rot_k`` ``[d, d]`` or ``[Hkv, d, d]`` (fp32) transposed and split into three bf16 terms
+    whose sum is it to fp32 precision, ``[3, ..., d, d]``: ``oscar_write_decode``'s operand."""
+    r = rot_k.transpose(-1, -2).contiguous().float()
+    hi = r.to(torch.bfloat16)
+    mid = (r - hi.float()).to(torch.bfloat16)
+    lo = (r - hi.float() - mid.float()).to(torch.bfloat16)
+    return torch.stack([hi, mid, lo])

@@ -5,11 +5,13 @@ contiguous region of ``BLOCK_SIZE * int2_slot_bytes(d)`` bytes, laid out so that
 the attention kernels is a contiguous, 16-byte aligned run (d = head_dim, Q = d/4)::
 
     [0, B*Q)                 K codes, token-major: token t at t*Q (byte j: dims j, j+Q, j+2Q, j+3Q)
-    [B*Q, 2*B*Q)             V codes, dim-major: byte j of every token at j*B .. j*B + B
+    [B*Q, 2*B*Q)             V codes, dim-major: byte j of token t at j*B + v_column(t)
     [2*B*Q, 2*B*Q + 8*B)     four [B] arrays of 16-bit floats: K scale, K min, V scale, V min
 
 K is token-major and V dim-major because that is what each matrix product wants contiguous:
-``q @ K^T`` reduces over dims, ``p @ V`` over tokens. A layer's cache is a uint8 tensor
+``q @ K^T`` reduces over dims, ``p @ V`` over tokens. Within a row of V codes the tokens are
+permuted (``v_column``): the decode kernel (``oscar_decode``) reads each lane's tokens of a
+tile as one 16-byte load whose bytes pair up as its tensor-core fragment takes them. A layer's cache is a uint8 tensor
 ``[num_blocks, num_kv_heads, BLOCK_SIZE * int2_slot_bytes(d)]``; the kernels read the parameters
 through a 16-bit view of the same memory.
 
@@ -17,7 +19,9 @@ The BF16 windows (sink and recent window) of each running request live in pages 
 pool: vLLM's scheduler gives a request ``window_pages_per_ring`` blocks when it starts and takes
 them back when it ends (``oscar_vllm.window_pages``), so they cost memory only for the requests
 actually running. Viewed as bf16 (``windows_view``), a page holds ``E = window_entries_per_page``
-entries of one ring: ``[E, num_kv_heads, d]`` rotated keys, then ``[E, num_kv_heads, d]`` values.
+entries of one ring: ``[E, num_kv_heads, d]`` rotated keys, then the values transposed,
+``[num_kv_heads, d, E]``, so that one dim of a page's entries is 16 contiguous bytes (``p @ V``
+reduces over entries).
 A request's ring has ``sink + recent`` entries; position ``p`` lives at entry ``p`` if
 ``p < sink``, else ``sink + (p - sink) % recent``; entry ``i`` is in page
 ``window_pages[ring, i // E]`` at slot ``i % E``. ``E`` divides ``sink`` (a page holds fewer
@@ -34,6 +38,13 @@ import triton.language as tl
 
 BLOCK_SIZE = 64  # tokens per kernel block: one block is one attention tile
 PARAM_BYTES = 8  # K scale, K min, V scale, V min, 16 bits each
+WINDOW_ENTRIES = 8  # ring entries per page at the default sink (what the decode kernel reads per page)
+
+
+def v_column_of(token):
+    """Column of ``token`` (0..63) in its block's rows of V codes: ``16a + 2c + b`` for token
+    ``16a + 8b + c``. Works on ints and integer tensors alike."""
+    return 16 * ((token >> 4) & 3) + 2 * (token & 7) + ((token >> 3) & 1)
 
 
 def int2_slot_bytes(head_dim: int) -> int:
@@ -184,12 +195,25 @@ def window_index(pos, SINK: tl.constexpr, RECENT: tl.constexpr):
 
 
 @triton.jit
-def window_offset(window_pages_ptr, stride_wp, ring, entry, mask, stride_page, WIN_E: tl.constexpr,
-                  ENTRY: tl.constexpr):
-    """Element offset of ring entry ``entry`` (head 0, dim 0) in the window pages; add
-    ``h * D`` for head ``h``. ``ENTRY``: elements of one entry's keys (``HKV * D``)."""
+def v_column(token):
+    """``v_column_of`` inside kernels."""
+    return 16 * ((token >> 4) & 3) + 2 * (token & 7) + ((token >> 3) & 1)
+
+
+@triton.jit
+def v_token(column):
+    """The token in ``column`` of a block's rows of V codes (``v_column``'s inverse): kernels
+    that walk a block in column order read V codes with contiguous loads."""
+    return 16 * (column >> 4) + 8 * (column & 1) + ((column >> 1) & 7)
+
+
+@triton.jit
+def window_page(window_pages_ptr, stride_wp, ring, entry, mask, stride_page, WIN_E: tl.constexpr):
+    """Element offset of the page that holds ring entry ``entry``. In it, the entry's key of
+    head ``h`` is at ``(entry % WIN_E) * HKV * D + h * D`` (``window_k_ptr``), its value of
+    dim ``d`` at ``(h * D + d) * WIN_E + entry % WIN_E`` (``window_v_ptr``)."""
     page = tl.load(window_pages_ptr + ring * stride_wp + entry // WIN_E, mask=mask, other=0).to(tl.int64)
-    return page * stride_page + (entry % WIN_E) * ENTRY
+    return page * stride_page
 
 
 @triton.jit

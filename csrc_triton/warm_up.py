@@ -20,8 +20,9 @@ from csrc_triton.oscar_attention import (
     oscar_decode_attention,
     oscar_prefill_attention,
 )
+from csrc_triton import oscar_decode as gluon_decode
 from csrc_triton.oscar_dense_kv import oscar_dense_kv
-from csrc_triton.oscar_write import WRITE_NUM_WARPS, oscar_write
+from csrc_triton.oscar_write import WRITE_NUM_WARPS, decode_rotation, oscar_write, oscar_write_decode
 from csrc_triton.paged_layout import launch_bucket
 
 
@@ -32,6 +33,15 @@ def decode_variants(max_num_seqs: int, num_kv_heads: int, num_sms: int) -> dict[
     variants: dict[tuple, int] = {}
     for n in range(1, max_num_seqs + 1):
         key = (*launch_bucket(DECODE_LAUNCH, n)[:2], decode_splits(n, num_kv_heads, num_sms))
+        variants.setdefault(key, n)
+    return variants
+
+
+def gluon_decode_variants(max_num_seqs: int, num_kv_heads: int, num_sms: int) -> dict[tuple, int]:
+    """The same for ``oscar_decode``: ``{(maxnreg, splits): smallest batch that takes it}``."""
+    variants: dict[tuple, int] = {}
+    for n in range(1, max_num_seqs + 1):
+        key = (gluon_decode.decode_launch(n)[0], gluon_decode.decode_splits(n, num_kv_heads, num_sms))
         variants.setdefault(key, n)
     return variants
 
@@ -52,12 +62,14 @@ def warm_up_kernels(
     num_sms: int,
     merge_self: bool,
     dense: bool,
+    gluon: bool = False,
 ) -> int:
     """Launch each kernel variant once on one-block scratch inputs; returns the launches.
 
     ``cache``, ``window*``, ``rot_k``: a layer's own (read, never written). ``dtype``: the
     model's; ``merge_self``: prefill merges FlashAttention's own-keys pass (else the INT2
-    kernel attends to the chunk itself); ``dense``: the dense-prefix prefill path exists.
+    kernel attends to the chunk itself); ``dense``: the dense-prefix prefill path exists;
+    ``gluon``: decode batches write first and take ``oscar_decode`` (else the Triton decode kernel).
     ``max_num_seqs`` and ``max_num_tokens`` bound the batches (requests, tokens per step).
     """
     dev = cache.device
@@ -75,6 +87,11 @@ def warm_up_kernels(
         return block_table, seq_lens, cu_q, torch.zeros(n, **i32)
 
     launches = 0
+    if gluon:
+        return launches + _warm_up_gluon_decode(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype,
+                                                sink, recent, param_dtype, max_num_seqs, num_sms, rows, batch) \
+            + _warm_up_prefill(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype, sink, recent,
+                               param_dtype, max_num_tokens, merge_self, dense, rows, batch)
     for (*_, splits), n in decode_variants(max_num_seqs, hkv, num_sms).items():
         q = rows(n, num_heads)
         part_out = torch.empty(n * num_heads * splits * d, dtype=torch.float32, device=dev)
@@ -82,7 +99,38 @@ def warm_up_kernels(
         oscar_decode_attention(q.clone(), q, q, rows(n, hkv), rows(n, hkv), cache, windows, window_pages,
                                window_pos, *batch(n, 1), n, 1.0, sink, recent, param_dtype, splits, part_out, part_lse)
         launches += 1
+    return launches + _warm_up_prefill(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype, sink, recent,
+                                       param_dtype, max_num_tokens, merge_self, dense, rows, batch)
 
+
+def _warm_up_gluon_decode(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype, sink, recent, param_dtype,
+                          max_num_seqs, num_sms, rows, batch) -> int:
+    """The decode write (padding slots: it writes nothing) and every ``oscar_decode`` launch."""
+    dev, hkv, d = cache.device, cache.shape[1], rot_k.shape[-1]
+    launches = 0
+    padding = torch.full((1,), -1, dtype=torch.int64, device=dev)
+    _, seq_lens, _, ring_slots = batch(1, 1)
+    q = rows(1, num_heads)
+    oscar_write_decode(rows(1, hkv), rows(1, hkv), q, q.clone(), decode_rotation(rot_k), padding, seq_lens,
+                       ring_slots, cache, windows, window_pages, window_pos, 0, 0, sink, recent, param_dtype)
+    launches += 1
+    for (_, splits), n in gluon_decode_variants(max_num_seqs, hkv, num_sms).items():
+        q = rows(n, num_heads)
+        part_out = torch.empty(n * num_heads * splits * d, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(n * num_heads * splits, dtype=torch.float32, device=dev)
+        block_table, seq_lens, _, ring_slots = batch(n, 1)
+        gluon_decode.oscar_decode(q.clone(), q, cache, windows, window_pages, window_pos, block_table, seq_lens,
+                                  ring_slots, n, 1.0, sink, recent, param_dtype, splits, part_out, part_lse)
+        launches += 1
+    return launches
+
+
+def _warm_up_prefill(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype, sink, recent, param_dtype,
+                     max_num_tokens, merge_self, dense, rows, batch) -> int:
+    """The prefill kernels and every write launch."""
+    dev, hkv = cache.device, cache.shape[1]
+    i32 = dict(dtype=torch.int32, device=dev)
+    launches = 0
     q_len = 2
     q = rows(q_len, num_heads)
     block_table, seq_lens, cu_q, ring_slots = batch(1, q_len)

@@ -30,8 +30,11 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from csrc_triton.oscar_attention import DensePrefill, decode_split_rows, decode_splits, oscar_attention
-from csrc_triton.oscar_write import oscar_write
+from csrc_triton import oscar_attention as triton_decode
+from csrc_triton import oscar_decode as gluon_decode
+from csrc_triton.oscar_attention import DensePrefill, oscar_attention, oscar_prefill_batch
+from csrc_triton.oscar_decode import oscar_decode
+from csrc_triton.oscar_write import decode_rotation, oscar_write, oscar_write_decode
 from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape, window_pages_per_request, windows_view
 from csrc_triton.warm_up import warm_up_kernels
 from oscar_vllm.plugin import check_vllm_version
@@ -82,10 +85,13 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         settings = OscarSettings.from_vllm_config(vllm_config)
         d = kv_cache_spec.head_size
+        # The Gluon decode kernel where it serves the shape, else the Triton one (fp32 models).
+        self.decode_kernel = gluon_decode if uses_gluon_decode(vllm_config, num_heads, self.num_kv_heads, d,
+                                                                settings.sink_size) else triton_decode
         # Request rows are < max_num_seqs; a batch padded for a CUDA graph may count more entries.
         self.null_row = vllm_config.scheduler_config.max_num_seqs
         max_batch = max(self.null_row, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
-        split_rows = decode_split_rows(max_batch, self.num_kv_heads, self.num_sms)
+        split_rows = self.decode_kernel.decode_split_rows(max_batch, self.num_kv_heads, self.num_sms)
         self.layers = [vllm_config.compilation_config.static_forward_context[name].impl for name in layer_names]
         self.sink = settings.sink_size
         self.pages_per_ring, self.sink_pages = window_pages_per_request(settings.sink_size, settings.recent_size,
@@ -159,7 +165,7 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
             max_query_len=m.max_query_len,
             num_reqs=m.num_reqs,
             num_decodes=num_decodes,
-            decode_splits=decode_splits(num_decodes, self.num_kv_heads, self.num_sms),
+            decode_splits=self.decode_kernel.decode_splits(num_decodes, self.num_kv_heads, self.num_sms),
             prefill_has_prefix=prefill_has_prefix,
             prefill_kv_rows=int(prefill_seq.sum()) if known else -1,
             prefill_max_seq=int(prefill_seq.max()) if known else 0,
@@ -211,6 +217,13 @@ class OscarAttentionBackend(AttentionBackend):
         if block_size != BLOCK_SIZE:
             raise ValueError(f"OSCAR kernel blocks hold {BLOCK_SIZE} tokens, vLLM asked for {block_size}")
         return int2_cache_shape(num_blocks, num_kv_heads, head_size)
+
+
+def uses_gluon_decode(vllm_config: VllmConfig, num_heads: int, num_kv_heads: int, head_size: int, sink: int) -> bool:
+    """Whether decode batches take ``csrc_triton.oscar_decode`` (write first, then the Gluon
+    kernel), as every layer and the metadata builder must agree."""
+    return torch.cuda.is_available() and gluon_decode.supports(
+        num_heads, num_kv_heads, head_size, vllm_config.model_config.dtype, sink)
 
 
 def _flash_attention(scale: float, dtype: torch.dtype):
@@ -285,6 +298,8 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         if self.flash_attention is not None:
             self.own_keys_attention = functools.partial(_own_keys, self.flash_attention)
         self.dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.gluon_decode = uses_gluon_decode(vllm_config, num_heads, num_kv_heads, head_size, self.sink)
+        self.rot_t: torch.Tensor | None = None  # R as the decode write takes it (decode_rotation)
 
     def set_layer(self, layer_id: int, rot_k: torch.Tensor, clip_ratio_k: float, clip_ratio_v: float) -> None:
         """The layer's key rotation ``[d, d]`` or ``[Hkv, d, d]`` and clip ratios."""
@@ -292,6 +307,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
             raise RotationFoldError(f"OSCAR layer {self.layer_id} was prepared twice")
         self.layer_id = layer_id
         self.rot_k = rot_k.to(device=self.window_pos.device, dtype=torch.float32).contiguous()
+        self.rot_t = decode_rotation(self.rot_k)
         self.clip_idx_k = clip_index(clip_ratio_k, self.head_size)
         self.clip_idx_v = clip_index(clip_ratio_v, self.head_size)
 
@@ -315,7 +331,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
             kv_cache, windows_view(kv_cache), window_pages, self.window_pos, self.rot_k, self.num_heads,
             vllm_config.model_config.dtype, self.sink, self.recent, self.param_dtype, sched.max_num_seqs,
             sched.max_num_batched_tokens, torch.cuda.get_device_properties(kv_cache.device).multi_processor_count,
-            merge_self=self.own_keys_attention is not None, dense=self.dense_kv is not None,
+            merge_self=self.own_keys_attention is not None, dense=self.dense_kv is not None, gluon=self.gluon_decode,
         )
 
     def dense_prefill(self, md: OscarAttentionMetadata, k: torch.Tensor) -> DensePrefill | None:
@@ -349,6 +365,8 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         windows = windows_view(kv_cache)
+        if self.gluon_decode:
+            return self._forward_write_first(md, q, k, v, out, kv_cache, windows, output)
         # Attention first, then the write: this step reads the windows as they were (a ring entry
         # it overwrites may still be in a query's window). No request reads blocks another
         # request of its batch fills: the scheduler's prefix-cache hits end before them
@@ -362,4 +380,30 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         oscar_write(k, v, self.rot_k, md.slot_mapping[:n], md.query_start_loc, md.seq_lens, md.ring_slots, md.num_reqs,
                     kv_cache, windows, md.window_pages, self.window_pos, self.clip_idx_k, self.clip_idx_v, self.sink,
                     self.recent, self.param_dtype, md.num_decodes)
+        return output
+
+    def _forward_write_first(self, md: OscarAttentionMetadata, q, k, v, out, kv_cache, windows, output):
+        """Decode tokens are written first (their queries rotated in the same launch), so the
+        decode kernel finds each step's token in its ring; a decode token only overwrites the ring
+        entry of the position that just left its window. Prefill chunks still attend first, then
+        write: a chunk's tokens would overwrite entries its own first queries read."""
+        n, nd, num_reqs = md.num_actual_tokens, md.num_decodes, md.num_reqs
+        q_rot = torch.empty_like(q)
+        if nd:
+            oscar_write_decode(k[:nd], v[:nd], q[:nd], q_rot[:nd], self.rot_t, md.slot_mapping[:nd],
+                               md.seq_lens[:nd], md.ring_slots[:nd], kv_cache, windows, md.window_pages, self.window_pos,
+                               self.clip_idx_k, self.clip_idx_v, self.sink, self.recent, self.param_dtype)
+            oscar_decode(out[:nd], q_rot[:nd], kv_cache, windows, md.window_pages, self.window_pos, md.block_table,
+                         md.seq_lens, md.ring_slots, nd, self.scale, self.sink, self.recent, self.param_dtype,
+                         md.decode_splits, md.part_out, md.part_lse)
+        if nd < num_reqs:
+            q_rot[nd:] = self.rotate(q[nd:])
+            oscar_prefill_batch(
+                out, q, q_rot, k, v, kv_cache, windows, md.window_pages, self.window_pos, md.block_table, md.seq_lens,
+                md.query_start_loc, md.ring_slots, nd, num_reqs, md.max_query_len, self.scale, self.sink, self.recent,
+                self.param_dtype, self.own_keys_attention, md.prefill_has_prefix, self.dense_prefill(md, k))
+            cu_q = md.query_start_loc[nd:num_reqs + 1] - nd
+            oscar_write(k[nd:n], v[nd:n], self.rot_k, md.slot_mapping[nd:n], cu_q, md.seq_lens[nd:num_reqs],
+                        md.ring_slots[nd:num_reqs], num_reqs - nd, kv_cache, windows, md.window_pages, self.window_pos,
+                        self.clip_idx_k, self.clip_idx_v, self.sink, self.recent, self.param_dtype)
         return output

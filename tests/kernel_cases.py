@@ -49,9 +49,10 @@ if ON_GPU:
 case_id = lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-s{c[3]}-r{c[4]}-n{len(c[5])}-{max(c[5])}"  # noqa: E731
 
 
-def prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=0):
+def prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=0, entries_per_page=None):
     n = len(prefix)
-    pc = PagedCache(n, max(prefix) + max(new) + 1, hkv, d, sink, recent, DEVICE, seed)
+    pc = PagedCache(n, max(prefix) + max(new) + 1, hkv, d, sink, recent, DEVICE, seed,
+                    **({"entries_per_page": entries_per_page} if entries_per_page else {}))
     rot = random_rotation(d, seed=seed).to(DEVICE)
     todo = {r: p for r, p in enumerate(prefix) if p}
     if todo:

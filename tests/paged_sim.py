@@ -35,7 +35,7 @@ class PagedCache:
     or the page stride fails."""
 
     def __init__(self, num_reqs: int, max_len: int, hkv: int, d: int, sink: int, recent: int,
-                 device: str = "cpu", seed: int = 0):
+                 device: str = "cpu", seed: int = 0, entries_per_page: int = WINDOW_ENTRIES_PER_PAGE):
         block_size = BLOCK_SIZE
         g = torch.Generator().manual_seed(seed)
         blocks_per_req = -(-max_len // block_size)
@@ -47,7 +47,7 @@ class PagedCache:
         # Random bytes, NaN parameters included: a kernel that reads an unwritten slot shows.
         self.cache = torch.randint(0, 256, int2_cache_shape(num_blocks, hkv, d), dtype=torch.uint8,
                                    generator=g).to(device)
-        rings, per_page = num_reqs + 2, WINDOW_ENTRIES_PER_PAGE
+        rings, per_page = num_reqs + 2, entries_per_page
         page_elems = 2 * per_page * hkv * d + 8
         pages_per_ring = window_pages_per_ring(sink, recent, page_elems, hkv, d)
         perm = torch.randperm(rings * pages_per_ring + 1, generator=g)[: rings * pages_per_ring]

@@ -56,3 +56,34 @@ def test_write_compiles_at_every_head_dim(head_dim, params):
 def test_dense_kv_compiles_without_spills(head_dim):
     report = compile_check("dense_kv", "--d", head_dim)
     assert "LOCAL:0" in report, report
+
+
+@pytest.mark.parametrize("shape", [["--d", "128", "--g", "4", "--maxnreg", "168"], ["--d", "128", "--g", "7"],
+                                   ["--d", "64", "--g", "3"]], ids=["d128-g4-168", "d128-g7", "d64-g3"])
+def test_gluon_decode_int2_loop_is_loads_unpacking_and_tensor_cores(shape):
+    """The Gluon decode kernel's INT2 loop (one 64-key block a step) feeds the packed codes to
+    64 m16n8k16 products (head_dim 128) from 16-byte loads, with no shared memory, barrier, spill
+    store or int-to-float conversion in it, under 1000 instructions for 4.5 KB of cache."""
+    body = loops(compile_check("gluon_decode", *shape))
+    d = int(shape[1])
+    # The loops with one block's products and no window masks (those select scores: FSEL).
+    int2 = [b for b in body if b.get("HMMA.16816.F32", 0) == d // 2 and not b.get("HMMA.16816.F32.BF16")
+            and b.get("FSEL", 0) < 10]
+    assert int2, body
+    loop = min(int2, key=lambda b: sum(b.values()))
+    # 16-byte loads: the V codes (d/32 rows of 16 bytes) and the four parameter vectors.
+    assert loop.get("LDG.E.128", 0) >= d // 32 + 4, loop
+    assert not any(op.startswith(("LDS", "STS", "BAR", "STL", "I2F")) for op in loop), loop
+    # Capped at 168 registers, a few loop-invariant values are reloaded from L1 (never stored).
+    assert sum(n for op, n in loop.items() if op.startswith("LDL")) <= 8, loop
+    assert sum(loop.values()) < 1000, loop
+
+
+def test_gluon_decode_write_needs_one_barrier():
+    """The decode write: queries rotated on the tensor cores, each row's clip search inside one
+    warp (no barrier per step), one shared-memory exchange between the two layouts."""
+    report = compile_check("write_decode", "--d", "128", "--g", "4")
+    assert "LOCAL:0" in report, report
+    sass_bars = [int(n) for line in report.splitlines() for op, n in
+                 (item.rsplit(" ", 1) for item in line.strip().split(", ") if line.startswith("   ")) if op.startswith("BAR")]
+    assert sum(sass_bars) <= 2

@@ -8,7 +8,7 @@ import torch
 
 from csrc_triton.oscar_write import oscar_write
 from oscar_vllm.quant import clip_index, unpack_int2
-from oscar_vllm.reference.oscar_write import oscar_write_reference
+from oscar_vllm.reference.oscar_write import oscar_write_decode_reference, oscar_write_reference
 from oscar_vllm.reference.paged import layout_views, window_views
 from kernel_cases import DEVICE, DTYPES, ON_GPU, random_rotation, random_rows
 from paged_sim import PagedCache
@@ -72,6 +72,60 @@ def test_write_matches_reference(case, dtype, param_dtype):
     assert torch.equal(v_got.float().cpu().nan_to_num(7.0), v_want.float().cpu().nan_to_num(7.0))
     # Nothing outside the entries: the padding after each page's values is never written.
     assert bool(pc.windows[:, 2 * k_got[0].numel():].isnan().all())
+
+
+def assert_same_cache(pc, ref, d, hkv, sink, param_dtype):
+    got, want = layout_views(pc.cache.cpu(), d, param_dtype), layout_views(ref.cache.cpu(), d, param_dtype)
+    for codes_got, codes_want in zip(got[:2], want[:2]):
+        assert (unpack_int2(codes_got) != unpack_int2(codes_want)).float().mean() <= 1e-3
+    rtol = 8e-3 if param_dtype == torch.bfloat16 else 1e-3
+    torch.testing.assert_close(got[2].float(), want[2].float(), rtol=rtol, atol=1e-5, equal_nan=True)
+    assert torch.equal(pc.window_pos.cpu(), ref.window_pos.cpu())
+    (k_got, v_got), (k_want, v_want) = (window_views(x.windows, hkv, d, sink) for x in (pc, ref))
+    torch.testing.assert_close(k_got.float().cpu(), k_want.float().cpu(), rtol=8e-3, atol=1e-3, equal_nan=True)
+    assert torch.equal(v_got.float().cpu().nan_to_num(7.0), v_want.float().cpu().nan_to_num(7.0))
+
+
+DECODE_CASES = [
+    # head_dim, kv heads, query heads per kv head, per-head rotation, sink, recent, prefix lengths
+    (128, 8, 4, False, 64, 256, [1000, 0, 63, 64, 319, 320, 5000, 17, 1]),
+    (128, 4, 7, True, 64, 256, [300] * 37),
+    (64, 3, 3, False, 64, 256, [130, 2, 700]),
+    (128, 2, 16, False, 8, 56, [90, 30]),
+    (128, 1, 8, False, 0, 40, [77]),
+]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-s{c[4]}-r{c[5]}-n{len(c[6])}")
+def test_decode_write_matches_reference(case, param_dtype):
+    from csrc_triton.oscar_write import decode_rotation, oscar_write_decode
+
+    d, hkv, g, per_head, sink, recent, prefix = case
+    n = len(prefix)
+    pc = PagedCache(n, max(prefix) + 2, hkv, d, sink, recent, DEVICE, entries_per_page=8)
+    rot = random_rotation(d, hkv if per_head else None).to(DEVICE)
+    todo = {r: p for r, p in enumerate(prefix) if p}
+    st = pc.schedule(todo)
+    k, v = random_rows((int(st.cu_q[-1]), hkv, d), torch.bfloat16, 1), random_rows((int(st.cu_q[-1]), hkv, d), torch.bfloat16, 2)
+    oscar_write(k, v, rot, st.slot_mapping, st.cu_q, st.seq_lens, st.ring_slots, len(todo), pc.cache, pc.windows,
+                pc.window_pages, pc.window_pos, clip_index(0.96, d), clip_index(0.92, d), sink, recent, param_dtype)
+    ref = pc.clone()
+    step = pc.schedule({r: 1 for r in range(n)})
+    k, v = random_rows((n, hkv, d), torch.bfloat16, 3), random_rows((n, hkv, d), torch.bfloat16, 4)
+    q = random_rows((n, hkv * g, d), torch.bfloat16, 5)
+    q_rot = torch.full_like(q, float("nan"))
+    oscar_write_decode(k, v, q, q_rot, decode_rotation(rot), step.slot_mapping, step.seq_lens, step.ring_slots,
+                       pc.cache, pc.windows, pc.window_pages, pc.window_pos, clip_index(0.96, d), clip_index(0.92, d),
+                       sink, recent, param_dtype)
+    want = oscar_write_decode_reference(k, v, q, rot, step.slot_mapping, step.seq_lens, step.ring_slots, ref.cache,
+                                        ref.windows, ref.window_pages, ref.window_pos, 0.96, 0.92, sink, recent,
+                                        param_dtype)
+    assert_same_cache(pc, ref, d, hkv, sink, param_dtype)
+    # The queries: bf16 operands in the tensor cores, as bf16 as the model's queries.
+    err = (q_rot.float().cpu() - want).abs()
+    assert err.max() <= 2e-2 * want.abs().max() and err.mean() <= 4e-3 * want.abs().mean(), (err.max(), err.mean())
 
 
 def test_window_holds_sink_and_last_recent_positions():

@@ -119,8 +119,9 @@ class PagedInt2:
 
 
 def make_int2_batch(ctx: list[int], q_lens: list[int], hkv: int, d: int, sink: int, recent: int,
-                    param_dtype=torch.float16, seed: int = 0) -> PagedInt2:
-    """Random codes with sane scales; request ``r`` has ``ctx[r]`` cached tokens."""
+                    param_dtype=torch.float16, seed: int = 0, written: bool = False) -> PagedInt2:
+    """Random codes with sane scales; request ``r`` has ``ctx[r]`` cached tokens (and, with
+    ``written``, this step's ``q_lens[r]`` too, as decode attention finds them)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     seq = [c + n for c, n in zip(ctx, q_lens)]
     per_req = [math.ceil(s / BLOCK_SIZE) for s in seq]
@@ -143,7 +144,7 @@ def make_int2_batch(ctx: list[int], q_lens: list[int], hkv: int, d: int, sink: i
     windows = torch.empty(len(ctx) * pages, page_elems, device="cuda", dtype=torch.bfloat16).normal_(generator=g)
     window_pages = torch.randperm(len(ctx) * pages, device="cuda", generator=g).to(torch.int32).view(len(ctx), pages)
     pos = torch.full((len(ctx), w), -1, dtype=torch.int32)
-    for r, c in enumerate(ctx):
+    for r, c in enumerate(seq if written else ctx):
         held = list(range(min(sink, c))) + list(range(max(sink, c - recent), c))
         for p in held:
             pos[r, p if p < sink else sink + (p - sink) % recent] = p

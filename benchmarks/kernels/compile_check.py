@@ -6,6 +6,8 @@ the pointers a kernel lists in ``do_not_specialize_on_alignment``).
 
     python benchmarks/kernels/compile_check.py decode --num-warps 4 --num-stages 3
     python benchmarks/kernels/compile_check.py prefill --block-m 128 --num-warps 8 --dump /tmp/prefill.sass
+    python benchmarks/kernels/compile_check.py gluon_decode --maxnreg 168
+    python benchmarks/kernels/compile_check.py write_decode
 """
 from __future__ import annotations
 
@@ -21,14 +23,15 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
-from csrc_triton import oscar_attention, oscar_dense_kv, oscar_write
+from csrc_triton import oscar_attention, oscar_decode, oscar_dense_kv, oscar_write
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 # Integer arguments a launch passes as multiples of 16 (Triton specializes those).
 ALIGNED_INTS = {"stride_cb", "stride_qt", "stride_rt", "stride_kt", "stride_vt", "stride_ot", "stride_qh",
                 "stride_rh", "stride_oh", "stride_kh", "stride_vh", "stride_bt", "stride_nt", "stride_nh",
-                "stride_page"}
+                "stride_page", "stride_qt", "stride_ot"}
 WIN_E = 8  # window entries per page at 8 KV heads x head_dim 128, sink 64 (paged_layout.window_entries_per_page)
 TYPES = {
     "out_ptr": "*bf16", "self_lse_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
@@ -38,18 +41,20 @@ TYPES = {
     "window_pages_ptr": "*i32",
     "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_q_ptr": "*i32", "ring_slot_ptr": "*i32",
     "k_out_ptr": "*bf16", "v_out_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "cu_k_ptr": "*i32",
-    "qk_scale": "fp32", "num_splits": "i32",
+    "qk_scale": "fp32", "num_splits": "i32", "query_ptr": "*bf16", "rot_t_ptr": "*bf16",
 }
 
 
-def compile_kernel(fn, consts: dict, num_warps: int, num_stages: int):
+def compile_kernel(fn, consts: dict, num_warps: int, num_stages: int, maxnreg: int | None = None):
     names = list(inspect.signature(fn.fn).parameters)
     signature = {n: "constexpr" if n in consts else TYPES.get(n, "i32") for n in names}
     unaligned = set(fn.do_not_specialize_on_alignment or ())
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in consts and n not in unaligned and (signature[n].startswith("*") or n in ALIGNED_INTS)}
-    src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    source = GluonASTSource if fn.is_gluon() else ASTSource
+    src = source(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def decode_consts(args) -> dict:
@@ -69,6 +74,16 @@ def prefill_consts(args) -> dict:
 def write_consts(args) -> dict:
     return dict(ROT_HEAD_STRIDE=0, HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E,
                 PARAM_BF16=args.bf16_params, BLOCK_T=oscar_write.BLOCK_T, SEARCH_STEPS=oscar_write.SEARCH_STEPS)
+
+
+def gluon_decode_consts(args) -> dict:
+    return dict(HKV=8, G=args.g, N=8 if args.g <= 8 else 16, D=args.d, SINK=64, RECENT=256, SPLIT=True)
+
+
+def write_decode_consts(args) -> dict:
+    tp = oscar_write.decode_write_tokens(args.g)
+    return dict(ROT_HEAD_STRIDE=0, HKV=8, G=args.g, D=args.d, SINK=64, RECENT=256, WIN_E=WIN_E,
+                PARAM_BF16=args.bf16_params, TP=tp, QM=max(16, triton.next_power_of_2(tp * args.g)), KI=8)
 
 
 def dense_kv_consts(args) -> dict:
@@ -100,7 +115,7 @@ def sass_loops(sass: str) -> list[tuple[int, int, collections.Counter]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("kernel", choices=["decode", "prefill", "write", "dense_kv"])
+    p.add_argument("kernel", choices=["decode", "prefill", "write", "dense_kv", "gluon_decode", "write_decode"])
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, default=3)
     p.add_argument("--block-m", type=int, default=64)
@@ -108,6 +123,7 @@ def main() -> None:
     p.add_argument("--g", type=int, default=4)
     p.add_argument("--no-asm", action="store_true")
     p.add_argument("--bf16-params", action="store_true", help="write: bf16 scales and mins")
+    p.add_argument("--maxnreg", type=int, help="registers a thread may use (gluon_decode: as DECODE_LAUNCH has it)")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--dump", help="write the SASS here")
     args = p.parse_args()
@@ -116,8 +132,11 @@ def main() -> None:
         "prefill": (oscar_attention._oscar_attention_kernel, prefill_consts),
         "write": (oscar_write._oscar_write_kernel, write_consts),
         "dense_kv": (oscar_dense_kv._oscar_dense_kv_kernel, dense_kv_consts),
+        "gluon_decode": (oscar_decode._oscar_decode_kernel, gluon_decode_consts),
+        "write_decode": (oscar_write._oscar_write_decode_kernel, write_decode_consts),
     }[args.kernel]
-    k = compile_kernel(fn, consts(args), args.num_warps, args.num_stages)
+    num_warps = {"gluon_decode": 1, "write_decode": 4 if args.d >= 128 else 2}.get(args.kernel, args.num_warps)
+    k = compile_kernel(fn, consts(args), num_warps, args.num_stages, args.maxnreg)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()

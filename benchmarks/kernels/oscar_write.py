@@ -1,6 +1,10 @@
 """Benchmark of ``csrc_triton/oscar_write.py`` (rotate, clip, quantize, pack and store K/V and
 the BF16 windows) against vLLM's BF16 cache write (``reshape_and_cache_flash``), same run.
 
+Decode steps (one token a request, up to 256) run as the backend runs them: ``oscar_write_decode``,
+which also rotates the step's queries (``oscar_ms``); beside it the path it replaces, the
+prefill-side kernel plus the queries' fp32 rotation through PyTorch (``split_path_ms``).
+
     python benchmarks/kernels/oscar_write.py --out results/kernels
 """
 from __future__ import annotations
@@ -12,7 +16,7 @@ from pathlib import Path
 import torch
 
 from common import SHAPES, copy_bandwidth_gbs, environment, make_int2_batch, time_calls, write_reports
-from csrc_triton.oscar_write import oscar_write
+from csrc_triton.oscar_write import decode_rotation, oscar_write, oscar_write_decode
 from oscar_vllm.quant import clip_index
 
 SINK, RECENT = 64, 256
@@ -50,12 +54,26 @@ def main() -> None:
             blocks = b.block_table.cpu()[row_of, pos // 64].long()
             slots = (blocks * 64 + pos % 64).cuda()
             decodes = len(q_lens) if t <= 256 else 0
+            q = torch.randn(t, s.num_heads, d, device="cuda", dtype=torch.bfloat16)
+            q_rot = torch.empty_like(q)
+            rot_t = decode_rotation(rot)
+
+            def rotate_queries():
+                return (q.float() @ rot).to(q.dtype)
+
             for nw in args.num_warps:
                 row = {"shape": s.name, "tokens": t, "requests": len(q_lens), "num_warps": nw}
-                row["oscar_ms"] = time_calls([lambda nw=nw: oscar_write(
+                split = lambda nw=nw: oscar_write(  # noqa: E731
                     k, v, rot, slots, b.cu_q, b.seq_lens, b.ring_slots, len(q_lens), b.cache, b.windows,
                     b.window_pages, b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT,
-                    num_decodes=decodes, num_warps=nw or None)])
+                    num_decodes=decodes, num_warps=nw or None)
+                if decodes:
+                    row["oscar_ms"] = time_calls([lambda: oscar_write_decode(
+                        k, v, q, q_rot, rot_t, slots, b.seq_lens, b.ring_slots, b.cache, b.windows,
+                        b.window_pages, b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT)])
+                    row["split_path_ms"] = time_calls([lambda: (split(), rotate_queries())])
+                else:
+                    row["oscar_ms"] = time_calls([split])
                 # Reads K and V (bf16), writes the INT2 slots and, for window positions, bf16 ring rows.
                 ring_rows = sum(min(n, RECENT) for n in q_lens)
                 nbytes = t * hkv * (4 * d + d // 2 + 8) + ring_rows * hkv * 4 * d
@@ -72,10 +90,12 @@ def main() -> None:
                 for row in rows[-len(args.num_warps):]:
                     row["vllm_bf16_ms"] = base_ms
     write_reports(Path(args.out), "write", rows, env, "Cache write: OSCAR quantize-on-write against vLLM BF16",
-                  ["shape", "tokens", "requests", "num_warps", "oscar_ms", "vllm_bf16_ms", "oscar_GBps",
+                  ["shape", "tokens", "requests", "num_warps", "oscar_ms", "split_path_ms", "vllm_bf16_ms", "oscar_GBps",
                    "oscar_pct_copy"],
                   [f"copy bandwidth in this run: {bw:,.0f} GB/s",
-                   "OSCAR bytes: K and V read (bf16), INT2 slots and BF16 window rows written"])
+                   "OSCAR bytes: K and V read (bf16), INT2 slots and BF16 window rows written",
+                   "decode steps (tokens <= 256, a request each): oscar_ms is oscar_write_decode, which also rotates "
+                   "the step's queries; split_path_ms the previous path, oscar_write + the queries' fp32 rotation"])
 
 
 if __name__ == "__main__":

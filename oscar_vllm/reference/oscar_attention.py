@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from oscar_vllm.quant import dequantize_int2, Int2Rows
-from oscar_vllm.reference.paged import block_size_of, layout_views, read_ring
+from oscar_vllm.reference.paged import block_size_of, layout_views, read_ring, v_column
 from oscar_vllm.reference.oscar_write import window_index
 
 
@@ -17,7 +17,7 @@ def read_int2_slots(cache: torch.Tensor, slots: torch.Tensor, head_dim: int,
     blk, tok = slots // bs, slots % bs
     p = params[blk, :, :, tok]  # [N, Hkv, 4]
     k = dequantize_int2(Int2Rows(k_codes[blk, :, tok], p[..., 0:1], p[..., 1:2]))
-    v = dequantize_int2(Int2Rows(v_codes[blk, :, :, tok], p[..., 2:3], p[..., 3:4]))
+    v = dequantize_int2(Int2Rows(v_codes[blk, :, :, v_column(tok)], p[..., 2:3], p[..., 3:4]))
     return k.cpu(), v.cpu()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from oscar_vllm.quant import quantize_int2
-from oscar_vllm.reference.paged import layout_views, ring_index, window_views
+from oscar_vllm.reference.paged import layout_views, ring_index, v_column, window_views
 
 
 def window_index(pos: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
@@ -56,7 +56,7 @@ def oscar_write_reference(
     blk, tok = slots // bs, slots % bs
     dev = lambda x: x[live].to(cache.device)  # noqa: E731
     k_codes[blk, :, tok] = dev(qk.packed)
-    v_codes[blk, :, :, tok] = dev(qv.packed)
+    v_codes[blk, :, :, v_column(tok)] = dev(qv.packed)
     for i, x in enumerate((qk.scale, qk.bias, qv.scale, qv.bias)):
         params[blk, :, i, tok] = dev(x[..., 0])
 
@@ -70,3 +70,34 @@ def oscar_write_reference(
     k_views[page, slot] = k_rot[: len(req)][keep].to(windows.dtype).to(windows.device)
     v_views[page, slot] = value[: len(req)][keep].to(windows.dtype).to(windows.device)
     window_pos[ring, idx] = pos[keep].to(window_pos.dtype).to(window_pos.device)
+
+
+def oscar_write_decode_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query: torch.Tensor,
+    rot_k: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    ring_slots: torch.Tensor,
+    cache: torch.Tensor,
+    windows: torch.Tensor,
+    window_pages: torch.Tensor,
+    window_pos: torch.Tensor,
+    clip_ratio_k: float,
+    clip_ratio_v: float,
+    sink: int,
+    recent: int,
+    param_dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:
+    """What :func:`csrc_triton.oscar_write.oscar_write_decode` does: a decode batch's tokens
+    (token ``t`` is request ``t``) written as ``oscar_write_reference`` writes them; returns
+    the queries ``[T, Hq, d]`` rotated (fp32, per KV head when the rotation is)."""
+    t, hkv, d = key.shape
+    cu_q = torch.arange(t + 1, dtype=torch.int32)
+    oscar_write_reference(key, value, rot_k, slot_mapping, cu_q, seq_lens, ring_slots, t, cache, windows, window_pages,
+                          window_pos, clip_ratio_k, clip_ratio_v, sink, recent, param_dtype)
+    q = query.float().cpu().view(t, hkv, -1, d)
+    rot = rot_k.float().cpu()
+    q_rot = q @ rot if rot.dim() == 2 else torch.einsum("thgi,hij->thgj", q, rot)
+    return q_rot.reshape(t, -1, d)

@@ -23,11 +23,13 @@ def layout_views(cache: torch.Tensor, head_dim: int, param_dtype: torch.dtype
     """Writable views of a uint8 ``[num_blocks, Hkv, region]`` cache (B tokens per block).
 
     ``k_codes`` ``[num_blocks, Hkv, B, d/4]`` (token-major), ``v_codes``
-    ``[num_blocks, Hkv, d/4, B]`` (dim-major) and ``params``
+    ``[num_blocks, Hkv, d/4, B]`` (dim-major; token ``t`` in column ``v_column(t)``) and ``params``
     ``[num_blocks, Hkv, 4, B]`` (K scale, K min, V scale, V min) in ``param_dtype``.
     """
     nb, hkv, _ = cache.shape
     bs = block_size_of(cache, head_dim)
+    if bs != 64:
+        raise ValueError(f"the V codes' column order is defined for blocks of 64 tokens, not {bs}")
     q = head_dim // 4
     codes = bs * q
     k_codes = cache[:, :, :codes].view(nb, hkv, bs, q)
@@ -36,16 +38,22 @@ def layout_views(cache: torch.Tensor, head_dim: int, param_dtype: torch.dtype
     return k_codes, v_codes, params
 
 
+def v_column(token: torch.Tensor) -> torch.Tensor:
+    """Column of each token (0..63) in its block's rows of V codes (``paged_layout.v_column_of``)."""
+    return 16 * ((token >> 4) & 3) + 2 * (token & 7) + ((token >> 3) & 1)
+
+
 def window_views(windows: torch.Tensor, num_kv_heads: int, head_dim: int, sink: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Writable views of bf16 window pages ``[num_pages, page_elems]``: keys and values, each
-    ``[num_pages, E, Hkv, d]`` (keys first in every page). ``E``: the most entries that fit and
-    divide ``sink``, so the sink fills pages of its own."""
+    ``[num_pages, E, Hkv, d]`` (keys first in every page, values stored transposed,
+    ``[Hkv, d, E]``). ``E``: the most entries that fit and divide ``sink``, so the sink fills
+    pages of its own."""
     fit = windows.shape[1] // (2 * num_kv_heads * head_dim)
     per_page = max(e for e in range(1, fit + 1) if sink % e == 0)
     n = per_page * num_kv_heads * head_dim
     return (windows[:, :n].view(-1, per_page, num_kv_heads, head_dim),
-            windows[:, n: 2 * n].view(-1, per_page, num_kv_heads, head_dim))
+            windows[:, n: 2 * n].view(-1, num_kv_heads, head_dim, per_page).permute(0, 3, 1, 2))
 
 
 def ring_index(window_pages: torch.Tensor, rings: torch.Tensor, entries: torch.Tensor, per_page: int

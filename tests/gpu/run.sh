@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project checks on a GPU (see README, "GPU checks"). Stages:
-#   tests   the kernel tests on the GPU: against their references at real shapes
+#   tests   the kernel tests on the GPU: against their references at real shapes (the Gluon
+#           kernels run here only)
 #   kernels the kernel benchmarks (decode, prefill, write) against vLLM's FA3 and Triton
 #           attention, with the copy bandwidth of the same run; instruction mix of the kernels
 #   sweep   the decode/prefill launch sweep that fills csrc_triton/oscar_attention.py's table
@@ -43,11 +44,11 @@ for stage in $stages; do
   case $stage in
     tests)
       { python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print(torch.cuda.get_device_name(0))' &&
-        python3 -m pytest -q -p no:warnings $xdist tests/test_oscar_write.py tests/test_oscar_attention.py \
-          tests/test_oscar_dense_kv.py tests/test_launch_table.py tests/test_warm_up.py; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
+        python3 -m pytest -q -p no:warnings $xdist tests/test_oscar_decode.py tests/test_oscar_write.py \
+          tests/test_oscar_attention.py tests/test_oscar_dense_kv.py tests/test_launch_table.py tests/test_warm_up.py; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
     kernels)
       { (cd benchmarks/kernels &&
-         python3 oscar_attention.py decode --out "$out/kernels" ${OSCAR_KERNEL_ARGS:-} &&
+         python3 oscar_decode.py decode --out "$out/kernels" ${OSCAR_KERNEL_ARGS:-} &&
          python3 oscar_attention.py prefill --out "$out/kernels" --shapes qwen3-8b &&
          python3 oscar_write.py --out "$out/kernels" --shapes qwen3-8b &&
          python3 oscar_dense_kv.py --out "$out/kernels" &&

@@ -1,0 +1,167 @@
+"""Benchmarks of ``csrc_triton/oscar_decode.py`` (Gluon decode attention) on an H200-class GPU.
+
+Each row times, on the same paged shapes in the same run: OSCAR's decode kernel as the backend
+launches it, the Triton decode kernel it replaces (``oscar_attention``, still the path for fp32
+and shapes the Gluon kernel does not take), vLLM's FA3 and Triton unified attention on the BF16
+paged cache, the bytes each reads, the GB/s that makes and its share of the device-to-device
+copy bandwidth measured at the start of the run. Every request reads its own blocks in
+shuffled order, over enough copies of the data that L2 serves nothing.
+
+    python benchmarks/kernels/oscar_decode.py decode --out results/kernels
+    python benchmarks/kernels/oscar_decode.py sweep  --out results/kernels/sweep
+
+``sweep`` times the launch choices (register cap, programs per SM) the wrapper fixes.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+import torch
+
+from common import SHAPES, copies_for, copy_bandwidth_gbs, environment, int2_bytes_read, make_int2_batch, time_calls, write_reports
+from oscar_attention import Bf16Paged, _fa3, _vllm_triton, decode_calls, fa3_call, plot_decode, triton_call
+from csrc_triton import oscar_decode as od
+
+SINK, RECENT = 64, 256
+
+
+def gluon_data(ctx: list[int], hkv: int, hq: int, d: int, copies: int, seed: int = 0) -> list[tuple]:
+    """``copies`` decode batches whose step token is already written (as the backend runs them)."""
+    n = len(ctx)
+    out = []
+    for c in range(copies):
+        b = make_int2_batch(ctx, [1] * n, hkv, d, SINK, RECENT, seed=seed + c, written=True)
+        q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
+        out.append((b, q, torch.empty_like(q)))
+    return out
+
+
+def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None = -1) -> tuple[list, int]:
+    b, q, _ = data[0]
+    n, hq, d = q.shape
+    hkv = b.cache.shape[1]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = od.decode_splits(n, hkv, sms, ctas)
+    part_out = torch.empty(n * hq * splits * d, device="cuda")
+    part_lse = torch.empty(n * hq * splits, device="cuda")
+    launch = {} if maxnreg == -1 else {"maxnreg": maxnreg}
+    calls = [lambda b=b, q=q, out=out: od.oscar_decode(
+        out, q, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table, b.seq_lens, b.ring_slots, n,
+        d ** -0.5, SINK, RECENT, num_splits=splits, part_out=part_out, part_lse=part_lse, **launch)
+        for b, q, out in data]
+    return calls, splits
+
+
+def decode(args, bw: float, env: dict) -> list[dict]:
+    from oscar_attention import decode_data
+
+    fa, ua = _fa3(), _vllm_triton()
+    rows = []
+    for key in args.shapes:
+        s = SHAPES[key]
+        for n, ctx in itertools.product(args.batches, args.contexts):
+            bf16_bytes = n * ctx * s.num_kv_heads * s.head_dim * 4
+            if bf16_bytes > args.max_gb * 1e9:
+                continue
+            lens = [ctx] * n
+            osc_bytes = int2_bytes_read(lens, s.num_kv_heads, s.head_dim, SINK, RECENT)
+            row = {"shape": s.name, "batch": n, "context": ctx}
+            if od.supports(s.num_heads, s.num_kv_heads, s.head_dim, torch.bfloat16, SINK):
+                calls, row["splits"] = gluon_calls(gluon_data(lens, s.num_kv_heads, s.num_heads, s.head_dim,
+                                                              copies_for(osc_bytes)))
+                row["oscar_ms"] = time_calls(calls)
+                del calls
+            calls, _ = decode_calls(decode_data(lens, s.num_kv_heads, s.num_heads, s.head_dim, copies_for(osc_bytes)))
+            row["oscar_triton_ms"] = time_calls(calls)
+            del calls
+            row.setdefault("oscar_ms", row["oscar_triton_ms"])
+            row["oscar_MB"] = osc_bytes / 1e6
+            row["oscar_GBps"] = osc_bytes / row["oscar_ms"] / 1e6
+            row["oscar_pct_copy"] = 100 * row["oscar_GBps"] / bw
+            row["bf16_MB"] = bf16_bytes / 1e6
+            if fa or ua:
+                caches = [Bf16Paged(lens, [1] * n, s.num_kv_heads, s.head_dim, seed=c)
+                          for c in range(copies_for(bf16_bytes))]
+                q = torch.randn(n, s.num_heads, s.head_dim, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty_like(q)
+                for name, fn, make in (("fa3", fa, fa3_call), ("triton", ua, triton_call)):
+                    if fn is None:
+                        continue
+                    try:
+                        row[f"{name}_ms"] = time_calls([make(fn, c, q, out, s.head_dim ** -0.5, s.num_heads)
+                                                        for c in caches])
+                        row[f"{name}_GBps"] = bf16_bytes / row[f"{name}_ms"] / 1e6
+                        row[f"{name}_pct_copy"] = 100 * row[f"{name}_GBps"] / bw
+                    except Exception as e:  # noqa: BLE001  (a baseline that fails says why)
+                        row[f"{name}_ms"] = f"failed: {type(e).__name__}: {str(e)[:80]}"
+                del caches
+                if isinstance(row.get("fa3_ms"), float):
+                    row["oscar_vs_fa3"] = row["oscar_ms"] / row["fa3_ms"]
+            rows.append(row)
+            print(row, flush=True)
+            torch.cuda.empty_cache()
+    cols = ["shape", "batch", "context", "oscar_ms", "oscar_triton_ms", "fa3_ms", "triton_ms", "oscar_vs_fa3",
+            "oscar_GBps", "oscar_pct_copy", "fa3_GBps", "fa3_pct_copy"]
+    write_reports(Path(args.out), "decode", rows, env, "Decode attention kernel: OSCAR INT2 against vLLM BF16",
+                  cols, [f"copy bandwidth in this run: {bw:,.0f} GB/s (read + write)",
+                         "oscar_ms: csrc_triton/oscar_decode.py (Gluon) as the backend launches it; "
+                         "oscar_triton_ms: the Triton decode kernel it replaces (oscar_attention.py)",
+                         "bytes: what each kernel must read (OSCAR: whole INT2 blocks, the BF16 window "
+                         "entries; BF16: K and V of every token)",
+                         "oscar_vs_fa3: OSCAR time / FA3 time (lower is faster)"])
+    plot_decode(Path(args.out))
+    return rows
+
+
+def sweep(args, bw: float, env: dict) -> None:
+    """Register cap and programs per SM, every batch and context; each variant checked against
+    the first (same inputs, same answer)."""
+    s = SHAPES[args.shapes[0]]
+    hkv, hq, d = s.num_kv_heads, s.num_heads, s.head_dim
+    variants = [(maxnreg, ctas) for maxnreg in (None, 168, 128) for ctas in (4, 8, 16)]
+    check = gluon_data([3000, 700, 9000], hkv, hq, d, 1, seed=7)
+    ref, ok = None, []
+    for var in variants:
+        calls, _ = gluon_calls(check, var[1], var[0])
+        calls[0]()
+        out = check[0][2].float()
+        ref = out.clone() if ref is None else ref
+        rel = ((out - ref).abs().max() / ref.abs().max()).item()
+        ok.append(var) if rel < 1e-2 else print(f"variant {var} wrong: rel err {rel:.2e}", flush=True)
+    rows = []
+    for n, ctx in itertools.product(args.batches, args.contexts):
+        lens = [ctx] * n
+        nbytes = int2_bytes_read(lens, hkv, d, SINK, RECENT)
+        data = gluon_data(lens, hkv, hq, d, copies_for(nbytes))
+        for maxnreg, ctas in ok:
+            calls, splits = gluon_calls(data, ctas, maxnreg)
+            ms = time_calls(calls, rep_ms=30)
+            rows.append({"batch": n, "context": ctx, "maxnreg": maxnreg or "none", "ctas_per_sm": ctas,
+                         "splits": splits, "ms": ms, "GBps": nbytes / ms / 1e6, "pct_copy": 100 * nbytes / ms / 1e6 / bw})
+            print(rows[-1], flush=True)
+        del data
+        torch.cuda.empty_cache()
+    write_reports(Path(args.out), "sweep_gluon_decode", rows, env, f"Gluon decode launch sweep, {s.name}",
+                  ["batch", "context", "maxnreg", "ctas_per_sm", "splits", "ms", "GBps", "pct_copy"],
+                  [f"copy bandwidth: {bw:,.0f} GB/s"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("mode", choices=["decode", "sweep"])
+    p.add_argument("--out", default="results/kernels")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
+    p.add_argument("--contexts", nargs="+", type=int, default=[1024, 8192, 32768, 131072])
+    p.add_argument("--max-gb", type=float, default=40.0, help="skip shapes whose BF16 cache exceeds this")
+    args = p.parse_args()
+    bw = copy_bandwidth_gbs()
+    env = environment()
+    print(f"{env}; copy bandwidth {bw:,.0f} GB/s", flush=True)
+    {"decode": decode, "sweep": sweep}[args.mode](args, bw, env)
+
+
+if __name__ == "__main__":
+    main()

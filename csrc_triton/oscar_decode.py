@@ -1,0 +1,619 @@
+"""Decode attention over the OSCAR mixed cache, in Gluon (Triton's explicit-layout dialect).
+
+One warp owns a (request, KV head, split) and walks its share of the request's keys in tiles
+of 64: first the BF16 ring (sink and recent window, 8 pages of 8 entries per tile), then the
+INT2 blocks. Each tile is two tensor-core products with the keys on M and the ``G`` query heads
+of the KV head on N (``N`` = 8, or 16 for ``G`` > 8), so a 64-key tile costs 64 ``m16n8k16``
+instead of the 4x padded products of heads-on-M (``oscar_attention``'s decode path):
+
+* ``S[key, head] = K·Qᵀ``: the INT2 codes of quarter ``i`` (dims ``[iQ, (i+1)Q)``) go into the
+  A fragment as they are: a byte permute and a mask make each code ``c`` the fp16 subnormal
+  ``c·4^i·2^-24`` (exact), and the queries carry ``4^-i``; per-key scale and min are applied
+  outside the product, ``s_k·(q·c) + m_k·Σq``.
+* ``Oᵀ[dim, head] += Vᵀ·Pᵀ``, per quarter, with ``P·s_v`` as the B fragment and ``Σ P·m_v``
+  added once at the end.
+
+Every operand is loaded straight into its fragment: the pages' layout (``paged_layout``) puts a
+lane's bytes next to each other. A lane's rows of a tile are keys ``8·r .. 8·r + 7`` (row
+``κ = r + 8i`` holds token ``8r + i``), so its scales and mins are one 16-byte load each; its
+columns of Vᵀ are 16 consecutive bytes of a row of V codes (``v_column``), paired as the
+fragment pairs them. The softmax state is the warp's own (no shared memory, no barriers);
+splits are merged by ``oscar_attention._merge_splits_kernel``.
+
+The step's own key is read from the ring: the backend writes decode tokens before attention
+(``oscar_write`` with ``q``), so a decode query attends to positions ``[0, seq_len)`` of the
+cache, the window being the sink and the ``recent`` positions ending at ``seq_len - 1``.
+
+Reference: :func:`oscar_vllm.reference.oscar_decode.oscar_decode_reference`. Gluon does not run
+under ``TRITON_INTERPRET``: the CPU tests compile it for sm_90 and read the machine code
+(``tests/test_kernels_compile.py``), the GPU tests compare it with the reference.
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from csrc_triton.oscar_attention import _merge_splits_kernel
+from csrc_triton.paged_layout import (
+    WINDOW_ENTRIES as _WINDOW_ENTRIES,
+    check_int2_cache,
+    launch_bucket,
+    param_view,
+    window_args,
+)
+
+LOG2E = 1.4426950408889634
+WINDOW_ENTRIES = gl.constexpr(_WINDOW_ENTRIES)
+MAX_SPLITS = 128
+TILE = gl.constexpr(64)  # keys per step: one INT2 block, or 8 ring pages
+MIN_SPLIT_TILES = gl.constexpr(1)  # a split reads at least this many tiles (one: short contexts gain from more programs)
+# Launch by batch size (the largest key <= requests): (registers a thread may use, one-warp
+# programs the split count aims for per SM). Uncapped, ptxas takes 255 registers (the ring
+# tile's loads), 8 warps an SM: one request's splits fit in one wave and run fastest so; from 8
+# requests on, 168 registers (12 warps an SM, a few bytes of spills outside the INT2 loop) and
+# more, shorter splits win. H200, Qwen3-8B shape: `benchmarks/kernels/oscar_decode.py sweep`.
+DECODE_LAUNCH = {1: (None, 8), 8: (168, 16)}
+
+# PTX: a word of packed codes -> each byte's code of each quarter i (bits 2i, 2i+1) as an fp16
+# subnormal. Two byte permutes put bytes (0, 1) and (2, 3) into the low halves of 16-bit lanes,
+# shared by the four quarters; one mask per quarter and pair leaves c·2^(2i) in the mantissa,
+# i.e. c·4^i·2^-24, already paired as the tensor cores take fp16 operands. Output 4i + b:
+# quarter i of byte b.
+_UNPACK_ASM = (
+    "{ .reg .b32 z, lo, hi, t;\n"
+    "mov.b32 z, 0;\n"
+    "prmt.b32 lo, z, $16, 0x0504;\n"
+    "prmt.b32 hi, z, $16, 0x0706;\n"
+    + "".join(
+        f"and.b32 t, {half}, {0x0003_0003 << (2 * i):#010x};\nmov.b32 {{${4 * i + 2 * k}, ${4 * i + 2 * k + 1}}}, t;\n"
+        for i in range(4) for k, half in enumerate(("lo", "hi")))
+    + "}"
+)
+UNPACK_ASM = gl.constexpr(_UNPACK_ASM)
+# What one unit of quarter i's codes is worth (c reads as c·UNIT_i).
+UNIT_0 = gl.constexpr(2.0 ** -24)
+UNIT_1 = gl.constexpr(2.0 ** -22)
+UNIT_2 = gl.constexpr(2.0 ** -20)
+UNIT_3 = gl.constexpr(2.0 ** -18)
+
+
+@gluon.constexpr_function
+def _vmem_layout(Q, RANK3):
+    """Layout of a ``[Q, 64]`` tile indexed by memory column (``[Q, 8, 8]``: page, slot, with
+    ``RANK3``): a lane's 16 bytes of a row are contiguous, and the same lanes and registers as
+    the Vᵀ fragment once the columns are relabelled as keys (``_keys_of_columns``)."""
+    dims = [1 << b for b in range(3, Q.bit_length() - 1)]
+    if RANK3:
+        regs = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0]] + [[d, 0, 0] for d in dims]
+        lanes = [[0, 2, 0], [0, 4, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+        shape = [Q, 8, 8]
+    else:
+        regs = [[0, 1], [0, 2], [0, 4], [0, 8]] + [[d, 0] for d in dims]
+        lanes = [[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]]
+        shape = [Q, 64]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=[], block_bases=[], shape=shape)
+
+
+@gluon.constexpr_function
+def _rows_by_token_layout():
+    """A ``[64]`` per-key vector indexed by token: a lane's 8 tokens in registers (one 16-byte
+    load of 16-bit parameters); relabelled by ``_keys_of_tokens`` it is the score rows' layout."""
+    return gl.DistributedLinearLayout(reg_bases=[[1], [2], [4]], lane_bases=[[0], [0], [8], [16], [32]],
+                                      warp_bases=[], block_bases=[], shape=[64])
+
+
+@gluon.jit
+def _keys_of_columns(x, Q: gl.constexpr):
+    """``[Q, 64]`` by memory column ``16c + 2g + e`` -> by key ``8g + 2c + e`` (free: a relabelling)."""
+    x = gl.reshape(x, [Q, 2, 2, 2, 2, 2, 2])
+    return gl.reshape(gl.permute(x, [0, 3, 4, 5, 1, 2, 6]), [Q, 64])
+
+
+@gluon.jit
+def _keys_of_tokens(x):
+    """``[64]`` by token ``8r + i`` -> by key ``r + 8i`` (free: a relabelling)."""
+    return gl.reshape(gl.permute(gl.reshape(x, [8, 8]), [1, 0]), [64])
+
+
+@gluon.jit
+def _bytes_of_words(b0, b1, b2, b3):
+    """Four ``[R, W]`` tensors (byte b of each word) -> ``[R, 4W]`` in byte order (free)."""
+    x = gl.join(gl.join(b0, b2), gl.join(b1, b3))
+    return gl.reshape(x, [x.shape[0], 4 * x.shape[1]])
+
+
+@gluon.jit
+def _unpack_int2(words):
+    """int32 ``[R, W]`` words of packed codes -> four fp16 ``[R, 4W]`` tensors (quarters 0..3),
+    code c of quarter i as ``c·UNIT_i``, column ``4w + b`` from byte b of word w."""
+    c = gl.inline_asm_elementwise(UNPACK_ASM, "=h," * 16 + "r", [words], dtype=(gl.float16,) * 16, is_pure=True,
+                                  pack=1)
+    return (_bytes_of_words(c[0], c[1], c[2], c[3]), _bytes_of_words(c[4], c[5], c[6], c[7]),
+            _bytes_of_words(c[8], c[9], c[10], c[11]), _bytes_of_words(c[12], c[13], c[14], c[15]))
+
+
+@gluon.jit
+def _pair(a, b):
+    """Two ``[R, C]`` quarters side by side, ``[R, 2C]`` (free)."""
+    x = gl.permute(gl.join(a, b), [0, 2, 1])
+    return gl.reshape(x, [x.shape[0], 2 * x.shape[2]])
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, a_min, o0, o1, o2, o3, v_min):
+    """Online-softmax step over scores ``s`` ``[64, N]`` (log2 domain, -inf where masked):
+    rescales the state when the running max grew and returns it with the probabilities."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    if gl.max((m_new > m_i).to(gl.int32), axis=0) > 0:
+        alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
+        l_i = l_i * alpha
+        a_min = a_min * alpha
+        o0 = o0 * alpha[None, :]
+        o1 = o1 * alpha[None, :]
+        o2 = o2 * alpha[None, :]
+        o3 = o3 * alpha[None, :]
+        m_i = m_new
+    p = gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
+    l_i = l_i + gl.sum(p, axis=0)
+    a_min = a_min + gl.sum(p * v_min[:, None], axis=0)
+    return p, m_i, l_i, a_min, o0, o1, o2, o3
+
+
+@gluon.constexpr_function
+def _k_words_layout(Q):
+    """int32 words ``[64, Q/4]`` of K codes (4 dims a word): a lane holds the words its K
+    fragment's bytes are in (rows ``r + 8i``, bytes ``4c .. 4c+3`` (and ``+16`` at Q = 32))."""
+    regs = [[8, 0]] + ([[0, 4]] if Q == 32 else []) + [[16, 0], [32, 0]]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[], block_bases=[], shape=[64, Q // 4])
+
+
+@gluon.constexpr_function
+def _v_words_layout(Q):
+    """int32 words ``[Q, 16]`` of V codes (``_vmem_layout`` less its two byte bits)."""
+    regs = [[0, 1], [0, 2]] + [[1 << b, 0] for b in range(3, Q.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[], block_bases=[], shape=[Q, 16])
+
+
+@gluon.jit
+def _query_operand(q_base, stride_qh, I: gl.constexpr, G: gl.constexpr, N: gl.constexpr, D: gl.constexpr):
+    """Dims ``[I·KQ, (I+1)·KQ)`` of the G queries as fp16 ``[KQ, N]``, each dim times ``4^-quarter``
+    (KQ = max(D/4, 32)), and its Σ over dims in the codes' unit, ``[N]``."""
+    Q: gl.constexpr = D // 4
+    KQ: gl.constexpr = Q if Q > 32 else 32
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    B_Q: gl.constexpr = gl.DotOperandLayout(1, ACC, KQ // 8)
+    dim = I * KQ + gl.arange(0, KQ, layout=gl.SliceLayout(1, B_Q))
+    n = gl.arange(0, N, layout=gl.SliceLayout(0, B_Q))
+    q = gl.load(q_base + n[None, :] * stride_qh + dim[:, None], mask=(n < G)[None, :], other=0.0).to(gl.float32)
+    unit = gl.exp2(2.0 * (dim // Q).to(gl.float32))  # 4^quarter, exact
+    qs = (q / unit[:, None]).to(gl.float16)
+    q_sum = gl.convert_layout(gl.sum(qs.to(gl.float32) * unit[:, None], axis=0), gl.SliceLayout(0, ACC))
+    return qs, q_sum
+
+
+@gluon.jit
+def _query_operands(q_base, stride_qh, G: gl.constexpr, N: gl.constexpr, D: gl.constexpr):
+    """The K products' query operands (``_query_operand``; at head_dim 64 there are two, the
+    last two repeat them unused) and Σq."""
+    qs0, q_sum = _query_operand(q_base, stride_qh, 0, G, N, D)
+    qs1, sum1 = _query_operand(q_base, stride_qh, 1, G, N, D)
+    q_sum = q_sum + sum1
+    if D // 4 == 16:
+        qs2 = qs0
+        qs3 = qs1
+    else:
+        qs2, sum2 = _query_operand(q_base, stride_qh, 2, G, N, D)
+        qs3, sum3 = _query_operand(q_base, stride_qh, 3, G, N, D)
+        q_sum = q_sum + sum2 + sum3
+    return qs0, qs1, qs2, qs3, q_sum
+
+
+@gluon.jit
+def _load_int2_block(codes_ptr, params_ptr, bt_ptr, blk, h, stride_cb, Q: gl.constexpr, N: gl.constexpr):
+    """The packed codes (int32 words) and parameters of logical block ``blk`` of KV head ``h``."""
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    K_WORDS: gl.constexpr = _k_words_layout(Q)
+    V_WORDS: gl.constexpr = _v_words_layout(Q)
+    P_TOK: gl.constexpr = _rows_by_token_layout()
+    REGION: gl.constexpr = TILE * (2 * Q + 8)
+    base = gl.load(bt_ptr + blk).to(gl.int64) * stride_cb + h * REGION
+    words = (codes_ptr + base).to(gl.pointer_type(gl.int32))
+    rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, K_WORDS))
+    k_tok = 8 * (rows % 8) + rows // 8
+    k_words = gl.load(words + k_tok[:, None] * (Q // 4) + gl.arange(0, Q // 4, layout=gl.SliceLayout(0, K_WORDS))[None, :])
+    v_words = gl.load(words + TILE * Q // 4 + gl.arange(0, Q, layout=gl.SliceLayout(1, V_WORDS))[:, None] * (TILE // 4)
+                      + gl.arange(0, TILE // 4, layout=gl.SliceLayout(0, V_WORDS))[None, :])
+    p = params_ptr + (base + 2 * TILE * Q) // 2 + gl.arange(0, TILE, layout=P_TOK)
+    return k_words, v_words, gl.load(p), gl.load(p + TILE), gl.load(p + 2 * TILE), gl.load(p + 3 * TILE)
+
+
+@gluon.jit
+def _attend_int2_block(
+    m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum,
+    k_codes, v_codes, k_scale, k_min, v_scale, v_min, use, qk_scale,
+    Q: gl.constexpr, N: gl.constexpr, MASKED: gl.constexpr,
+):
+    """One INT2 block: scores from the codes, probabilities into the quarter accumulators (in
+    INT2 units). ``MASKED``: only rows ``use`` count (the block meets the window or ``seq_len``)."""
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
+    A_V: gl.constexpr = gl.DotOperandLayout(0, ACC, 2)
+    B_P: gl.constexpr = gl.DotOperandLayout(1, ACC, 2)
+    k_scale = gl.convert_layout(_keys_of_tokens(k_scale), ROWS, assert_trivial=True).to(gl.float32)
+    k_min = gl.convert_layout(_keys_of_tokens(k_min), ROWS, assert_trivial=True).to(gl.float32)
+    v_scale = gl.convert_layout(_keys_of_tokens(v_scale), ROWS, assert_trivial=True).to(gl.float32)
+    v_min = gl.convert_layout(_keys_of_tokens(v_min), ROWS, assert_trivial=True).to(gl.float32)
+    c0, c1, c2, c3 = _unpack_int2(k_codes)
+    if Q == 16:
+        # Two quarters a product: K operands of 32 dims (the tensor cores' k_width 4 wants 32).
+        A_K: gl.constexpr = gl.DotOperandLayout(0, ACC, 4)
+        s = mma_v2(gl.convert_layout(_pair(c0, c1), A_K, assert_trivial=True), qs0,
+                   gl.zeros([TILE, N], gl.float32, layout=ACC))
+        s = mma_v2(gl.convert_layout(_pair(c2, c3), A_K, assert_trivial=True), qs1, s)
+    else:
+        A_K: gl.constexpr = gl.DotOperandLayout(0, ACC, Q // 8)
+        s = mma_v2(gl.convert_layout(c0, A_K, assert_trivial=True), qs0, gl.zeros([TILE, N], gl.float32, layout=ACC))
+        s = mma_v2(gl.convert_layout(c1, A_K, assert_trivial=True), qs1, s)
+        s = mma_v2(gl.convert_layout(c2, A_K, assert_trivial=True), qs2, s)
+        s = mma_v2(gl.convert_layout(c3, A_K, assert_trivial=True), qs3, s)
+    # Scale and min with the softmax scale folded in (and 2^24 for the codes' unit).
+    s = s * (k_scale * (qk_scale * 16777216.0))[:, None] + (k_min * qk_scale)[:, None] * q_sum[None, :]
+    if MASKED:
+        s = gl.where(use[:, None], s, float("-inf"))
+        # Unwritten or window rows may hold anything: zero what multiplies their zero probability.
+        v_scale = gl.where(use, v_scale, 0.0)
+        v_min = gl.where(use, v_min, 0.0)
+    p, m_i, l_i, a_min, o0, o1, o2, o3 = _softmax_step(s, m_i, l_i, a_min, o0, o1, o2, o3, v_min)
+    pv = gl.convert_layout((p * v_scale[:, None]).to(gl.float16), B_P)
+    u0, u1, u2, u3 = _unpack_int2(v_codes)
+    o0 = mma_v2(gl.convert_layout(_keys_of_columns(u0, Q), A_V, assert_trivial=True), pv, o0)
+    o1 = mma_v2(gl.convert_layout(_keys_of_columns(u1, Q), A_V, assert_trivial=True), pv, o1)
+    o2 = mma_v2(gl.convert_layout(_keys_of_columns(u2, Q), A_V, assert_trivial=True), pv, o2)
+    o3 = mma_v2(gl.convert_layout(_keys_of_columns(u3, Q), A_V, assert_trivial=True), pv, o3)
+    return m_i, l_i, a_min, o0, o1, o2, o3
+
+
+@gluon.jit
+def _held_rows(window_pos_ptr, ring, blk, seq_len, last, SINK: gl.constexpr, RECENT: gl.constexpr):
+    """Rows of block ``blk`` that count in the INT2 pass: keys before ``seq_len`` that the ring
+    does not hold for the window (a ring entry counts only where it holds that very position)."""
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
+    rows = gl.arange(0, TILE, layout=ROWS)
+    pos = blk * TILE + 8 * (rows % 8) + rows // 8
+    ok = pos < seq_len
+    entry = gl.where(pos < SINK, pos, SINK + (pos - SINK) % RECENT)
+    held = gl.load(window_pos_ptr + ring * (SINK + RECENT) + entry, mask=ok, other=-1) == pos
+    in_window = held & ((pos < SINK) | (last - pos < RECENT))
+    return ok & ~in_window
+
+
+@gluon.jit
+def _attend_ring_tile(
+    m_i, l_i, a_min, o0, o1, o2, o3, tile, ring, h, last, qk_scale,
+    q_base, stride_qh, window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page,
+    HKV: gl.constexpr, G: gl.constexpr, N: gl.constexpr, D: gl.constexpr, SINK: gl.constexpr,
+    RECENT: gl.constexpr,
+):
+    """Ring entries ``[64·tile, 64·tile + 64)`` (8 pages): those that hold a window position
+    attend in BF16. Accumulators in true units."""
+    Q: gl.constexpr = D // 4
+    RING: gl.constexpr = SINK + RECENT
+    RW: gl.constexpr = D if D < 64 else 64  # dims per key product (k_width 8 wants 64)
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
+    A_R: gl.constexpr = gl.DotOperandLayout(0, ACC, RW // 8)
+    B_R: gl.constexpr = gl.DotOperandLayout(1, ACC, RW // 8)
+    A_V: gl.constexpr = gl.DotOperandLayout(0, ACC, 2)
+    B_P: gl.constexpr = gl.DotOperandLayout(1, ACC, 2)
+    V3: gl.constexpr = _vmem_layout(Q, True)
+    # Score rows: key κ = r + 8i holds entry 16((κ>>1)&3) + 2(κ>>3) + (κ&1), the entry that the
+    # Vᵀ fragment's column κ holds too.
+    rows = gl.arange(0, TILE, layout=ROWS)
+    entry = tile * TILE + 16 * ((rows >> 1) & 3) + 2 * (rows >> 3) + (rows & 1)
+    pos = gl.load(window_pos_ptr + ring * RING + entry, mask=entry < RING, other=-1)
+    valid = (pos >= 0) & (pos <= last) & ((pos < SINK) | (last - pos < RECENT))
+    if gl.max(valid.to(gl.int32), axis=0) > 0:
+        page = gl.load(window_pages_ptr + ring * stride_wp + entry // WINDOW_ENTRIES, mask=valid, other=0)
+        k_off = page.to(gl.int64) * stride_page + (entry % WINDOW_ENTRIES) * (HKV * D) + h * D
+        k_off = gl.convert_layout(k_off, gl.SliceLayout(1, A_R), assert_trivial=True)
+        k_ok = gl.convert_layout(valid, gl.SliceLayout(1, A_R), assert_trivial=True)
+        rd = gl.arange(0, RW, layout=gl.SliceLayout(0, A_R))
+        qd = gl.arange(0, RW, layout=gl.SliceLayout(1, B_R))
+        qn = gl.arange(0, N, layout=gl.SliceLayout(0, B_R))
+        s = gl.zeros([TILE, N], gl.float32, layout=ACC)
+        for t in gl.static_range(D // RW):
+            kr = gl.load(window_k_ptr + k_off[:, None] + t * RW + rd[None, :], mask=k_ok[:, None], other=0.0)
+            qb = gl.load(q_base + qn[None, :] * stride_qh + t * RW + qd[:, None], mask=(qn < G)[None, :], other=0.0)
+            s = mma_v2(kr.to(gl.bfloat16), qb.to(gl.bfloat16), s)
+        s = gl.where(valid[:, None], s * qk_scale, float("-inf"))
+        p, m_i, l_i, a_min, o0, o1, o2, o3 = _softmax_step(s, m_i, l_i, a_min, o0, o1, o2, o3,
+                                                           gl.zeros([TILE], gl.float32, layout=ROWS))
+        pb = gl.convert_layout(p.to(gl.bfloat16), B_P)
+        # Values: the tile's 8 pages hold [HKV, D, 8] each; a lane reads 8 entries of a dim at once.
+        pg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, V3)))
+        sl = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, V3)))
+        vd = gl.arange(0, Q, layout=gl.SliceLayout(1, gl.SliceLayout(2, V3)))
+        page_entry = tile * TILE + 8 * pg
+        v_page = gl.load(window_pages_ptr + ring * stride_wp + page_entry // WINDOW_ENTRIES, mask=page_entry < RING,
+                         other=0)
+        v_ptr = window_v_ptr + (v_page.to(gl.int64) * stride_page)[None, :, None] + sl[None, None, :] \
+            + ((h * D + vd) * WINDOW_ENTRIES)[:, None, None]
+        if gl.min(valid.to(gl.int32), axis=0) > 0:
+            # Every entry is a window position (the steady state): whole pages, 16-byte loads.
+            o0 = _ring_values(o0, pb, v_ptr, None, 0, Q)
+            o1 = _ring_values(o1, pb, v_ptr, None, 1, Q)
+            o2 = _ring_values(o2, pb, v_ptr, None, 2, Q)
+            o3 = _ring_values(o3, pb, v_ptr, None, 3, Q)
+        else:
+            # Entries nobody wrote may hold anything (NaN): load zeros there, not 0·NaN later.
+            e2 = tile * TILE + 8 * gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(0, V3)))[:, None] \
+                + gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, V3)))[None, :]
+            p2 = gl.load(window_pos_ptr + ring * RING + e2, mask=e2 < RING, other=-1)
+            v_ok = ((p2 >= 0) & (p2 <= last) & ((p2 < SINK) | (last - p2 < RECENT)))[None, :, :]
+            o0 = _ring_values(o0, pb, v_ptr, v_ok, 0, Q)
+            o1 = _ring_values(o1, pb, v_ptr, v_ok, 1, Q)
+            o2 = _ring_values(o2, pb, v_ptr, v_ok, 2, Q)
+            o3 = _ring_values(o3, pb, v_ptr, v_ok, 3, Q)
+    return m_i, l_i, a_min, o0, o1, o2, o3
+
+
+@gluon.jit
+def _ring_values(o, pb, v_ptr, v_ok, I: gl.constexpr, Q: gl.constexpr):
+    """``o += Vᵀ·Pᵀ`` for dims ``[I·Q, (I+1)·Q)`` of a ring tile."""
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    A_V: gl.constexpr = gl.DotOperandLayout(0, ACC, 2)
+    if v_ok is None:
+        v = gl.load(v_ptr + I * Q * WINDOW_ENTRIES)
+    else:
+        v = gl.load(v_ptr + I * Q * WINDOW_ENTRIES, mask=v_ok, other=0.0)
+    v = v.to(gl.bfloat16)
+    v = gl.convert_layout(_keys_of_columns(gl.reshape(v, [Q, TILE]), Q), A_V, assert_trivial=True)
+    return mma_v2(v, pb, o)
+
+
+@gluon.jit
+def _store_output(o, n, d, out_ptr, part_out_ptr, part_lse_ptr, l_i, m_i, a_min, unit, r, h, split, num_splits,
+                  stride_ot, stride_oh, I: gl.constexpr, G: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
+                  SPLIT: gl.constexpr):
+    """Quarter ``I`` of the output rows (dims ``[I·Q, (I+1)·Q)``), back from INT2 units."""
+    Q: gl.constexpr = D // 4
+    inv_l = gl.where(l_i > 0, 1.0 / l_i, 0.0)
+    x = (o * (1.0 / unit) + a_min[None, :]) * inv_l[None, :]
+    hq = h * G + n
+    mask = (n < G)[None, :]
+    if SPLIT:
+        part = ((r * HQ + hq) * num_splits + split).to(gl.int64)
+        gl.store(part_out_ptr + part[None, :] * D + I * Q + d[:, None], x, mask=mask)
+    else:
+        gl.store(out_ptr + r.to(gl.int64) * stride_ot + hq[None, :] * stride_oh + I * Q + d[:, None],
+                 x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Batch-dependent counts and strides change every step: unspecialized, one compiled variant per
+# launch configuration (csrc_triton/warm_up.py compiles them all before serving).
+@gluon.jit(
+    do_not_specialize=["num_splits", "stride_bt"],
+    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "ring_slot_ptr"],
+)
+def _oscar_decode_kernel(
+    out_ptr,  # [R, HQ, D] output (not SPLIT)
+    part_out_ptr,  # fp32 [R, HQ, num_splits, D] normalized partial outputs (SPLIT)
+    part_lse_ptr,  # fp32 [R, HQ, num_splits] partial log2-sum-exp2 (SPLIT)
+    q_rot_ptr,  # [R, HQ, D] bf16/fp16 queries in the key-rotated basis (request r's is row r)
+    codes_ptr,  # uint8 [num_blocks, HKV, REGION] INT2 pages (paged_layout)
+    params_ptr,  # 16-bit view of the same pages
+    window_k_ptr,  # bf16 [num_pages, page_elems] window pages: [8, HKV, D] rotated keys first
+    window_v_ptr,  # the same pages from their values, [HKV, D, 8]
+    window_pages_ptr,  # int32 [S, >= (SINK + RECENT) / 8] page of each ring's entries
+    window_pos_ptr,  # int32 [S, SINK + RECENT] position held by each ring entry
+    block_table_ptr,  # int32 [R, max_blocks]
+    seq_lens_ptr,  # int32 [R] sequence length, this step's token included (already written)
+    ring_slot_ptr,  # int32 [R]
+    num_splits,  # most programs a request's keys are split over (SPLIT)
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_cb,  # bytes from one cache block to the next
+    stride_wp,  # window_pages row stride
+    stride_page,  # elements from one window page to the next
+    HKV: gl.constexpr,
+    G: gl.constexpr,  # query heads per KV head
+    N: gl.constexpr,  # G padded to the MMA's N (8 or 16)
+    D: gl.constexpr,
+    SINK: gl.constexpr,
+    RECENT: gl.constexpr,
+    SPLIT: gl.constexpr,
+):
+    Q: gl.constexpr = D // 4
+    HQ: gl.constexpr = HKV * G
+    RING_TILES: gl.constexpr = (SINK + RECENT + TILE - 1) // TILE
+    SINK_BLOCKS: gl.constexpr = (SINK + TILE - 1) // TILE
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    COLS: gl.constexpr = gl.SliceLayout(0, ACC)
+
+    r = gl.program_id(0)
+    h = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(seq_lens_ptr + r)
+    last = seq_len - 1
+    n_blocks = gl.cdiv(seq_len, TILE)
+    tiles = RING_TILES + n_blocks
+    if SPLIT:
+        # As many splits as the request is long, at most num_splits: computed here so that the
+        # launch depends on the batch size only (CUDA graphs).
+        active = gl.minimum(num_splits, gl.maximum(1, gl.cdiv(tiles, MIN_SPLIT_TILES)))
+        per_split = gl.cdiv(tiles, active)
+        lo = split * per_split
+        hi = gl.minimum(tiles, lo + per_split)
+    else:
+        lo = 0
+        hi = tiles
+    ring = gl.load(ring_slot_ptr + r).to(gl.int64)
+    bt_ptr = block_table_ptr + r.to(gl.int64) * stride_bt
+    q_base = q_rot_ptr + r.to(gl.int64) * stride_qt + (h * G) * stride_qh
+
+    # Queries of quarter i times 4^-i, in the unit of the codes, as the K operands take them
+    # (one quarter each, or two at head_dim 64); Σq of those very numbers.
+    qs0, qs1, qs2, qs3, q_sum = _query_operands(q_base, stride_qh, G, N, D)
+
+    m_i = gl.full([N], float("-inf"), gl.float32, layout=COLS)
+    l_i = gl.zeros([N], gl.float32, layout=COLS)
+    a_min = gl.zeros([N], gl.float32, layout=COLS)
+    o0 = gl.zeros([Q, N], gl.float32, layout=ACC)
+    o1 = gl.zeros([Q, N], gl.float32, layout=ACC)
+    o2 = gl.zeros([Q, N], gl.float32, layout=ACC)
+    o3 = gl.zeros([Q, N], gl.float32, layout=ACC)
+
+    for tile in range(lo, gl.minimum(hi, RING_TILES)):
+        m_i, l_i, a_min, o0, o1, o2, o3 = _attend_ring_tile(
+            m_i, l_i, a_min, o0, o1, o2, o3, tile, ring, h, last, qk_scale, q_base, stride_qh,
+            window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page,
+            HKV, G, N, D, SINK, RECENT)
+    # From here on the accumulators hold INT2 units (what the code products leave).
+    o0 = o0 * UNIT_0
+    o1 = o1 * UNIT_1
+    o2 = o2 * UNIT_2
+    o3 = o3 * UNIT_3
+
+    b_lo = gl.maximum(lo, RING_TILES) - RING_TILES
+    b_hi = hi - RING_TILES
+    # Blocks [0, SINK_BLOCKS) meet the sink, blocks from recent_start the recent window or
+    # seq_len; the ones between are INT2 for every key and take the loop without masks.
+    window_start = gl.maximum(last - RECENT + 1, 0)
+    recent_start = gl.maximum(SINK_BLOCKS, gl.minimum(n_blocks, window_start // TILE))
+    for blk in range(b_lo, gl.minimum(b_hi, SINK_BLOCKS)):
+        use = _held_rows(window_pos_ptr, ring, blk, seq_len, last, SINK, RECENT)
+        if gl.max(use.to(gl.int32), axis=0) > 0:
+            kc, vc, ks, km, vs, vm = _load_int2_block(codes_ptr, params_ptr, bt_ptr, blk, h, stride_cb, Q, N)
+            m_i, l_i, a_min, o0, o1, o2, o3 = _attend_int2_block(
+                m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, kc, vc, ks, km, vs, vm, use,
+                qk_scale, Q, N, True)
+    p_lo = gl.maximum(b_lo, SINK_BLOCKS)
+    p_hi = gl.minimum(b_hi, recent_start)
+    if p_lo < p_hi:
+        # One block in flight ahead of the one in the tensor cores.
+        kc, vc, ks, km, vs, vm = _load_int2_block(codes_ptr, params_ptr, bt_ptr, p_lo, h, stride_cb, Q, N)
+        for blk in range(p_lo, p_hi):
+            kc2, vc2, ks2, km2, vs2, vm2 = _load_int2_block(codes_ptr, params_ptr, bt_ptr,
+                                                            gl.minimum(blk + 1, p_hi - 1), h, stride_cb, Q, N)
+            m_i, l_i, a_min, o0, o1, o2, o3 = _attend_int2_block(
+                m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, kc, vc, ks, km, vs, vm, None,
+                qk_scale, Q, N, False)
+            kc, vc, ks, km, vs, vm = kc2, vc2, ks2, km2, vs2, vm2
+    for blk in range(gl.maximum(b_lo, recent_start), b_hi):
+        use = _held_rows(window_pos_ptr, ring, blk, seq_len, last, SINK, RECENT)
+        if gl.max(use.to(gl.int32), axis=0) > 0:
+            kc, vc, ks, km, vs, vm = _load_int2_block(codes_ptr, params_ptr, bt_ptr, blk, h, stride_cb, Q, N)
+            m_i, l_i, a_min, o0, o1, o2, o3 = _attend_int2_block(
+                m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, kc, vc, ks, km, vs, vm, use,
+                qk_scale, Q, N, True)
+
+    # Back from INT2 units; the min term adds the same amount to every dim of a head.
+    d = gl.arange(0, Q, layout=gl.SliceLayout(1, ACC))
+    n = gl.arange(0, N, layout=COLS)
+    _store_output(o0, n, d, out_ptr, part_out_ptr, part_lse_ptr, l_i, m_i, a_min, UNIT_0, r, h, split, num_splits,
+                  stride_ot, stride_oh, 0, G, HQ, D, SPLIT)
+    _store_output(o1, n, d, out_ptr, part_out_ptr, part_lse_ptr, l_i, m_i, a_min, UNIT_1, r, h, split, num_splits,
+                  stride_ot, stride_oh, 1, G, HQ, D, SPLIT)
+    _store_output(o2, n, d, out_ptr, part_out_ptr, part_lse_ptr, l_i, m_i, a_min, UNIT_2, r, h, split, num_splits,
+                  stride_ot, stride_oh, 2, G, HQ, D, SPLIT)
+    _store_output(o3, n, d, out_ptr, part_out_ptr, part_lse_ptr, l_i, m_i, a_min, UNIT_3, r, h, split, num_splits,
+                  stride_ot, stride_oh, 3, G, HQ, D, SPLIT)
+    if SPLIT:
+        lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        part = ((r * HQ + h * G + n) * num_splits + split).to(gl.int64)
+        gl.store(part_lse_ptr + part, lse, mask=n < G)
+
+
+def decode_launch(num_reqs: int) -> tuple[int | None, int]:
+    """``(maxnreg, ctas_per_sm)`` for a decode batch of ``num_reqs`` requests."""
+    return launch_bucket(DECODE_LAUNCH, num_reqs)
+
+
+def decode_splits(num_reqs: int, num_kv_heads: int, num_sms: int, ctas_per_sm: int | None = None) -> int:
+    """Most splits a decode batch of ``num_reqs`` requests uses (a power of two, >= 1): enough
+    one-warp programs for ``ctas_per_sm`` (else ``DECODE_LAUNCH``'s) per SM."""
+    ctas = ctas_per_sm or decode_launch(num_reqs)[1]
+    want = triton.cdiv(ctas * num_sms, max(1, num_reqs * num_kv_heads))
+    return max(1, min(MAX_SPLITS, triton.next_power_of_2(want)))
+
+
+def decode_split_rows(max_num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Rows of split scratch any decode batch up to ``max_num_reqs`` needs (``requests * splits``)."""
+    return max(n * decode_splits(n, num_kv_heads, num_sms) for n in range(1, max_num_reqs + 1))
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, sink: int) -> bool:
+    """Whether this kernel serves the shape: 16-bit models, head_dim 64 or 128, up to 16 query
+    heads per KV head, rings whose pages hold 8 entries (a sink that is a multiple of 8)."""
+    g = num_heads // num_kv_heads
+    return (dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128) and 1 <= g <= 16
+            and num_heads % num_kv_heads == 0 and sink % _WINDOW_ENTRIES == 0)
+
+
+def oscar_decode(
+    out: torch.Tensor,
+    q_rot: torch.Tensor,
+    cache: torch.Tensor,
+    windows: torch.Tensor,
+    window_pages: torch.Tensor,
+    window_pos: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    ring_slots: torch.Tensor,
+    num_reqs: int,
+    scale: float,
+    sink: int,
+    recent: int,
+    param_dtype: torch.dtype = torch.float16,
+    num_splits: int = 1,
+    part_out: torch.Tensor | None = None,
+    part_lse: torch.Tensor | None = None,
+    maxnreg: int | None = -1,
+) -> torch.Tensor:
+    """Decode attention of ``num_reqs`` requests, one query each (row r of ``q_rot``
+    ``[>= num_reqs, Hq, d]``, key-rotated basis), over positions ``[0, seq_lens[r])`` of the
+    cache, this step's token already written. Writes ``out`` ``[>= num_reqs, Hq, d]``.
+
+    With ``num_splits > 1`` a request's keys are split over up to that many programs, which
+    needs fp32 scratch ``part_out`` ``[>= num_reqs * Hq * num_splits * d]`` and ``part_lse``
+    ``[>= num_reqs * Hq * num_splits]``, merged by ``_merge_splits_kernel``. ``maxnreg``:
+    registers per thread (None: no cap), else from ``DECODE_LAUNCH``.
+    """
+    if num_reqs == 0:
+        return out
+    hq, d = q_rot.shape[1], q_rot.shape[2]
+    hkv = cache.shape[1]
+    if not supports(hq, hkv, d, q_rot.dtype, sink) or num_splits & (num_splits - 1):
+        raise ValueError(f"oscar_decode does not serve {hq}/{hkv} heads of {d} in {q_rot.dtype}, sink {sink}, "
+                         f"{num_splits} splits (see supports())")
+    check_int2_cache(cache, d)
+    g = hq // hkv
+    win = window_args(windows, window_pages, window_pos, hkv, d, sink, recent)
+    if win.pop("WIN_E") != _WINDOW_ENTRIES:
+        raise ValueError(f"oscar_decode reads rings of {_WINDOW_ENTRIES} entries per page")
+    n_pad = 8 if g <= 8 else 16
+    if maxnreg == -1:
+        maxnreg = decode_launch(num_reqs)[0] if n_pad == 8 else None
+    split = num_splits > 1
+    if split:
+        part_out = part_out.view(-1)[: num_reqs * hq * num_splits * d]
+        part_lse = part_lse.view(-1)[: num_reqs * hq * num_splits]
+    _oscar_decode_kernel[(num_reqs, hkv, num_splits)](
+        out, part_out if split else out, part_lse if split else out, q_rot, cache, param_view(cache, param_dtype),
+        win["window_k_ptr"], win["window_v_ptr"], window_pages, window_pos, block_table, seq_lens, ring_slots,
+        num_splits, scale * LOG2E,
+        q_rot.stride(0), q_rot.stride(1), out.stride(0), out.stride(1), block_table.stride(0), cache.stride(0),
+        win["stride_wp"], win["stride_page"],
+        HKV=hkv, G=g, N=n_pad, D=d, SINK=sink, RECENT=recent, SPLIT=split, num_warps=1,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
+    )
+    if split:
+        _merge_splits_kernel[(num_reqs, hq)](
+            out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse, stride_ot=out.stride(0),
+            stride_oh=out.stride(1), HQ=hq, D=d, NUM_SPLITS=num_splits,
+        )
+    return out

@@ -1,0 +1,51 @@
+"""Reference for ``csrc_triton/oscar_decode.py``: decode attention over the mixed paged cache,
+this step's token already written (read from the ring like any window position)."""
+from __future__ import annotations
+
+import torch
+
+from oscar_vllm.reference.oscar_attention import read_int2_slots
+from oscar_vllm.reference.oscar_write import window_index
+from oscar_vllm.reference.paged import block_size_of, read_ring
+
+
+def oscar_decode_reference(
+    q_rot: torch.Tensor,
+    cache: torch.Tensor,
+    windows: torch.Tensor,
+    window_pages: torch.Tensor,
+    window_pos: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    ring_slots: torch.Tensor,
+    num_reqs: int,
+    scale: float,
+    sink: int,
+    recent: int,
+    param_dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:
+    """fp32 ``[num_reqs, Hq, d]``: request ``r``'s query ``q_rot[r]`` (key-rotated basis) over
+    positions ``[0, seq_lens[r])``: the BF16 ring's copy where the ring holds a position of the
+    window (the sink and the last ``recent`` positions), the INT2 copy elsewhere."""
+    _, hq, d = q_rot.shape
+    hkv = cache.shape[1]
+    g = hq // hkv
+    bs = block_size_of(cache, d)
+    out = torch.zeros(num_reqs, hq, d, dtype=torch.float32)
+    for r in range(num_reqs):
+        n = int(seq_lens[r])
+        kp = torch.arange(n)
+        slots = block_table[r].long().cpu()[kp // bs] * bs + kp % bs
+        k_lo, v_lo = read_int2_slots(cache, slots, d, param_dtype)
+        ring = int(ring_slots[r])
+        idx = window_index(kp, sink, recent)
+        held = window_pos[ring].long().cpu()[idx] == kp
+        k_hi, v_hi = read_ring(windows, window_pages, ring, idx, hkv, d, sink)
+        hi = held & ((kp < sink) | (n - 1 - kp < recent))
+        # Chosen, not masked by a product: ring entries nobody wrote may hold anything (NaN).
+        k = torch.where(hi[:, None, None], k_hi, k_lo).repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, n, d]
+        v = torch.where(hi[:, None, None], v_hi, v_lo).repeat_interleave(g, dim=1).transpose(0, 1)
+        q = q_rot[r].float().cpu()[:, None, :]  # [Hq, 1, d]
+        p = torch.softmax((q @ k.transpose(1, 2)) * scale, dim=-1)
+        out[r] = (p @ v)[:, 0]
+    return out
