@@ -248,6 +248,7 @@ def test_parse_args_presets_and_order(ab):
     assert args.configs == ["FLASH_ATTN", "OSCAR", "fp8"]  # FLASH_ATTN first: it sizes a budgeted run
     assert args.scenarios == ["latency", "reasoning", "overflow", "capacity"]  # the order they run in
     assert ab.parse_args([]).scenarios == ab.SCENARIOS  # issue18, the default: all
+    assert ab.parse_args([]).configs == ["FLASH_ATTN", "OSCAR", "fp8", "int4"]  # turboquant when named
     assert ab.parse_args(["--scenarios", "none"]).scenarios == []
     with pytest.raises(SystemExit):
         ab.parse_args(["--scenarios", "nonsense"])
