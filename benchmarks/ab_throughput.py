@@ -3,40 +3,70 @@ configuration in its own process, every prompt distinct (a shared prompt would b
 from the prefix cache and L2 and flatter everyone).
 
     python benchmarks/ab_throughput.py --out results/ab                     # Qwen3-8B shape, dummy weights
+    python benchmarks/ab_throughput.py --configs OSCAR FLASH_ATTN fp8 int4 --budget-s 130 --dry-run
     python benchmarks/ab_throughput.py --model /path/to/model --configs OSCAR FLASH_ATTN fp8
     python benchmarks/ab_throughput.py --gpus 2 --scenarios none --max-num-seqs-sweep 32 256
     python benchmarks/ab_throughput.py --report results/ab                  # tables and plots again
+    python benchmarks/ab_throughput.py --report results/ab1 results/ab2     # two runs in one table
 
 Configurations (``--configs``): ``OSCAR`` (``attention_backend="OSCAR"``), ``FLASH_ATTN`` (BF16,
 vLLM's default), ``fp8`` (``kv_cache_dtype="fp8"``), ``int4`` (``int4_per_token_head``),
-``turboquant`` (``turboquant_4bit_nc``; needs vLLM's FlashAttention 2 build). A configuration
-that fails to start is reported with its error, not dropped. ``--gpus N`` runs up to N
-configurations at once, one GPU each (``CUDA_VISIBLE_DEVICES``); each worker logs to
-``OUT/log_<config>.txt``.
+``turboquant`` (``turboquant_4bit_nc``; needs vLLM's FlashAttention 2 build, so only when named).
+A configuration that fails to start is reported with its error, not dropped; one that fails or
+times out later keeps the scenarios it finished. ``--gpus N`` runs up to N configurations at
+once, one GPU each (``CUDA_VISIBLE_DEVICES``); each worker logs to ``OUT/log_<config>.txt``.
 
-Scenarios (``--scenarios``, ``none`` for the sweep alone; sizes are options):
+Scenarios (``--scenarios``; presets ``issue18`` (all, the default), ``fits`` (the first six),
+``memory-bound`` (the last three), ``none`` for the sweep alone; run in this order; sizes are options):
   prefill   N distinct prompts of L tokens, one output token: prefill tokens/s
   decode    the same prompts again (prefix-cached) for K output tokens: decode tokens/s and
             time per output token, the one-token rerun subtracted
   long      one prompt of --long-prompt tokens: prefill tokens/s of a single long request
-  short     S concurrent requests of 1K prompt / 1K output (memory not binding): output tokens/s
+  latency   one request at a time, a distinct prompt per context (1K, 8K, 32K, 128K), a few
+            hundred output tokens: time per output token of the decode phase alone (from the
+            request's own first- and last-token times, so no prefill in it). The context as
+            long as --long-prompt reuses the long scenario's prompt, prefix-cached: its prefill
+            is not paid twice
+  short     S fresh requests of 1K prompt / 1K output (memory not binding): output tokens/s
+  fresh     N fresh requests of L tokens, prefill and 256 output tokens: output tokens/s and seconds
+  reasoning 256 fresh requests of 1K in, 4K out (long outputs, many users): output tokens/s
+  overflow  128 fresh requests of 8K in, 8K out, more than BF16's and fp8's KV caches hold:
+            they queue and preempt, OSCAR's holds them all. Output tokens/s, the requests
+            decoding at once (output tokens per engine step) and vLLM's preemption count
   capacity  C requests of ~100K tokens in two passes. The first (one output token) is their
             prefill, which dominates a single pass in every configuration; it leaves the contexts
             in the prefix cache only as far as the KV cache holds them. The second sends the
             same prompts for --capacity-output-len tokens, a multi-turn follow-up on long
             documents: a cache that holds all C contexts decodes them at once, BF16 must
-            re-prefill the ones it evicted and runs them a few at a time. Reported: the
-            second pass's seconds and output tokens/s, and the first pass's seconds.
+            re-prefill the ones it evicted (with LRU eviction and the same order, all of them)
+            and runs them a few at a time. Reported: the second pass's seconds and output
+            tokens/s, and the first pass's seconds.
 KV capacity (tokens) is read from every engine. ``--engine-args '{"max_num_seqs": 32}'`` sets
-vLLM engine arguments for all configurations (default: vLLM's own defaults).
+vLLM engine arguments for all configurations (default: vLLM's own defaults, with the engine's
+statistics on as ``vllm serve`` has them: per-request times and the preemption counter).
 ``--max-num-seqs-sweep 32 256`` also starts every configuration once per value with that
 ``max_num_seqs`` (and ``enforce_eager=True``, to start fast), reads its KV capacity and stops:
 the table "KV cache capacity by max_num_seqs".
+
+Time budget: ``--budget-s S`` scales every scenario down by one factor (requests and output
+tokens, and overflow's and capacity's lengths; the contexts the rows name stay) until the run's
+estimated wall-clock, engine starts included, is at most S seconds per configuration of the
+longest queue of a GPU (with one GPU: S x the configurations; they share the time, as OSCAR's
+engine start alone takes twice FLASH_ATTN's). No scenario goes below the size where its
+comparison stops meaning anything (the floors in ``scaled_sizes``): ``overflow`` keeps needing
+more KV than ``--overflow-factor`` times the largest cache of ``--overflow-configs`` (BF16's and
+fp8's) and less than OSCAR's holds; ``capacity`` more than that factor times BF16's. Those bounds
+come from the FLASH_ATTN engine's own KV capacity: it runs first and sizes the run
+(``OUT/plan.json``); the others run what it wrote (a worker beside it on another GPU waits for
+that). ``--dry-run`` prints the plan (sizes, estimated seconds per configuration and scenario)
+without starting anything; ``--plan OUT/plan.json`` runs an earlier plan's sizes again (a run
+split over two invocations, merged by ``--report DIR DIR``).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -56,7 +86,10 @@ CONFIGS = {
     "int4": {"kv_cache_dtype": "int4_per_token_head"},
     "turboquant": {"kv_cache_dtype": "turboquant_4bit_nc"},
 }
-SCENARIOS = ["prefill", "decode", "long", "short", "capacity"]
+# The order they run in: the prefix-cached ones first (decode reruns prefill's prompts, latency's
+# longest context is long's prompt), the memory-bound ones last (they evict everything).
+SCENARIOS = ["prefill", "decode", "long", "latency", "short", "fresh", "reasoning", "overflow", "capacity"]
+PRESETS = {"issue18": SCENARIOS, "fits": SCENARIOS[:6], "memory-bound": SCENARIOS[6:]}
 BASELINE = "FLASH_ATTN"
 # The Qwen3-8B architecture (its config.json), for runs with dummy weights.
 QWEN3_8B_CONFIG = Path(__file__).parent / "configs" / "qwen3-8b.json"
@@ -81,21 +114,349 @@ def dummy_long_context(cfg: dict, max_model_len: int) -> dict:
 
 
 def distinct_prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
-    """``n`` prompts of ``length`` random token ids, different from the first token on."""
+    """``n`` prompts of ``length`` random token ids, different from the first token on. Two calls
+    with the same seed share a prefix: every scenario has its own seed."""
     rng = random.Random(seed)
     return [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(length)]} for _ in range(n)]
 
 
-def model_len(args, scenarios) -> int:
-    """The longest request ``scenarios`` send, plus a margin."""
-    return 64 + max([args.prompt_len + args.output_len, 2048 + 1024]
-                    + ([args.long_prompt + 1] if "long" in scenarios else [])
-                    + ([args.capacity_len + args.capacity_output_len] if "capacity" in scenarios else []))
+SEEDS = {"prefill": 1, "long": 2, "short": 3, "capacity": 4, "fresh": 6, "reasoning": 7, "overflow": 8}
+LATENCY_SEED = 100  # + the context's index
 
 
 def stub(name: str, seqs: int | None) -> dict:
     """What identifies a result file (``report`` reads the configuration from it, not the file name)."""
     return {"config": name, **({"sweep_max_num_seqs": seqs} if seqs else {})}
+
+
+def tok(n: int) -> str:
+    """A token count as a label shows it: 16K for 16384, 100,000 otherwise."""
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
+
+
+# --- what each scenario sends, and the time budget -------------------------------------------
+
+def full_sizes(args) -> dict:
+    """Every scenario's sizes as the options give them (``--budget-s`` scales them down)."""
+    return {
+        "prefill": {"requests": args.num_prompts, "prompt_len": args.prompt_len},
+        "decode": {"requests": args.num_prompts, "context": args.prompt_len, "output_len": args.output_len},
+        "long": {"prompt_len": args.long_prompt},
+        "latency": {"contexts": sorted(args.latency_contexts), "output_len": args.latency_output_len},
+        "short": {"requests": args.short_requests, "prompt_len": 1024, "output_len": args.short_output_len},
+        "fresh": {"requests": args.fresh_requests, "prompt_len": args.fresh_len, "output_len": args.fresh_output_len},
+        "reasoning": {"requests": args.reasoning_requests, "prompt_len": args.reasoning_prompt_len,
+                      "output_len": args.reasoning_output_len},
+        "overflow": {"requests": args.overflow_requests, "prompt_len": args.overflow_prompt_len,
+                     "output_len": args.overflow_output_len},
+        "capacity": {"requests": args.capacity_requests, "prompt_len": args.capacity_len,
+                     "output_len": args.capacity_output_len},
+    }
+
+
+def kv_need(sizes: dict) -> int:
+    """KV tokens the requests of a scenario hold when all run at once."""
+    return sizes["requests"] * (sizes["prompt_len"] + sizes.get("output_len", 0))
+
+
+def max_model_len(full: dict, scenarios: list[str]) -> int:
+    """The longest request ``scenarios`` send at their full sizes, plus a margin: the same for every
+    configuration and every budget (a sweep run alone sizes it for every scenario)."""
+    longest = {"prefill": lambda s: s["prompt_len"], "decode": lambda s: s["context"] + s["output_len"],
+               "long": lambda s: s["prompt_len"] + 1, "latency": lambda s: max(s["contexts"]) + s["output_len"]}
+    return 64 + max([2048 + 1024] + [longest.get(n, lambda s: s["prompt_len"] + s["output_len"])(full[n])
+                                     for n in (scenarios or SCENARIOS)])
+
+
+@dataclass
+class Caps:
+    """What bounds a plan: the KV caches (tokens, BF16's and each configuration's relative to it),
+    OSCAR's BF16 windows per running request (tokens of its pool) and vLLM's max_num_seqs."""
+    bf16: int
+    kv_vs_bf16: dict
+    window: int
+    max_num_seqs: int
+
+    def tokens(self, config: str) -> int:
+        return int(self.bf16 * self.kv_vs_bf16[config])
+
+    def per_request(self, config: str) -> int:
+        return self.window if config == "OSCAR" else 0
+
+
+def kv_vs_bf16(cfg: dict) -> dict:
+    """KV tokens each configuration holds in the memory of one BF16 token (bytes per token and
+    KV head: BF16 2 x 2d, fp8 2d, int4 d plus two fp32 scales, OSCAR its INT2 slot; turboquant
+    4-bit as vLLM's preset table gives it)."""
+    from csrc_triton.paged_layout import int2_slot_bytes
+
+    d = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    bf16 = 2 * 2 * d
+    return {"OSCAR": bf16 / int2_slot_bytes(d), "FLASH_ATTN": 1.0, "fp8": 2.0, "int4": bf16 / (d + 8),
+            "turboquant": 3.8}
+
+
+def oscar_window_tokens(cfg: dict) -> int:
+    """Tokens of the KV pool one running request's BF16 windows take (OSCAR's default sink and
+    recent window; the engine logs and reports the exact figure)."""
+    from csrc_triton.paged_layout import BLOCK_SIZE, window_pages_per_request
+    from oscar_vllm.settings import OscarSettings
+
+    s = OscarSettings()
+    d = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    pages, _ = window_pages_per_request(s.sink_size, s.recent_size, int(cfg["num_key_value_heads"]), d)
+    return pages * BLOCK_SIZE
+
+
+def estimate_bf16_kv_tokens(cfg: dict, gpu_mem_gib: float, utilization: float) -> int:
+    """BF16 KV tokens vLLM would give: ``utilization`` of the GPU's memory less the weights
+    (Llama/Qwen-style layers) and the profile's activation peak, over the bytes of one token's
+    keys and values. Within 1% of the engine on the H200 for the Qwen3-8B shape; only the dry run
+    and a run without FLASH_ATTN use it."""
+    h, inter, layers = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
+    heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+    d = int(cfg.get("head_dim") or h // heads)
+    per_layer = 2 * h * heads * d + 2 * h * kv_heads * d + 3 * h * inter
+    params = layers * per_layer + int(cfg["vocab_size"]) * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    free = (gpu_mem_gib * utilization - ACTIVATION_GIB) * 2**30 - 2 * params
+    return int(free // (layers * kv_heads * d * 2 * 2))
+
+
+# The engine's log of 2026-12-01 (results/windows/engine_*.log, one H200, Qwen3-8B shape): 139.8 GiB,
+# vLLM 0.26's gpu_memory_utilization 0.92, weights 15.27 GiB, KV 111.53 GiB: 1.83 GiB besides.
+H200_GIB = 139.8
+ACTIVATION_GIB = 1.8
+# A cost model for the plan, fitted to the H200 runs of 2026-12-01 (results/ab, results/windows/ab;
+# Qwen3-8B shape): prefill of 32 x 16K at 33K tok/s and of 1 x 128K at 11.9K tok/s give
+# 1/44.5K s per token plus 4.7e-10 s per token squared (attention); a decode step costs the
+# larger of a fixed time (weights, launches) and the batch's tokens at the prefill rate
+# (GEMMs compute-bound), plus a time per context token of the batch (the KV read): FLASH_ATTN
+# 5.3 ms at batch 1 and 22.5 ms at 32 x 16K, OSCAR 7.0 and 18.6 ms. fp8 reads half BF16's bytes
+# (1.25x at 32 x 16K in issue 18); int4 and turboquant not yet measured: BF16's and slower.
+PREFILL_S_PER_TOKEN = 1 / 44_500
+PREFILL_S_PER_TOKEN2 = 4.7e-10
+STEP_S = {"OSCAR": (6.7e-3, 2.27e-8), "FLASH_ATTN": (5.0e-3, 3.34e-8), "fp8": (5.0e-3, 2.5e-8),
+          "int4": (5.5e-3, 3.34e-8), "turboquant": (7.5e-3, 5.0e-8)}  # (fixed, per context token)
+# Engine start, from the same logs: FLASH_ATTN 58 s (torch.compile 27.5 s, cold: each configuration
+# compiles into its own cache), OSCAR 130 s (its kernels' serving variants 45 s with Triton's cache
+# cold, and 20 s more before the engine began). int4 and turboquant compile their Triton kernels
+# in their first calls (the first warm-ups).
+STARTUP_S = {"OSCAR": 130, "FLASH_ATTN": 60, "fp8": 60, "int4": 80, "turboquant": 80}
+PROCESS_S = 12  # a worker's imports before the engine, its first call and the engine's shutdown
+SCENARIO_WARM_UP_S = 2  # each scenario's small untimed run first
+PARENT_S = 15  # the run's own set-up (versions, hardware) and report
+
+
+def prefill_s(length: int, cached: int = 0) -> float:
+    return (length - cached) * PREFILL_S_PER_TOKEN + PREFILL_S_PER_TOKEN2 * (length**2 - cached**2)
+
+
+def step_s(config: str, batch: int, context_tokens: float) -> float:
+    fixed, per_token = STEP_S[config]
+    return max(fixed, batch * PREFILL_S_PER_TOKEN) + per_token * context_tokens
+
+
+def batch_s(config: str, caps: Caps, n: int, prompt: int, out: int, cached: int = 0) -> float:
+    """``n`` requests of ``prompt`` + ``out`` tokens, at most as many at once as the KV cache and
+    max_num_seqs allow (vLLM queues or preempts the rest: modelled as waves)."""
+    at_once = max(1, min(n, caps.max_num_seqs, caps.tokens(config) // (prompt + out + caps.per_request(config))))
+    total, left = n * prefill_s(prompt, cached), n
+    while left > 0:
+        m = min(at_once, left)
+        total += out * step_s(config, m, m * (prompt + out / 2))
+        left -= m
+    return total
+
+
+def scenario_s(name: str, config: str, sizes: dict, caps: Caps) -> float:
+    """Estimated seconds of one scenario's timed calls in one configuration."""
+    z = sizes[name]
+    if name == "prefill":
+        return z["requests"] * prefill_s(z["prompt_len"])
+    if name == "decode":
+        return batch_s(config, caps, z["requests"], z["context"], z["output_len"], cached=z["context"])
+    if name == "long":
+        return prefill_s(z["prompt_len"])
+    if name == "latency":
+        reused = sizes["long"]["prompt_len"] if "long" in sizes else None
+        return sum((0 if ctx == reused else prefill_s(ctx)) + z["output_len"] * step_s(config, 1, ctx)
+                   for ctx in z["contexts"])
+    if name == "capacity":
+        first = z["requests"] * prefill_s(z["prompt_len"])
+        held = z["requests"] * (z["prompt_len"] + caps.per_request(config)) <= caps.tokens(config)
+        return first + batch_s(config, caps, z["requests"], z["prompt_len"], z["output_len"],
+                               cached=z["prompt_len"] if held else 0)
+    return batch_s(config, caps, z["requests"], z["prompt_len"], z["output_len"])
+
+
+def startup_s(config: str) -> float:
+    return STARTUP_S[config] + PROCESS_S
+
+
+def scaled_sizes(full: dict, f: float, caps: Caps, overflow_configs: list[str], factor: float) -> tuple[dict, list]:
+    """``full`` scaled by ``f`` (request counts and output lengths, and overflow's and capacity's
+    prompts; the contexts a row names stay), each size kept at or above its floor, lengths in
+    whole blocks of 64, and the notes of any bound the defaults themselves miss.
+    Floors: 8 requests of 16K (prefill, decode, fresh), 64 output tokens, 32 x (1K, 256) short,
+    64 x (1K, 1K) reasoning, 1K in and 1K out for overflow. ``overflow`` holds at least
+    ``factor`` x the largest KV cache of ``overflow_configs`` (shorter requests, more of them)
+    and no more than 90% of OSCAR's with its windows, within max_num_seqs; ``capacity`` more than
+    ``factor`` x BF16's (shorter documents, as many)."""
+    def sc(v: int, floor: int, g: float = f, step: int = 1) -> int:
+        """``v`` scaled by ``g``, in multiples of ``step``, not below ``floor`` (nor above ``v``, as given)."""
+        return v if g >= 1 else min(v, max(min(v, floor), step * round(v * g / step)))
+
+    def sl(v: int, floor: int, g: float = f) -> int:  # a length: whole KV blocks of 64
+        return sc(v, floor, g, 64)
+
+    out, notes = {}, []
+    for name, z in full.items():
+        if name in ("prefill", "decode", "fresh"):
+            s = {**z, "requests": sc(z["requests"], 8)}
+            if "output_len" in z:
+                s["output_len"] = sl(z["output_len"], 64)
+        elif name == "latency":
+            s = {**z, "output_len": sl(z["output_len"], 64)}
+        elif name == "short":
+            s = {**z, "requests": sc(z["requests"], 32), "output_len": sl(z["output_len"], 256)}
+        elif name == "reasoning":
+            s = {**z, "requests": sc(z["requests"], 64), "output_len": sl(z["output_len"], 1024)}
+        elif name == "overflow":
+            s = overflow_sizes(z, f, caps, overflow_configs, factor, sl, notes)
+        elif name == "capacity":
+            need = min(kv_need({**z, "output_len": 0}), math.ceil(factor * caps.tokens(BASELINE)))
+            s = {**z, "prompt_len": max(sl(z["prompt_len"], 1024), 64 * math.ceil(need / z["requests"] / 64)),
+                 "output_len": sl(z["output_len"], 64)}
+            if z["requests"] * z["prompt_len"] <= caps.tokens(BASELINE):
+                notes.append(f"capacity: {z['requests']} x {tok(z['prompt_len'])} fits BF16's KV cache "
+                             f"({caps.tokens(BASELINE):,} tokens): nothing to evict")
+        else:
+            s = dict(z)
+        out[name] = s
+    return out, notes
+
+
+def overflow_sizes(z: dict, f: float, caps: Caps, overflow_configs: list[str], factor: float, sl, notes: list) -> dict:
+    """``overflow`` at scale ``f`` (see ``scaled_sizes``; ``sl`` scales a length)."""
+    largest = max([caps.tokens(c) for c in overflow_configs] or [caps.tokens(BASELINE)])
+    need = min(kv_need(z), math.ceil(factor * largest))
+    holds = 0.9 * caps.tokens("OSCAR")
+    g = f
+    while True:  # lengths scaled by g (from f up to 1) until the requests that need makes fit
+        p, o = sl(z["prompt_len"], 1024, g), sl(z["output_len"], 1024, g)
+        n = max(round(z["requests"] * g), math.ceil(need / (p + o)))
+        if g >= 1 or (n <= caps.max_num_seqs and n * (p + o + caps.window) <= holds):
+            break
+        g = min(1.0, g * 1.05)
+    if g >= 1:
+        p, o, n = z["prompt_len"], z["output_len"], z["requests"]
+    if kv_need(z) <= largest:
+        notes.append(f"overflow: {n} x ({tok(p)} + {tok(o)}) = {kv_need(z):,} KV tokens fit the largest cache of "
+                     f"{', '.join(overflow_configs)} ({largest:,}): they do not run out")
+    if n * (p + o + caps.window) > holds:
+        notes.append(f"overflow: {n} x ({tok(p)} + {tok(o)}) with OSCAR's windows needs more than 90% of OSCAR's "
+                     f"KV cache ({caps.tokens('OSCAR'):,} tokens)")
+    return {"requests": n, "prompt_len": p, "output_len": o}
+
+
+def wall_s(totals: list[float], gpus: int) -> float:
+    """Wall-clock of jobs taking ``totals`` seconds run in that order on ``gpus`` GPUs, each on the first free one."""
+    free = [0.0] * max(1, gpus)
+    for t in totals:
+        free[free.index(min(free))] += t
+    return max(free)
+
+
+def within_budget(est: dict, budget: float, gpus: int) -> bool:
+    """Whether the run's estimated wall-clock is at most ``budget`` per configuration in the
+    longest queue of a GPU: the configurations of one GPU share their time (OSCAR's engine start
+    alone takes twice FLASH_ATTN's)."""
+    return wall_s([e["total"] for e in est.values()], gpus) <= budget * math.ceil(len(est) / max(1, gpus))
+
+
+def make_plan(inputs: dict, bf16_kv_tokens: int, source: str, max_num_seqs: int, fixed: dict | None = None) -> dict:
+    """Sizes for every scenario and the estimated seconds of each configuration: ``inputs``'
+    full sizes, or with a budget the largest scale factor (steps of 3%) at which the estimate
+    fits it (``within_budget``; the smallest sizes, marked as over budget, where none does); or
+    ``fixed`` sizes (an earlier plan's). A pure function of its arguments: the parent plans with
+    an estimated BF16 KV capacity, the FLASH_ATTN worker again with its engine's."""
+    caps = Caps(bf16_kv_tokens, inputs["kv_vs_bf16"], inputs["window_tokens"], max_num_seqs)
+    configs, budget, gpus = inputs["configs"], inputs.get("budget_s"), inputs.get("gpus", 1)
+    scenarios = [s for s in SCENARIOS if s in inputs["scenarios"]]
+
+    def plan_at(f: float) -> tuple[dict, dict, list]:
+        if fixed:
+            sizes, notes = fixed, []
+        else:
+            sizes, notes = scaled_sizes(inputs["full"], f, caps, inputs["overflow_configs"], inputs["overflow_factor"])
+            sizes = {n: sizes[n] for n in scenarios}
+        est = {}
+        for c in configs:
+            est[c] = {n: round(scenario_s(n, c, sizes, caps) + SCENARIO_WARM_UP_S, 1) for n in scenarios}
+            est[c]["start"] = startup_s(c)
+            est[c]["total"] = round(sum(est[c].values()), 1)
+        return sizes, est, notes
+
+    scale, (sizes, est, notes) = 1.0, plan_at(1.0)
+    if budget and not fixed:
+        for k in range(1, 160):
+            if within_budget(est, budget, gpus):
+                break
+            smaller = plan_at(0.97**k)
+            if smaller[0] != sizes:  # the factor named is the largest that gives these sizes
+                scale, (sizes, est, notes) = 0.97**k, smaller
+    return {"inputs": inputs, "bf16_kv_tokens": bf16_kv_tokens, "bf16_kv_source": source,
+            "max_num_seqs": max_num_seqs, "scale": round(scale, 3), "fixed": bool(fixed),
+            "fits": not budget or within_budget(est, budget, gpus), "sizes": sizes, "estimate_s": est,
+            "wall_s": round(wall_s([e["total"] for e in est.values()], gpus) + PARENT_S),
+            "notes": notes, "max_model_len": max_model_len(inputs["full"], scenarios)}
+
+
+def sizes_text(name: str, z: dict) -> str:
+    if name == "latency":
+        return f"1 x ({', '.join(tok(c) for c in z['contexts'])}) context, {z['output_len']} out each"
+    if name == "long":
+        return f"1 x {tok(z['prompt_len'])}"
+    if name == "prefill":
+        return f"{z['requests']} x {tok(z['prompt_len'])}, 1 out"
+    if name == "decode":
+        return f"{z['requests']} x {tok(z['context'])} cached, {z['output_len']} out"
+    need = f", {kv_need(z) / 1e6:.2f}M KV tokens" if name in ("reasoning", "overflow", "capacity") else ""
+    return f"{z['requests']} x ({tok(z['prompt_len'])} in, {tok(z['output_len'])} out){need}"
+
+
+def plan_text(plan: dict) -> str:
+    """The plan as the dry run prints it."""
+    inp, est = plan["inputs"], plan["estimate_s"]
+    configs = list(est)
+    scenarios = [s for s in SCENARIOS if s in plan["sizes"]]
+    lines = [f"BF16 KV cache: {plan['bf16_kv_tokens']:,} tokens ({plan['bf16_kv_source']}); max_num_seqs "
+             f"{plan['max_num_seqs']}; KV tokens: " + ", ".join(
+                 f"{c} {int(plan['bf16_kv_tokens'] * inp['kv_vs_bf16'][c]):,}" for c in configs)]
+    if plan["fixed"]:
+        lines.append(f"sizes: fixed by {inp.get('plan_from', 'an earlier plan')}")
+    elif inp.get("budget_s"):
+        lines.append(f"budget: {inp['budget_s']:g} s per configuration -> sizes x{plan['scale']} of the defaults "
+                     f"(floors kept); " + ("fits" if plan["fits"] else "DOES NOT FIT even at the floors"))
+    else:
+        lines.append("sizes: as the options give them (no --budget-s)")
+    w = max(len(sizes_text(s, plan["sizes"][s])) for s in scenarios) if scenarios else 10
+    head = f"{'':10} {'sizes':{w}} " + " ".join(f"{c:>10}" for c in configs)
+
+    def seconds(key: str) -> str:
+        return " ".join(f"{est[c][key]:>10.0f}" for c in configs)
+
+    lines += ["", "estimated seconds (a cost model fitted to earlier H200 runs; the run records the real ones):",
+              head]
+    for s in scenarios:
+        lines.append(f"{s:10} {sizes_text(s, plan['sizes'][s]):{w}} " + seconds(s))
+    lines.append(f"{'start':10} {'engine start, imports, shutdown':{w}} " + seconds("start"))
+    lines.append(f"{'total':10} {'':{w}} " + seconds("total"))
+    gpus = inp.get("gpus", 1)
+    lines += ["", f"invocation: ~{plan['wall_s']} s ({plan['wall_s'] / 60:.1f} min) on {gpus} GPU{'s' * (gpus > 1)}, "
+              f"in this order, {PARENT_S} s of it the run's own set-up and report"]
+    lines += [f"note: {n}" for n in plan["notes"]]
+    return "\n".join(lines)
 
 
 def oscar_window_blocks(vllm_config) -> int:
@@ -112,10 +473,49 @@ def oscar_window_blocks(vllm_config) -> int:
     return sink + recent
 
 
-def run_worker(args) -> dict:
-    """One engine, every scenario (or, with ``--sweep-seqs``, its KV capacity alone), one JSON result."""
+def engine_counters(llm) -> dict | None:
+    """vLLM's own counters (its Prometheus metrics, kept when the engine logs statistics): preempted
+    requests, output tokens, engine steps that produced output, prompt tokens computed (not
+    served from the prefix cache)."""
+    if not llm.llm_engine.log_stats:
+        return None
+    counts = {"preemptions": 0, "output_tokens": 0, "steps": 0, "prompt_tokens_computed": 0}
+    for m in llm.get_metrics():
+        if m.name == "vllm:num_preemptions":
+            counts["preemptions"] += m.value
+        elif m.name == "vllm:generation_tokens":
+            counts["output_tokens"] += m.value
+        elif m.name == "vllm:iteration_tokens_total":  # one observation per step with output
+            counts["steps"] += m.count
+        elif m.name == "vllm:prompt_tokens_by_source" and m.labels.get("source") == "local_compute":
+            counts["prompt_tokens_computed"] += m.value
+    return counts
+
+
+@dataclass
+class Call:
+    """One timed ``generate``: its seconds, output tokens, outputs and vLLM's counters over it."""
+    seconds: float
+    outputs: int
+    results: list
+    counters: dict | None
+
+    def engine_stats(self) -> dict:
+        """The requests decoding at once (output tokens per engine step), preemptions, prompt tokens computed."""
+        c = self.counters
+        if not c:
+            return {}
+        return {"mean_running": round(c["output_tokens"] / c["steps"], 1) if c["steps"] else None,
+                "preemptions": c["preemptions"], "prompt_tokens_computed": c["prompt_tokens_computed"]}
+
+
+def run_worker(args, result: dict, save) -> None:
+    """One engine, every scenario (or, with ``--sweep-seqs``, its KV capacity alone), into
+    ``result``; ``save(result)`` after each scenario, so that a later failure or timeout keeps it."""
     from vllm import LLM, SamplingParams
 
+    plan_path = Path(args.plan)
+    plan = json.loads(plan_path.read_text())
     cfg = json.loads((Path(args.model) / "config.json").read_text()) if Path(args.model).is_dir() else {}
     vocab = int(cfg.get("vocab_size", 32000))
     has_weights = Path(args.model).is_dir() and any(Path(args.model).glob("*.safetensors"))
@@ -124,15 +524,16 @@ def run_worker(args) -> dict:
         kw["additional_config"] = {"oscar": {"rotation_path": args.rotations}}
     kw.update(json.loads(args.engine_args))
     kw.setdefault("jit_monitor_verbose", True)  # log every kernel compiled while serving, not each name once
-    # A sweep run alone (--scenarios none) sizes max_model_len for every scenario, as the default run does.
-    kw.setdefault("max_model_len", model_len(args, args.scenarios or SCENARIOS))
+    # Per-request times and vLLM's preemption counter, as `vllm serve` keeps them by default (LLM turns them off).
+    kw.setdefault("disable_log_stats", False)
+    kw.setdefault("max_model_len", plan["max_model_len"])
     if args.sweep_seqs:
         kw.update(max_num_seqs=args.sweep_seqs, enforce_eager=True)  # no CUDA graphs to capture: starts fast
     if not has_weights:
         kw.update(load_format="dummy")
         kw = {**dummy_long_context(cfg, kw["max_model_len"]), **kw}
-    result = {**stub(args.worker, args.sweep_seqs),
-              "engine_args": {k: v for k, v in kw.items() if k != "additional_config"}}
+    result.update(stub(args.worker, args.sweep_seqs))
+    result["engine_args"] = {k: v for k, v in kw.items() if k != "additional_config"}
     t0 = time.perf_counter()
     llm = LLM(args.model, skip_tokenizer_init=True, seed=0, **kw)
     cache = llm.llm_engine.vllm_config.cache_config
@@ -144,55 +545,131 @@ def run_worker(args) -> dict:
     result["window_blocks_per_request"] = window_blocks
     result["kv_tokens_all_running"] = (cache.num_gpu_blocks - window_blocks * result["max_num_seqs"]) * cache.block_size
     if args.sweep_seqs:
-        return result
-
+        return
+    if needs_bf16_capacity(plan) and args.worker == BASELINE:
+        # The sizes that must overflow BF16's cache, from this engine's: the others run what this writes.
+        plan = {**make_plan(plan["inputs"], result["kv_cache_tokens"], "read from the FLASH_ATTN engine",
+                            result["max_num_seqs"]), "sized_by_engine": True}
+        tmp = plan_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(plan, indent=1))
+        tmp.replace(plan_path)
+    elif needs_bf16_capacity(plan) and BASELINE in plan["inputs"]["configs"]:
+        plan = sized_plan(plan_path, Path(args.result).with_name(f"run_{BASELINE}.json"))
+    result["plan"] = {k: plan[k] for k in ("scale", "bf16_kv_tokens", "bf16_kv_source", "fixed")}
+    sizes = plan["sizes"]
     spans = result["spans"] = {}  # scenario -> [[start, end]] wall-clock seconds of its timed calls
 
-    def timed(prompts, max_tokens, scenario):
+    def timed(prompts, max_tokens, scenario) -> Call:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+        before = engine_counters(llm)
         t, wall = time.perf_counter(), time.time()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         spans.setdefault(scenario, []).append([wall, time.time()])
-        return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
+        seconds, after = time.perf_counter() - t, engine_counters(llm)
+        counters = {k: after[k] - before[k] for k in after} if before else None
+        return Call(seconds, sum(len(o.outputs[0].token_ids) for o in outs), outs, counters)
 
     llm.generate(distinct_prompts(2, 512, vocab, 99), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-    if not args.no_warmup:
-        warm_up(llm, args, vocab)
-    if "prefill" in args.scenarios or "decode" in args.scenarios:
-        prompts = distinct_prompts(args.num_prompts, args.prompt_len, vocab, 1)
-        s, _ = timed(prompts, 1, "prefill")
-        result["prefill"] = {"requests": args.num_prompts, "prompt_len": args.prompt_len, "seconds": round(s, 3),
-                             "prefill_tok_s": round(args.num_prompts * args.prompt_len / s, 1)}
-        if "decode" in args.scenarios:
-            s1, _ = timed(prompts, 1, "decode")  # prefix-cached: what the decode run pays before decoding
-            sk, n = timed(prompts, args.output_len, "decode")
-            steps = args.output_len - 1
-            result["decode"] = {"requests": args.num_prompts, "context": args.prompt_len,
-                                "output_len": args.output_len, "seconds": round(sk - s1, 3),
-                                "decode_tok_s": round(args.num_prompts * steps / (sk - s1), 1),
-                                "tpot_ms": round(1000 * (sk - s1) / steps, 3), "outputs": n}
-    if "long" in args.scenarios:
-        s, _ = timed(distinct_prompts(1, args.long_prompt, vocab, 2), 1, "long")
-        result["long"] = {"prompt_len": args.long_prompt, "seconds": round(s, 3),
-                          "prefill_tok_s": round(args.long_prompt / s, 1)}
-    if "short" in args.scenarios:
-        prompts = distinct_prompts(args.short_requests, 1024, vocab, 3)
-        s, n = timed(prompts, 1024, "short")
-        result["short"] = {"requests": args.short_requests, "prompt_len": 1024, "output_len": 1024,
-                           "seconds": round(s, 3), "output_tok_s": round(n / s, 1)}
-    if "capacity" in args.scenarios:
-        c, k = args.capacity_requests, args.capacity_output_len
-        prompts = distinct_prompts(c, args.capacity_len, vocab, 4)
-        s1, _ = timed(prompts, 1, "capacity")  # the prefill; what of it the KV cache holds stays prefix-cached
-        s, n = timed(prompts, k, "capacity")  # the follow-up (see the module docstring)
-        result["capacity"] = {"requests": c, "prompt_len": args.capacity_len, "output_len": k,
-                              "first_pass_s": round(s1, 3), "seconds": round(s, 3),
-                              "output_tok_s": round(c * k / s, 1), "outputs": n}
-    return result
+    wall = result["scenario_wall_s"] = {}  # each scenario with its warm-up, to compare with the plan's estimate
+    for name in (s for s in SCENARIOS if s in sizes):
+        if name == "decode" and "prefill" in sizes:
+            continue  # run with prefill, over its prompts
+        result["running"] = name
+        save(result)
+        t = time.perf_counter()
+        if not args.no_warmup:
+            warm_up(llm, name, sizes, vocab)
+        SCENARIO_RUNS[name](timed, sizes, vocab, result)
+        wall[name] = round(time.perf_counter() - t, 1)
+    result.pop("running", None)
 
 
-def warm_up(llm, args, vocab: int) -> None:
-    """Each scenario once, small and untimed, so that kernels compiled for its batch shapes
+def _prefill_decode(timed, sizes, vocab, result) -> None:
+    z = sizes.get("prefill") or {"requests": sizes["decode"]["requests"], "prompt_len": sizes["decode"]["context"]}
+    n, length = z["requests"], z["prompt_len"]
+    prompts = distinct_prompts(n, length, vocab, SEEDS["prefill"])
+    call = timed(prompts, 1, "prefill")
+    result["prefill"] = {"requests": n, "prompt_len": length, "seconds": round(call.seconds, 3),
+                         "prefill_tok_s": round(n * length / call.seconds, 1)}
+    if "decode" in sizes:
+        k = sizes["decode"]["output_len"]
+        s1 = timed(prompts, 1, "decode").seconds  # prefix-cached: what the decode run pays before decoding
+        sk = timed(prompts, k, "decode")
+        steps = k - 1
+        result["decode"] = {"requests": n, "context": length, "output_len": k, "seconds": round(sk.seconds - s1, 3),
+                            "decode_tok_s": round(n * steps / (sk.seconds - s1), 1),
+                            "tpot_ms": round(1000 * (sk.seconds - s1) / steps, 3), "outputs": sk.outputs}
+
+
+def _long(timed, sizes, vocab, result) -> None:
+    length = sizes["long"]["prompt_len"]
+    s = timed(distinct_prompts(1, length, vocab, SEEDS["long"]), 1, "long").seconds
+    result["long"] = {"prompt_len": length, "seconds": round(s, 3), "prefill_tok_s": round(length / s, 1)}
+
+
+def _latency(timed, sizes, vocab, result) -> None:
+    z, long_len = sizes["latency"], sizes.get("long", {}).get("prompt_len")
+    k, rows = z["output_len"], []
+    for i, ctx in enumerate(z["contexts"]):
+        # The context as long as long's prompt is that prompt, prefix-cached (its prefill is long's number).
+        prompt = distinct_prompts(1, ctx, vocab, SEEDS["long"] if ctx == long_len else LATENCY_SEED + i)
+        call = timed(prompt, k, "latency")
+        m = call.results[0].metrics
+        if m is None:
+            raise RuntimeError("latency needs vLLM's per-request times: leave disable_log_stats off")
+        n = len(call.results[0].outputs[0].token_ids)
+        rows.append({"context": ctx, "tpot_ms": round(1000 * (m.last_token_ts - m.first_token_ts) / (n - 1), 3),
+                     "first_token_s": round(m.first_token_ts - m.scheduled_ts, 3),
+                     "cached_tokens": call.results[0].num_cached_tokens, "outputs": n})
+    result["latency"] = {"requests": 1, "output_len": k, "contexts": z["contexts"], "per_context": rows}
+
+
+def _fresh_batch(name: str):
+    """short, fresh, reasoning, overflow: fresh distinct prompts, all sent at once."""
+    def run(timed, sizes, vocab, result) -> None:
+        z = sizes[name]
+        call = timed(distinct_prompts(z["requests"], z["prompt_len"], vocab, SEEDS[name]), z["output_len"], name)
+        result[name] = {**z, "seconds": round(call.seconds, 3), "output_tok_s": round(call.outputs / call.seconds, 1),
+                        "outputs": call.outputs, **call.engine_stats()}
+    return run
+
+
+def _capacity(timed, sizes, vocab, result) -> None:
+    z = sizes["capacity"]
+    c, k = z["requests"], z["output_len"]
+    prompts = distinct_prompts(c, z["prompt_len"], vocab, SEEDS["capacity"])
+    first = timed(prompts, 1, "capacity")  # the prefill; what of it the KV cache holds stays prefix-cached
+    follow = timed(prompts, k, "capacity")  # the follow-up (see the module docstring)
+    result["capacity"] = {**z, "first_pass_s": round(first.seconds, 3), "seconds": round(follow.seconds, 3),
+                          "output_tok_s": round(c * k / follow.seconds, 1), "outputs": follow.outputs,
+                          **follow.engine_stats()}
+
+
+SCENARIO_RUNS = {"prefill": _prefill_decode, "decode": _prefill_decode, "long": _long, "latency": _latency,
+                 "short": _fresh_batch("short"), "fresh": _fresh_batch("fresh"),
+                 "reasoning": _fresh_batch("reasoning"), "overflow": _fresh_batch("overflow"), "capacity": _capacity}
+
+
+def needs_bf16_capacity(plan: dict) -> bool:
+    """Whether the plan's sizes hang on BF16's KV capacity, which only the engine knows exactly."""
+    return (not plan["fixed"] and not plan.get("sized_by_engine") and bool(plan["inputs"].get("budget_s"))
+            and bool({"overflow", "capacity"} & set(plan["sizes"])))
+
+
+def sized_plan(plan_path: Path, baseline_result: Path, poll_s: float = 1.0, wait_s: float = 1800) -> dict:
+    """The plan once the FLASH_ATTN worker has sized it (it runs first: at once where it has the
+    only GPU, a wait while its engine starts where it runs beside this one), or as it is if that
+    worker ended without (its result file says so)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        plan = json.loads(plan_path.read_text())
+        if not needs_bf16_capacity(plan) or baseline_result.exists() or time.monotonic() > deadline:
+            return plan
+        time.sleep(poll_s)
+
+
+def warm_up(llm, name: str, sizes: dict, vocab: int) -> None:
+    """The scenario once, small and untimed, so that kernels compiled for its batch shapes
     (Triton specializes on sizes) are compiled before the timed calls: a one-time cost a
     serving user pays once, not per request."""
     from vllm import SamplingParams
@@ -203,14 +680,19 @@ def warm_up(llm, args, vocab: int) -> None:
             llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
 
     chunk = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
-    if {"prefill", "decode"} & set(args.scenarios):
-        run(2, args.prompt_len, 8)
-    if "long" in args.scenarios:
-        run(1, min(args.long_prompt, 2 * chunk + 1), 1)  # chunks over a cached prefix, one request
-    if "short" in args.scenarios:
+    z = sizes[name]
+    if name in ("prefill", "decode", "fresh"):
+        run(2, z.get("prompt_len") or z["context"], 8)
+    elif name == "long":
+        run(1, min(z["prompt_len"], 2 * chunk + 1), 1)  # chunks over a cached prefix, one request
+    elif name == "latency":
+        run(1, 1024, 16)
+    elif name == "short":
         run(4, 1024, 16)
-    if "capacity" in args.scenarios:
-        run(2, min(args.capacity_len, 2 * chunk + 1), 8)
+    elif name in ("reasoning", "overflow"):
+        run(8, min(z["prompt_len"], 2048), 16)
+    elif name == "capacity":
+        run(2, min(z["prompt_len"], 2 * chunk + 1), 8)
 
 
 # --- the pool of GPUs: one worker process (group) per GPU at a time -------------------------
@@ -221,6 +703,7 @@ class Job:
     cmd: list[str]
     result: Path  # run_<...>.json; its log is log_<...>.txt beside it
     stub: dict  # written with an error when the worker leaves no result
+    timeout: float | None = None  # seconds; None: the pool's
 
     @property
     def log(self) -> Path:
@@ -289,13 +772,21 @@ def mark_jit_compiles(result: dict, log: str, year: int) -> dict:
 
 def _finish(job: Job, gpu: str, seconds: float, returncode: int, timed_out: str | None) -> None:
     """Leave a result file (the stub with the error if the worker left none) and say how it went.
-    A result written before the timeout stands: only the engine's shutdown hung."""
-    if not job.result.exists():
+    A finished result written before the timeout stands: only the engine's shutdown hung. A
+    partial one (still ``running`` a scenario) keeps the scenarios it finished, with the error."""
+    wrote = job.result.exists()
+    if not wrote:
         error = timed_out or f"the worker exited with status {returncode} and no result (see {job.log.name})"
         job.result.write_text(json.dumps({**job.stub, "error": error}))
     result = json.loads(job.result.read_text())
-    if job.log.exists() and "spans" in result:
-        result = mark_jit_compiles(result, job.log.read_text(errors="replace"), time.localtime().tm_year)
+    if "running" in result:
+        scenario = result.pop("running")
+        result["error"] = (f"{timed_out} in {scenario}" if timed_out else
+                           f"the worker exited with status {returncode} in {scenario} (see {job.log.name})")
+    if wrote:
+        result["worker_s"] = round(seconds, 1)  # start to end, against the plan's estimate
+        if job.log.exists() and "spans" in result:
+            result = mark_jit_compiles(result, job.log.read_text(errors="replace"), time.localtime().tm_year)
         job.result.write_text(json.dumps(result, indent=1))
     error = result.get("error")
     print(f"end {job.label} on GPU {gpu}: {seconds:.0f} s, " + (f"failed: {error}" if error else "ok"), flush=True)
@@ -316,7 +807,8 @@ def run_pool(jobs: list[Job], gpus: list[str], timeout: float, poll_s: float = 0
             time.sleep(poll_s)
             for proc, (job, gpu, t0) in list(running.items()):
                 done = proc.poll() is not None
-                late = not done and time.monotonic() - t0 > timeout
+                limit = job.timeout or timeout
+                late = not done and time.monotonic() - t0 > limit
                 if not (done or late):
                     continue
                 _end_group(proc.pid)  # on exit too: whatever the worker left behind
@@ -324,7 +816,7 @@ def run_pool(jobs: list[Job], gpus: list[str], timeout: float, poll_s: float = 0
                 del running[proc]
                 free.append(gpu)
                 _finish(job, gpu, time.monotonic() - t0, proc.returncode,
-                        f"timed out after {timeout:g} s" if late else None)
+                        f"timed out after {limit:g} s" if late else None)
     finally:  # an interrupt or an error here: no engine outlives the parent
         for proc in running:
             _end_group(proc.pid)
@@ -332,101 +824,231 @@ def run_pool(jobs: list[Job], gpus: list[str], timeout: float, poll_s: float = 0
 
 # --- the report -----------------------------------------------------------------------------
 
-METRICS = [  # (scenario, field, label, higher is better)
+METRICS = [  # (scenario, field, label, higher is better; None: a count shown without a ratio), issue 18's order
     (None, "kv_cache_tokens", "KV cache capacity (tokens)", True),
     (None, "kv_tokens_all_running", "KV tokens left with all max_num_seqs requests running", True),
-    ("prefill", "prefill_tok_s", "prefill tok/s, {requests} x {prompt_len} distinct prompts", True),
+    ("latency", "tpot_ms", "batch 1: time per output token (ms), {context} context, {output_len} out", False),
+    ("short", "output_tok_s", "output tok/s, {requests} x ({prompt_len} in, {output_len} out), fresh", True),
     ("decode", "decode_tok_s", "decode tok/s, {requests} x {context} context, prefix-cached", True),
     ("decode", "tpot_ms", "time per output token (ms), same run", False),
-    ("long", "prefill_tok_s", "prefill tok/s, 1 x {prompt_len} prompt", True),
-    ("short", "output_tok_s", "output tok/s, {requests} x (1K in, 1K out)", True),
+    ("fresh", "output_tok_s", "fresh: output tok/s, {requests} x {prompt_len}, prefill + {output_len} out", True),
+    ("fresh", "seconds", "fresh: seconds, same run", False),
+    ("reasoning", "output_tok_s",
+     "reasoning: output tok/s, {requests} x ({prompt_len} in, {output_len} out), fresh", True),
+    ("reasoning", "mean_running", "reasoning: requests decoding at once (mean)", None),
+    ("reasoning", "preemptions", "reasoning: preemptions", None),
+    ("overflow", "output_tok_s",
+     "overflow: output tok/s, {requests} x ({prompt_len} in, {output_len} out), fresh", True),
+    ("overflow", "mean_running", "overflow: requests decoding at once (mean)", None),
+    ("overflow", "preemptions", "overflow: preemptions", None),
     ("capacity", "first_pass_s", "capacity, first pass (s): prefill of {requests} x ~{prompt_len}, 1 token out", False),
     ("capacity", "output_tok_s",
      "capacity, follow-up output tok/s: the same {requests} prompts, {output_len} out each", True),
+    ("capacity", "prompt_tokens_computed", "capacity, follow-up: prompt tokens computed again", None),
+    ("prefill", "prefill_tok_s", "prefill tok/s, {requests} x {prompt_len} distinct prompts", True),
+    ("long", "prefill_tok_s", "prefill tok/s, 1 x {prompt_len} prompt", True),
 ]
+SIZE_FIELDS = ("requests", "prompt_len", "context", "contexts", "output_len")
+MEMORY_BOUND = ("reasoning", "overflow", "capacity")
 
 
-def _line(label: str, cols: list[str], runs: dict, values: dict, b, higher: bool, csv: list, plot_rows: list | None,
-          metric: str | None = None) -> str:
-    """One table line: each configuration's value and its ratio to the baseline's ``b``; the same
-    into ``csv`` and (if given) ``plot_rows`` under ``metric`` (default: ``label``)."""
-    metric, cells = metric or label, []
-    for c in cols:
-        v = values.get(c)
-        if "error" in runs.get(c, {}):
-            cells.append("failed")
-        elif v is None:
-            cells.append("")
-        else:
-            ratio = (v / b if higher else b / v) if b and v else None
-            cells.append(f"{v:,}" + (f" ({ratio:.2f}x)" if ratio and c != BASELINE else ""))
-            csv.append(f"\"{metric}\",{c},{v},{'' if ratio is None else round(ratio, 4)}")
-            if ratio and plot_rows is not None:
-                plot_rows.append((metric, c, ratio))
-    return f"| {label} | " + " | ".join(cells) + " |"
+@dataclass
+class Column:
+    """One configuration in the main table: its results (``run``; merged over runs that ran
+    different scenarios) and, per scenario, the FLASH_ATTN result of the run it came from
+    (``bases``; None: the engine's own figures, from its first run)."""
+    name: str
+    run: dict
+    bases: dict
 
 
-def report(out: Path) -> str:
-    """``ab.md`` / ``ab.csv`` / ``ab.png`` from the per-configuration JSON files in ``out``."""
-    runs, sweep = {}, {}  # config -> result; (max_num_seqs, config) -> result of the sweep
+def _load(out: Path) -> tuple[dict, dict, dict, dict | None]:
+    """The main runs (config -> result), the sweep ((max_num_seqs, config) -> result), meta and plan of one run."""
+    runs, sweep = {}, {}
     for p in sorted(out.glob("run_*.json")):
         r = json.loads(p.read_text())
         if r.get("sweep_max_num_seqs"):
             sweep[(r["sweep_max_num_seqs"], r["config"])] = r
         else:
             runs[r["config"]] = r
-    meta = json.loads((out / "meta.json").read_text())
-    names = [c for c in CONFIGS if c in runs]
-    lines = [f"# A/B throughput: {meta['model']}", "",
-             f"- date: {meta['date']}; hardware: {meta['hardware']}", f"- command: `{meta['command']}`",
-             f"- {meta['versions']}", f"- engine arguments: {meta['engine_args']} (else vLLM's defaults)",
-             "- every request has its own prompt; ratios are against FLASH_ATTN (BF16) in the same run"]
-    if meta.get("gpus", 1) > 1:
-        lines.append(f"- {meta['gpus']} configurations at a time, one GPU each (sharing the host's CPUs)")
-    csv, plot_rows = ["metric,config,value,ratio_vs_bf16"], []
-    if names:
-        lines += ["", "| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for scen, field, label, higher in METRICS:
-        got = {n: (runs[n].get(scen) or {}) if scen else runs[n] for n in names}
-        if not any(field in g for g in got.values()):
+    plan = json.loads((out / "plan.json").read_text()) if (out / "plan.json").exists() else None
+    return runs, sweep, json.loads((out / "meta.json").read_text()), plan
+
+
+def _columns(loaded: list) -> list[Column]:
+    """A column per configuration, in the order of CONFIGS, each scenario from the first run that
+    has it; a configuration that runs a scenario again in a later run gets a column of that
+    run's (``FLASH_ATTN (run 2)``: the baseline of run 2's ratios)."""
+    cols: dict[str, Column] = {}
+    for i, (runs, _, _, _) in enumerate(loaded):
+        base = runs.get(BASELINE)
+        for c in (c for c in CONFIGS if c in runs):
+            r, col = runs[c], cols.get(c)
+            ran = [s for s in SCENARIOS if s in r]
+            if col and not set(ran) & set(col.run):  # other scenarios of the same configuration
+                col.run.update({s: r[s] for s in ran})
+                col.bases.update({s: base for s in ran})
+                if "error" in r:
+                    col.run["error"] = "; ".join(filter(None, [col.run.get("error"), f"run {i + 1}: {r['error']}"]))
+                continue
+            name = c if not col else f"{c} (run {i + 1})"
+            cols[name] = Column(name, dict(r), {None: base, **{s: base for s in ran}})
+    order = list(CONFIGS)
+    return sorted(cols.values(), key=lambda col: order.index(col.run["config"]))
+
+
+def _cell(col_run: dict, v, b, higher) -> tuple[str, float | None]:
+    """A table cell (the value and its ratio to the baseline's ``b``) and that ratio."""
+    if v is None:  # what it did not finish; the reason is under the table
+        return "failed" if "error" in col_run else "", None
+    ratio = (v / b if higher else b / v) if higher is not None and b and v else None
+    return f"{v:,}" + (f" ({ratio:.2f}x)" if ratio and col_run.get("config") != BASELINE else ""), ratio
+
+
+def _line(label: str, cols: list[Column], values: dict, higher, csv: list, plot_rows: list | None,
+          metric: str | None = None) -> str:
+    """One table line: each column's value and its ratio to its own baseline's; the same into
+    ``csv`` and (if given) ``plot_rows`` under ``metric`` (default: ``label``)."""
+    metric, cells = metric or label, []
+    for col in cols:
+        v, b = values.get(col.name), values.get(f"base:{col.name}")
+        text, ratio = _cell(col.run, v, b, higher)
+        cells.append(text)
+        if v is not None:
+            csv.append(f"\"{metric}\",{col.name},{v},{'' if ratio is None else round(ratio, 4)}")
+            if ratio and plot_rows is not None and col.run.get("config") != BASELINE:
+                plot_rows.append((metric, col.name, ratio))
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
+def _label(template: str, sizes: dict) -> str:
+    return template.format(**{k: tok(v) if k in ("prompt_len", "output_len", "context") else v
+                              for k, v in sizes.items()})
+
+
+def _main_rows(cols: list[Column]):
+    """(label, values, higher) of every metric some column has, in METRICS' order: values maps a
+    column's name to its value and ``base:<name>`` to its baseline's."""
+    def get(run: dict | None, scen, field, ctx=None):
+        g = (run or {}).get(scen) if scen else run
+        if ctx is not None:
+            g = next((r for r in (g or {}).get("per_context", []) if r["context"] == ctx), None)
+        return (g or {}).get(field) if isinstance(g, dict) else None
+
+    for scen, field, template, higher in METRICS:
+        if scen == "latency":
+            contexts = sorted({r["context"] for c in cols for r in (c.run.get("latency") or {}).get("per_context", [])})
+            keys = [(ctx, {"context": ctx, "output_len": next(c.run["latency"]["output_len"] for c in cols
+                                                               if c.run.get("latency"))}) for ctx in contexts]
+        else:
+            having = [g for g in ((c.run.get(scen) or {}) if scen else c.run for c in cols) if field in g]
+            keys = [(None, having[0])] if having else []
+        for ctx, sizes in keys:
+            values = {}
+            for c in cols:
+                values[c.name] = get(c.run, scen, field, ctx)
+                values[f"base:{c.name}"] = get(c.bases.get(scen), scen, field, ctx)
+            yield (_label(template, sizes) if scen else template), values, higher
+
+
+def _size_notes(cols: list[Column]) -> list[str]:
+    """Where the configurations ran different sizes (ratios then compare different work), and how
+    much KV the memory-bound scenarios need against each engine's cache."""
+    notes = []
+    for scen in SCENARIOS:
+        seen = {json.dumps({k: c.run[scen][k] for k in SIZE_FIELDS if k in c.run[scen]}) for c in cols
+                if isinstance(c.run.get(scen), dict)}
+        if len(seen) > 1:
+            notes.append(f"**{scen}: sizes differ between configurations** ({'; '.join(sorted(seen))}): "
+                         "its ratios compare different work")
+    need = []
+    for scen in MEMORY_BOUND:
+        z = next((c.run[scen] for c in cols if isinstance(c.run.get(scen), dict)), None)
+        if not z:
             continue
-        label = label.format(**next(g for g in got.values() if field in g)) if scen else label
-        values = {n: g.get(field) for n, g in got.items()}
-        lines.append(_line(label, names, runs, values, values.get(BASELINE), higher, csv, plot_rows))
+        tokens = z["requests"] * (z["prompt_len"] + (0 if scen == "capacity" else z["output_len"]))
+        shares = []
+        for c in cols:
+            kv, seqs = c.run.get("kv_cache_tokens"), c.run.get("max_num_seqs")
+            if kv:
+                window = (kv - c.run.get("kv_tokens_all_running", kv)) // seqs if seqs else 0
+                shares.append(f"{c.name} {(tokens + z['requests'] * window) / kv:.2f}")
+        need.append(f"{scen} {tokens:,} ({', '.join(shares)})")
+    if need:
+        notes.append("KV tokens the requests hold when all run at once (capacity: the prompts), as a share of "
+                     "each engine's KV cache (OSCAR's with its BF16 windows; above 1 they queue or preempt): "
+                     + "; ".join(need))
+    return notes
+
+
+def _plan_line(plan: dict | None) -> str:
+    if not plan:
+        return "- sizes: as the table's labels give them"
+    inp = plan["inputs"]
+    if plan.get("fixed"):
+        how = f"the sizes of {inp.get('plan_from', 'an earlier plan')}"
+    elif inp.get("budget_s"):
+        how = (f"the defaults scaled by {plan['scale']} to fit --budget-s {inp['budget_s']:g} per configuration"
+               + ("" if plan["fits"] else " (estimated over budget even at the floors)"))
+    else:
+        how = "the options' sizes, unscaled"
+    bounds = [f"overflow to need over {inp['overflow_factor']:g}x the largest KV cache of "
+              f"{' and '.join(inp['overflow_configs'])}"] if "overflow" in plan["sizes"] else []
+    bounds += [f"capacity over {inp['overflow_factor']:g}x BF16's"] if "capacity" in plan["sizes"] else []
+    bound = (f"; {' and '.join(bounds)}, BF16's KV cache being {plan['bf16_kv_tokens']:,} tokens "
+             f"({plan['bf16_kv_source']})") if bounds and not plan.get("fixed") else ""
+    return f"- sizes: {how}{bound}"
+
+
+def report(out: Path, *more: Path) -> str:
+    """``ab.md`` / ``ab.csv`` / ``ab.png`` in ``out`` from the per-configuration JSON files in
+    ``out`` and ``more`` (runs of one plan split over invocations: each ratio against the
+    FLASH_ATTN of its own run). Headings below the title are bold lines, so that the file splices
+    into another document (benchmarks/readme_tables.py) without adding to its outline."""
+    loaded = [_load(d) for d in (out, *more)]
+    cols = _columns(loaded)
+    runs = {c.name: c.run for c in cols}
+    meta = loaded[0][2]
+    lines = [f"# A/B throughput: {meta['model']}", ""]
+    for i, (r, _, m, plan) in enumerate(loaded):
+        if len(loaded) == 1:
+            lines += [f"- date: {m['date']}; hardware: {m['hardware']}", f"- command: `{m['command']}`"]
+        else:
+            lines.append(f"- run {i + 1} ({', '.join(c for c in CONFIGS if c in r)}): {m['date']}; "
+                         f"{m['hardware']}; `{m['command']}`")
+        if i == 0 or m["versions"] != meta["versions"]:
+            lines.append(f"- {m['versions']}")
+        if m.get("gpus", 1) > 1:
+            lines.append(f"- {m['gpus']} configurations at a time, one GPU each (sharing the host's CPUs)")
+        if plan:
+            lines.append(_plan_line(plan))
+    lines += [f"- engine arguments: {meta['engine_args']} (else vLLM's defaults)",
+              "- every request has its own prompt; ratios are against FLASH_ATTN (BF16) in the same run "
+              "(for times: FLASH_ATTN's over this one's), higher is better"]
+    csv, plot_rows = ["metric,config,value,ratio_vs_bf16"], []
+    if cols:
+        lines += ["", "| metric | " + " | ".join(c.name for c in cols) + " |", "|---|" + "---|" * len(cols)]
+        for label, values, higher in _main_rows(cols):
+            lines.append(_line(label, cols, values, higher, csv, plot_rows if higher is not None else None))
+    notes = _size_notes(cols)
     compiled = [f"{n} {scen}: {', '.join(r[scen]['jit_compiles'])}" for n, r in runs.items()
                 for scen in SCENARIOS if isinstance(r.get(scen), dict) and r[scen].get("jit_compiles")]
     if compiled:
-        lines += ["", "Triton kernels vLLM logged compiling inside a timed call (their compile time is in that "
-                  "scenario's numbers): " + "; ".join(compiled) + "."]
-    failed = [(n, runs[n]) for n in names if "error" in runs[n]]
+        notes.append("Triton kernels vLLM logged compiling inside a timed call (their compile time is in that "
+                     "scenario's numbers): " + "; ".join(compiled) + ".")
+    timing = [f"{f'run {i + 1} ' if len(loaded) > 1 else ''}{c} {runs_i[c]['worker_s']:.0f}"
+              + (f" ({plan['estimate_s'][c]['total']:.0f})" if plan and c in plan["estimate_s"] else "")
+              for i, (runs_i, _, _, plan) in enumerate(loaded) for c in CONFIGS if "worker_s" in runs_i.get(c, {})]
+    if timing:
+        notes.append("Seconds per configuration, engine start to exit (the plan's estimate): " + ", ".join(timing))
+    lines += [x for n in notes for x in ("", n)]
+    failed = [(c.name, c.run) for c in cols if "error" in c.run]
+    sweep = {}
+    for _, run_sweep, _, _ in loaded:
+        for key, r in run_sweep.items():
+            sweep.setdefault(key, r)
     if sweep:
-        rows = {}  # label -> config -> result
-        if runs:  # the main runs, at the max_num_seqs vLLM chose (or --engine-args set)
-            seqs = "/".join(map(str, sorted({r["max_num_seqs"] for r in runs.values() if "max_num_seqs" in r})))
-            eager = any(r.get("engine_args", {}).get("enforce_eager") for r in runs.values())
-            rows[f"{seqs or '?'} (main run, {'eager' if eager else 'CUDA graphs'})"] = runs
-        for v in sorted({v for v, _ in sweep}):
-            rows[f"{v} (enforce_eager)"] = row = {c: sweep[v, c] for c in CONFIGS if (v, c) in sweep}
-            failed += [(f"{c} (max_num_seqs={v})", r) for c, r in row.items() if "error" in r]
-        cols = [c for c in CONFIGS if any(c in row for row in rows.values())]
-        lines += ["", "## KV cache capacity by max_num_seqs", "",
-                  "KV cache tokens of engines started with that max_num_seqs and enforce_eager=True (to start "
-                  "fast), then stopped (\"main run\": the scenarios' engines); ratios against FLASH_ATTN "
-                  "in the same row", "",
-                  "| max_num_seqs | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-        for label, row in rows.items():
-            values = {c: r.get("kv_cache_tokens") for c, r in row.items()}
-            lines.append(_line(label, cols, row, values, values.get(BASELINE), True, csv,
-                               None if row is runs else plot_rows,  # the main table plots that one
-                               metric=f"KV cache capacity (tokens), max_num_seqs {label}"))
-        if any("kv_tokens_all_running" in r for row in rows.values() for r in row.values()):
-            lines += ["", "OSCAR's BF16 windows are blocks of that pool, taken per running request; with all "
-                      "max_num_seqs requests running, this much is left for KV tokens:", "",
-                      "| max_num_seqs | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-            for label, row in rows.items():
-                values = {c: r.get("kv_tokens_all_running") for c, r in row.items()}
-                lines.append(_line(label, cols, row, values, values.get(BASELINE), True, csv, None,
-                                   metric=f"KV tokens left with all running, max_num_seqs {label}"))
+        lines += _sweep_tables(sweep, loaded[0][0], csv, plot_rows, failed)
     for n, r in failed:
         lines.append(f"\n**{n} failed:** `{r['error']}`")
     text = "\n".join(lines) + "\n"
@@ -436,7 +1058,43 @@ def report(out: Path) -> str:
     return text
 
 
+def _sweep_tables(sweep: dict, runs: dict, csv: list, plot_rows: list, failed: list) -> list[str]:
+    """The KV capacity of engines started with each max_num_seqs of the sweep, beside the main runs'."""
+    lines, rows = [], {}  # label -> config -> result
+    if runs:  # the main runs, at the max_num_seqs vLLM chose (or --engine-args set)
+        seqs = "/".join(map(str, sorted({r["max_num_seqs"] for r in runs.values() if "max_num_seqs" in r})))
+        eager = any(r.get("engine_args", {}).get("enforce_eager") for r in runs.values())
+        rows[f"{seqs or '?'} (main run, {'eager' if eager else 'CUDA graphs'})"] = runs
+    for v in sorted({v for v, _ in sweep}):
+        rows[f"{v} (enforce_eager)"] = row = {c: sweep[v, c] for c in CONFIGS if (v, c) in sweep}
+        failed += [(f"{c} (max_num_seqs={v})", r) for c, r in row.items() if "error" in r]
+    names = [c for c in CONFIGS if any(c in row for row in rows.values())]
+    cols = [Column(c, {"config": c}, {}) for c in names]
+
+    def table(field: str, metric: str, plot: bool) -> list[str]:
+        out = ["| max_num_seqs | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for label, row in rows.items():
+            values = {c: r.get(field) for c, r in row.items()}
+            values.update({f"base:{c}": values.get(BASELINE) for c in names})
+            for col in cols:
+                col.run = row.get(col.name, {"config": col.name})
+            out.append(_line(label, cols, values, True, csv, plot_rows if plot and row is not runs else None,
+                             metric=f"{metric}, max_num_seqs {label}"))
+        return out
+
+    lines += ["", "**KV cache capacity by max_num_seqs**", "",
+              "KV cache tokens of engines started with that max_num_seqs and enforce_eager=True (to start "
+              "fast), then stopped (\"main run\": the scenarios' engines); ratios against FLASH_ATTN "
+              "in the same row", "", *table("kv_cache_tokens", "KV cache capacity (tokens)", True)]
+    if any("kv_tokens_all_running" in r for row in rows.values() for r in row.values()):
+        lines += ["", "OSCAR's BF16 windows are blocks of that pool, taken per running request; with all "
+                  "max_num_seqs requests running, this much is left for KV tokens:", "",
+                  *table("kv_tokens_all_running", "KV tokens left with all running", False)]
+    return lines
+
+
 def _plot(rows, path: Path, meta: dict) -> None:
+    """Horizontal bars: each workload's ratio to FLASH_ATTN, one bar per configuration."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -446,69 +1104,175 @@ def _plot(rows, path: Path, meta: dict) -> None:
     names = list(dict.fromkeys(r[1] for r in rows))
     if not labels:
         return
-    fig, ax = plt.subplots(figsize=(10, 0.6 * len(labels) * max(1, len(names)) / 2 + 2))
+    fig, ax = plt.subplots(figsize=(11, 0.3 * len(labels) * max(1, len(names)) + 2))
     h = 0.8 / len(names)
     for i, n in enumerate(names):
         vals = [next((r[2] for r in rows if r[0] == lab and r[1] == n), 0) for lab in labels]
         ax.barh([j + i * h for j in range(len(labels))], vals, height=h, label=n)
     ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_yticks([j + 0.4 - h / 2 for j in range(len(labels))], labels, fontsize=8)
+    ax.set_yticks([j + 0.4 - h / 2 for j in range(len(labels))], labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("ratio to FLASH_ATTN (BF16), higher is better")
+    ax.set_xlabel("ratio to FLASH_ATTN (BF16) in the same run, higher is better")
     ax.set_title(f"{meta['model']}, {meta['hardware']}, {meta['date']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[1:]))
-    p.add_argument("--model", default=None, help="model id or folder (default: a Qwen3-8B-shaped config, dummy weights)")
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument("--scenarios", nargs="*", default=SCENARIOS, choices=[*SCENARIOS, "none"],
-                   help="none (or no value): only the --max-num-seqs-sweep")
+def expand_scenarios(names: list[str]) -> list[str]:
+    """``--scenarios`` with the presets expanded and ``none`` dropped, in the order they run."""
+    wanted = {s for n in names for s in PRESETS.get(n, [n]) if s != "none"}
+    return [s for s in SCENARIOS if s in wanted]
+
+
+def model_config(model: str | None) -> dict:
+    """The model's config.json (the Qwen3-8B shape's without ``--model``)."""
+    if model is None:
+        return json.loads(QWEN3_8B_CONFIG.read_text())
+    if (Path(model) / "config.json").exists():
+        return json.loads((Path(model) / "config.json").read_text())
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model).to_dict()
+
+
+def parent_plan(args, cfg: dict) -> dict:
+    """The run's plan as the parent makes it: with an estimated BF16 KV capacity (or the one
+    ``--bf16-kv-tokens`` gives), or ``--plan``'s sizes."""
+    inputs = {"configs": args.configs, "scenarios": args.scenarios, "budget_s": args.budget_s, "gpus": args.gpus,
+              "full": full_sizes(args),
+              "overflow_configs": args.overflow_configs, "overflow_factor": args.overflow_factor,
+              "kv_vs_bf16": kv_vs_bf16(cfg), "window_tokens": oscar_window_tokens(cfg)}
+    engine_args = json.loads(args.engine_args)
+    if args.plan:
+        earlier = json.loads(Path(args.plan).read_text())
+        missing = [s for s in args.scenarios if s not in earlier["sizes"]]
+        if missing:
+            raise SystemExit(f"--plan {args.plan} has no sizes for {', '.join(missing)}")
+        inputs = {**earlier["inputs"], **{k: inputs[k] for k in ("configs", "scenarios", "budget_s", "gpus")},
+                  "plan_from": args.plan}
+        return make_plan(inputs, earlier["bf16_kv_tokens"], earlier["bf16_kv_source"], earlier["max_num_seqs"],
+                         fixed={s: earlier["sizes"][s] for s in args.scenarios})
+    if args.bf16_kv_tokens:
+        bf16, source = args.bf16_kv_tokens, "given by --bf16-kv-tokens"
+    else:
+        util = engine_args.get("gpu_memory_utilization", 0.92)  # vLLM 0.26's default
+        bf16 = estimate_bf16_kv_tokens(cfg, args.gpu_mem_gib, util)
+        source = f"estimated from {args.gpu_mem_gib} GiB x {util} less the weights"
+    plan = make_plan(inputs, bf16, source, engine_args.get("max_num_seqs", 1024))  # vLLM's default for LLM on an H200
+    if needs_bf16_capacity(plan) and BASELINE in args.configs and not args.bf16_kv_tokens:
+        plan["bf16_kv_source"] += "; the FLASH_ATTN engine, which runs first, sizes the run with its own"
+    return plan
+
+
+def worker_main(args) -> None:
+    """A worker: its result, whatever happens, in ``--result`` (written whole, then renamed: a
+    worker killed while writing leaves no half file)."""
+    dest = Path(args.result)
+
+    def save(res: dict) -> None:
+        tmp = dest.with_suffix(".tmp")
+        tmp.write_text(json.dumps(res, indent=1))
+        tmp.replace(dest)
+
+    result = {}
+    try:
+        run_worker(args, result, save)
+    except Exception as e:  # noqa: BLE001  (the table says why a configuration failed)
+        traceback.print_exc()  # into its log, whose tail the parent prints
+        scenario = result.pop("running", None)
+        result = {**result, **stub(args.worker, args.sweep_seqs),
+                  "error": f"{type(e).__name__}: {str(e)[:400]}" + (f" (in {scenario})" if scenario else "")}
+    save(result)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="model id or folder (default: a Qwen3-8B-shaped config, dummy weights)")
+    p.add_argument("--configs", nargs="+", default=[c for c in CONFIGS if c != "turboquant"], choices=list(CONFIGS),
+                   help="default: all but turboquant (which needs vLLM's FlashAttention 2 build)")
+    p.add_argument("--scenarios", nargs="*", default=["issue18"], choices=[*SCENARIOS, *PRESETS, "none"],
+                   help="scenarios or presets (default issue18: all); "
+                   "none (or no value): only the --max-num-seqs-sweep")
     p.add_argument("--rotations", default="hadamard",
                    help="OSCAR rotation path (default: hadamard; speed does not depend on the rotation values)")
     p.add_argument("--engine-args", default="{}", help="JSON of vLLM engine arguments for every configuration")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=16384)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--long-prompt", type=int, default=131072)
-    p.add_argument("--short-requests", type=int, default=64)
-    p.add_argument("--capacity-requests", type=int, default=32)
-    p.add_argument("--capacity-len", type=int, default=100000)
-    p.add_argument("--capacity-output-len", type=int, default=256, help="output tokens of the capacity follow-up")
+    g = p.add_argument_group("sizes (before --budget-s scales them)")
+    g.add_argument("--num-prompts", type=int, default=32, help="prefill and decode: requests")
+    g.add_argument("--prompt-len", type=int, default=16384, help="prefill and decode: prompt tokens")
+    g.add_argument("--output-len", type=int, default=256, help="decode: output tokens")
+    g.add_argument("--long-prompt", type=int, default=131072)
+    g.add_argument("--latency-contexts", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
+    g.add_argument("--latency-output-len", type=int, default=256)
+    g.add_argument("--short-requests", type=int, default=64)
+    g.add_argument("--short-output-len", type=int, default=1024)
+    g.add_argument("--fresh-requests", type=int, default=32)
+    g.add_argument("--fresh-len", type=int, default=16384)
+    g.add_argument("--fresh-output-len", type=int, default=256)
+    g.add_argument("--reasoning-requests", type=int, default=256)
+    g.add_argument("--reasoning-prompt-len", type=int, default=1024)
+    g.add_argument("--reasoning-output-len", type=int, default=4096)
+    g.add_argument("--overflow-requests", type=int, default=128)
+    g.add_argument("--overflow-prompt-len", type=int, default=8192)
+    g.add_argument("--overflow-output-len", type=int, default=8192)
+    g.add_argument("--capacity-requests", type=int, default=32)
+    g.add_argument("--capacity-len", type=int, default=100000)
+    g.add_argument("--capacity-output-len", type=int, default=256, help="output tokens of the capacity follow-up")
+    b = p.add_argument_group("time budget")
+    b.add_argument("--budget-s", type=float,
+                   help="seconds per configuration, engine start included: scale the sizes to fit")
+    b.add_argument("--overflow-configs", nargs="+", default=[BASELINE, "fp8"], choices=list(CONFIGS),
+                   help="whose KV caches overflow must overflow (default: FLASH_ATTN fp8, as issue 18 has it)")
+    b.add_argument("--overflow-factor", type=float, default=1.25,
+                   help="overflow needs this times their largest KV cache, capacity this times BF16's (default 1.25)")
+    b.add_argument("--bf16-kv-tokens", type=int, help="BF16's KV capacity to plan with (default: estimated, then "
+                   "read from the FLASH_ATTN engine)")
+    b.add_argument("--gpu-mem-gib", type=float, default=H200_GIB, help="GPU memory for that estimate (default: H200's)")
+    b.add_argument("--plan", help="run the sizes of an earlier run's plan.json (no scaling)")
+    b.add_argument("--dry-run", action="store_true", help="print the plan (sizes, estimated seconds) and stop")
     p.add_argument("--no-warmup", action="store_true",
                    help="time each scenario cold (default: each runs once, small and untimed, first)")
     p.add_argument("--max-num-seqs-sweep", type=int, nargs="*", default=[], metavar="N",
                    help="also start each configuration with max_num_seqs=N (eager) and read only its KV capacity")
     p.add_argument("--gpus", type=int, default=1, help="configurations run at once, one GPU each (default 1)")
     p.add_argument("--out", default="results/ab")
-    p.add_argument("--timeout", type=int, default=1800, help="seconds per configuration (and per sweep run)")
-    p.add_argument("--report", metavar="DIR", help="only rebuild the tables and plot from DIR")
+    p.add_argument("--timeout", type=int, help="seconds per configuration (and per sweep run); default 1800, "
+                   "or with --budget-s 60 + 1.5 x the plan's estimate for the configuration")
+    p.add_argument("--report", metavar="DIR", nargs="+",
+                   help="only rebuild the tables and plot from DIR (and further runs of its plan, merged)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--sweep-seqs", type=int, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    args.scenarios = [s for s in args.scenarios if s != "none"]
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with the scenario presets expanded and the configurations in the order they
+    run: FLASH_ATTN first (a budgeted run takes its sizes from its KV cache)."""
+    args = parser().parse_args(argv)
+    args.scenarios = expand_scenarios(args.scenarios)
+    args.configs = sorted(dict.fromkeys(args.configs), key=lambda c: c != BASELINE)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.report:
-        print(report(Path(args.report)))
+        print(report(*map(Path, args.report)))
+        return
+    if args.worker:
+        worker_main(args)
+        return
+    if not args.scenarios and not args.max_num_seqs_sweep:
+        parser().error("nothing to run: no --scenarios and no --max-num-seqs-sweep")
+    plan = parent_plan(args, model_config(args.model))
+    if args.dry_run:
+        print(plan_text(plan))
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.worker:
-        try:
-            res = run_worker(args)
-        except Exception as e:  # noqa: BLE001  (the table says why a configuration failed)
-            traceback.print_exc()  # into its log, whose tail the parent prints
-            res = {**stub(args.worker, args.sweep_seqs), "error": f"{type(e).__name__}: {str(e)[:400]}"}
-        tmp = Path(args.result + ".tmp")  # then renamed: a worker killed while writing leaves no half file
-        tmp.write_text(json.dumps(res, indent=1))
-        tmp.replace(args.result)
-        return
-    if not args.scenarios and not args.max_num_seqs_sweep:
-        p.error("nothing to run: no --scenarios and no --max-num-seqs-sweep")
     if args.model is None:
         args.model = str(out / "qwen3-8b-shape")
         Path(args.model).mkdir(exist_ok=True)
@@ -516,11 +1280,11 @@ def main() -> None:
     import torch
 
     if torch.cuda.is_available() and args.gpus > torch.cuda.device_count():
-        p.error(f"--gpus {args.gpus}, but {torch.cuda.device_count()} GPUs are visible")
+        parser().error(f"--gpus {args.gpus}, but {torch.cuda.device_count()} GPUs are visible")
     try:
         gpus = gpu_slots(args.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     except ValueError as e:
-        p.error(str(e))
+        parser().error(str(e))
     # In a child process: a CUDA context left in this one would take GPU memory from a worker.
     env = json.loads(subprocess.run(
         [sys.executable, "-c", "import json; from oscar_vllm.evaluate import environment; "
@@ -531,17 +1295,23 @@ def main() -> None:
     model_name = "Qwen3-8B shape, dummy weights" if args.model.endswith("qwen3-8b-shape") else args.model
     (out / "meta.json").write_text(json.dumps({**env, "model": model_name, "engine_args": args.engine_args,
                                                "gpus": len(gpus)}))
-    # Workers get this command line (less the configurations) and the model folder, which they
-    # must not write again while another worker reads it.
-    passed = [a for a in sys.argv[1:] if a not in ("--configs", *CONFIGS)]
+    plan_path = out / "plan.json"
+    plan_path.write_text(json.dumps(plan, indent=1))
+    print(plan_text(plan), flush=True)
+    # Workers read their sizes from the plan, and the model folder, which they must not write
+    # again while another worker reads it.
+    common = [sys.executable, __file__, "--model", args.model, "--rotations", args.rotations,
+              "--engine-args", args.engine_args, "--plan", str(plan_path)] + (["--no-warmup"] if args.no_warmup else [])
     jobs = []
     for seqs in ([None] if args.scenarios else []) + args.max_num_seqs_sweep:  # None: the scenarios
         for name in args.configs:
             dest = out / (f"run_{name}.json" if seqs is None else f"run_{name}_seqs{seqs}.json")
-            cmd = [sys.executable, __file__, *passed, "--model", args.model, "--worker", name, "--result", str(dest)]
-            label = name if seqs is None else f"{name} max_num_seqs={seqs}"
-            jobs.append(Job(label, cmd + (["--sweep-seqs", str(seqs)] if seqs else []), dest, stub(name, seqs)))
-    run_pool(jobs, gpus, args.timeout)
+            cmd = common + ["--worker", name, "--result", str(dest)] + (["--sweep-seqs", str(seqs)] if seqs else [])
+            # A budgeted configuration may run half as long again as the plan's estimate for it.
+            limit = 60 + 1.5 * plan["estimate_s"][name]["total"] if args.budget_s and seqs is None else None
+            jobs.append(Job(name if seqs is None else f"{name} max_num_seqs={seqs}", cmd, dest, stub(name, seqs),
+                            None if args.timeout else limit))
+    run_pool(jobs, gpus, args.timeout or 1800)
     print(report(out))
 
 
