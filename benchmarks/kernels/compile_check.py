@@ -83,7 +83,8 @@ def gluon_decode_consts(args) -> dict:
 def write_decode_consts(args) -> dict:
     tp = oscar_write.decode_write_tokens(args.g)
     return dict(ROT_HEAD_STRIDE=0, HKV=8, G=args.g, D=args.d, SINK=64, RECENT=256, WIN_E=WIN_E,
-                PARAM_BF16=args.bf16_params, TP=tp, QM=max(16, triton.next_power_of_2(tp * args.g)), KI=8)
+                PARAM_BF16=args.bf16_params, TP=tp, QM=max(16, triton.next_power_of_2(tp * args.g)),
+                KM=max(16, triton.next_power_of_2(tp)), R_TERM=args.d * args.d)
 
 
 def dense_kv_consts(args) -> dict:
