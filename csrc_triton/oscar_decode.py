@@ -292,6 +292,23 @@ def _held_rows(window_pos_ptr, ring, blk, seq_len, last, SINK: gl.constexpr, REC
 
 
 @gluon.jit
+def _attend_window_block(
+    m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, blk, seq_len, last, ring, h, qk_scale,
+    codes_ptr, params_ptr, bt_ptr, window_pos_ptr, stride_cb,
+    Q: gl.constexpr, N: gl.constexpr, SINK: gl.constexpr, RECENT: gl.constexpr,
+):
+    """An INT2 block that meets the sink, the recent window or ``seq_len``: its keys the ring
+    holds for the window are left to the ring tiles (a block the ring covers is not read)."""
+    use = _held_rows(window_pos_ptr, ring, blk, seq_len, last, SINK, RECENT)
+    if gl.max(use.to(gl.int32), axis=0) > 0:
+        kc, vc, ks, km, vs, vm = _load_int2_block(codes_ptr, params_ptr, bt_ptr, blk, h, stride_cb, Q, N)
+        m_i, l_i, a_min, o0, o1, o2, o3 = _attend_int2_block(
+            m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, kc, vc, ks, km, vs, vm, use,
+            qk_scale, Q, N, True)
+    return m_i, l_i, a_min, o0, o1, o2, o3
+
+
+@gluon.jit
 def _attend_ring_tile(
     m_i, l_i, a_min, o0, o1, o2, o3, tile, ring, h, last, qk_scale,
     q_base, stride_qh, window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page,
@@ -485,12 +502,9 @@ def _oscar_decode_kernel(
     window_start = gl.maximum(last - RECENT + 1, 0)
     recent_start = gl.maximum(SINK_BLOCKS, gl.minimum(n_blocks, window_start // TILE))
     for blk in range(b_lo, gl.minimum(b_hi, SINK_BLOCKS)):
-        use = _held_rows(window_pos_ptr, ring, blk, seq_len, last, SINK, RECENT)
-        if gl.max(use.to(gl.int32), axis=0) > 0:
-            kc, vc, ks, km, vs, vm = _load_int2_block(codes_ptr, params_ptr, bt_ptr, blk, h, stride_cb, Q, N)
-            m_i, l_i, a_min, o0, o1, o2, o3 = _attend_int2_block(
-                m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, kc, vc, ks, km, vs, vm, use,
-                qk_scale, Q, N, True)
+        m_i, l_i, a_min, o0, o1, o2, o3 = _attend_window_block(
+            m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, blk, seq_len, last, ring, h, qk_scale,
+            codes_ptr, params_ptr, bt_ptr, window_pos_ptr, stride_cb, Q, N, SINK, RECENT)
     p_lo = gl.maximum(b_lo, SINK_BLOCKS)
     p_hi = gl.minimum(b_hi, recent_start)
     if p_lo < p_hi:
@@ -504,12 +518,9 @@ def _oscar_decode_kernel(
                 qk_scale, Q, N, False)
             kc, vc, ks, km, vs, vm = kc2, vc2, ks2, km2, vs2, vm2
     for blk in range(gl.maximum(b_lo, recent_start), b_hi):
-        use = _held_rows(window_pos_ptr, ring, blk, seq_len, last, SINK, RECENT)
-        if gl.max(use.to(gl.int32), axis=0) > 0:
-            kc, vc, ks, km, vs, vm = _load_int2_block(codes_ptr, params_ptr, bt_ptr, blk, h, stride_cb, Q, N)
-            m_i, l_i, a_min, o0, o1, o2, o3 = _attend_int2_block(
-                m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, kc, vc, ks, km, vs, vm, use,
-                qk_scale, Q, N, True)
+        m_i, l_i, a_min, o0, o1, o2, o3 = _attend_window_block(
+            m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, blk, seq_len, last, ring, h, qk_scale,
+            codes_ptr, params_ptr, bt_ptr, window_pos_ptr, stride_cb, Q, N, SINK, RECENT)
 
     # Back from INT2 units; the min term adds the same amount to every dim of a head.
     d = gl.arange(0, Q, layout=gl.SliceLayout(1, ACC))

@@ -1,12 +1,9 @@
-"""Benchmarks of ``csrc_triton/oscar_attention.py`` on an H200-class GPU.
+"""Benchmarks of ``csrc_triton/oscar_attention.py`` on an H200-class GPU: prefill chunks over a
+cached prefix against vLLM's FA3 on the BF16 paged cache, and the launch sweep of the Triton
+decode kernel (the fallback where ``oscar_decode`` does not serve the shape). Decode attention
+is timed by ``oscar_decode.py decode``, both kernels beside FA3; the helpers it shares (BF16
+paged caches, FA3 and Triton baseline calls, the plot) are here.
 
-Each row times OSCAR and its baselines on the same paged shape in the same run: vLLM's FA3
-(``flash_attn_varlen_func(..., fa_version=3)``, BF16, block 16) and vLLM's Triton unified
-attention (BF16), with the bytes each kernel reads, the GB/s that makes and its share of the
-device-to-device copy bandwidth measured at the start of the run. Every request reads its own
-blocks in shuffled order, and the data is spread over enough copies that L2 serves nothing.
-
-    python benchmarks/kernels/oscar_attention.py decode  --out results/kernels
     python benchmarks/kernels/oscar_attention.py prefill --out results/kernels
     python benchmarks/kernels/oscar_attention.py sweep   --out results/kernels/sweep
 
@@ -141,58 +138,6 @@ def decode_calls(data: list[tuple], ctas: int | None = None, launch=None, use_as
         out, q, q, k, v, *b.args(), n, d ** -0.5, SINK, RECENT, num_splits=splits, part_out=part_out,
         part_lse=part_lse, launch=launch, use_asm=use_asm) for b, q, k, v, out in data]
     return calls, splits
-
-
-def decode(args, bw: float, env: dict) -> list[dict]:
-    fa, ua = _fa3(), _vllm_triton()
-    rows = []
-    for key in args.shapes:
-        s = SHAPES[key]
-        for n, ctx in itertools.product(args.batches, args.contexts):
-            bf16_bytes = n * ctx * s.num_kv_heads * s.head_dim * 4
-            if bf16_bytes > args.max_gb * 1e9:
-                continue
-            lens = [ctx] * n
-            osc_bytes = int2_bytes_read(lens, s.num_kv_heads, s.head_dim, SINK, RECENT)
-            calls, splits = decode_calls(decode_data(lens, s.num_kv_heads, s.num_heads, s.head_dim,
-                                                     copies_for(osc_bytes)))
-            row = {"shape": s.name, "batch": n, "context": ctx, "splits": splits,
-                   "oscar_ms": time_calls(calls)}
-            del calls
-            row["oscar_MB"] = osc_bytes / 1e6
-            row["oscar_GBps"] = osc_bytes / row["oscar_ms"] / 1e6
-            row["oscar_pct_copy"] = 100 * row["oscar_GBps"] / bw
-            row["bf16_MB"] = bf16_bytes / 1e6
-            if fa or ua:
-                caches = [Bf16Paged(lens, [1] * n, s.num_kv_heads, s.head_dim, seed=c)
-                          for c in range(copies_for(bf16_bytes))]
-                q = torch.randn(n, s.num_heads, s.head_dim, device="cuda", dtype=torch.bfloat16)
-                out = torch.empty_like(q)
-                scale = s.head_dim ** -0.5
-                for name, fn, make in (("fa3", fa, fa3_call), ("triton", ua, triton_call)):
-                    if fn is None:
-                        continue
-                    try:
-                        row[f"{name}_ms"] = time_calls([make(fn, c, q, out, scale, s.num_heads) for c in caches])
-                        row[f"{name}_GBps"] = bf16_bytes / row[f"{name}_ms"] / 1e6
-                        row[f"{name}_pct_copy"] = 100 * row[f"{name}_GBps"] / bw
-                    except Exception as e:  # noqa: BLE001  (a baseline that fails says why)
-                        row[f"{name}_ms"] = f"failed: {type(e).__name__}: {str(e)[:80]}"
-                del caches
-                if isinstance(row.get("fa3_ms"), float):
-                    row["oscar_vs_fa3"] = row["oscar_ms"] / row["fa3_ms"]
-            rows.append(row)
-            print(row, flush=True)
-            torch.cuda.empty_cache()
-    cols = ["shape", "batch", "context", "oscar_ms", "fa3_ms", "triton_ms", "oscar_vs_fa3", "oscar_GBps",
-            "oscar_pct_copy", "fa3_GBps", "fa3_pct_copy"]
-    write_reports(Path(args.out), "decode", rows, env, "Decode attention kernel: OSCAR INT2 against vLLM BF16",
-                  cols, [f"copy bandwidth in this run: {bw:,.0f} GB/s (read + write)",
-                         "bytes: what each kernel must read (OSCAR: whole INT2 blocks, the BF16 window "
-                         "entries, K and V; BF16: K and V of every token)",
-                         "oscar_vs_fa3: OSCAR time / FA3 time (lower is faster)"])
-    plot_decode(Path(args.out))
-    return rows
 
 
 def prefill(args, bw: float, env: dict) -> list[dict]:
@@ -451,7 +396,7 @@ def plot_decode(out_dir: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["decode", "prefill", "sweep", "once", "plot"],
+    p.add_argument("mode", choices=["prefill", "sweep", "once", "plot"],
                    help="plot: redraw decode.png from the decode.csv in --out")
     p.add_argument("--out", default="results/kernels")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -470,7 +415,7 @@ def main() -> None:
     bw = copy_bandwidth_gbs()
     env = environment()
     print(f"{env}; copy bandwidth {bw:,.0f} GB/s", flush=True)
-    {"decode": decode, "prefill": prefill, "sweep": sweep, "once": once}[args.mode](args, bw, env)
+    {"prefill": prefill, "sweep": sweep, "once": once}[args.mode](args, bw, env)
 
 
 if __name__ == "__main__":
