@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from oscar_vllm import __version__
+from oscar_vllm.atomic_output import atomic_output_dir, is_partial_output
 from oscar_vllm.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
 from oscar_vllm.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
 
@@ -421,6 +422,9 @@ def _load_ours(folder: Path) -> OscarRotations:
 def load_rotations(path: str | Path, shape: ModelShape | None = None) -> OscarRotations:
     """Load a rotation folder, ours or RotationZoo, and validate it against ``shape``."""
     folder = Path(path)
+    if is_partial_output(folder):
+        raise RotationFileError(f"{folder}: the temporary folder of an output that was being written (its writer "
+                                "was killed or is still running); use the folder it was written for")
     if not folder.exists():
         raise RotationFileError(f"{folder}: rotation path does not exist")
     if not folder.is_dir():
@@ -512,8 +516,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if shape is not None:
         rot = replace(rot, model=rot.model or shape.name, model_fingerprint=rot.model_fingerprint or dict(shape.fingerprint))
-    out = save_rotations(rot, args.dst) if args.to == "oscar" else save_rotationzoo(rot, args.dst)
-    print(f"wrote {args.to} rotations to {out}")
+    with atomic_output_dir(args.dst) as tmp:  # killed at any moment: the old folder, or none
+        save_rotations(rot, tmp) if args.to == "oscar" else save_rotationzoo(rot, tmp)
+    print(f"wrote {args.to} rotations to {args.dst}")
 
 
 if __name__ == "__main__":
