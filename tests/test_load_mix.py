@@ -157,7 +157,18 @@ def test_metrics_are_read_by_exact_name():
     assert prometheus_value(METRICS, "vllm:gpu_cache_usage_perc") is None
 
 
-def test_the_window_pages_line_the_scheduler_logs_is_the_one_read(caplog):
+class Lines(logging.Handler):
+    """The messages of one logger, each once (vLLM's loggers may or may not propagate)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_the_window_pages_line_the_scheduler_logs_is_the_one_read():
     """The OSCAR scheduler's allocator on vLLM's real block pool (as tests/test_window_pages.py
     drives it): a line when pages are first held, none while they change within the interval,
     and one at once when the last request gives them back."""
@@ -166,9 +177,10 @@ def test_the_window_pages_line_the_scheduler_logs_is_the_one_read(caplog):
 
     from oscar_vllm import window_pages
 
-    logger = logging.getLogger("vllm.oscar_vllm")
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger="vllm.oscar_vllm")
+    logger, lines = logging.getLogger("vllm.oscar_vllm"), Lines()
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
     try:
         kv, alloc = manager(40)
         admit(kv, request("a", list(range(130))), alloc)
@@ -178,9 +190,9 @@ def test_the_window_pages_line_the_scheduler_logs_is_the_one_read(caplog):
         kv.free(alloc.requests["a"])
         kv.free(alloc.requests["b"])  # the last pages back: a line at once
     finally:
-        logger.removeHandler(caplog.handler)
-    text = "\n".join(r.getMessage() for r in caplog.records)
-    assert window_pages_logged(text) == [PAGES, 0], text
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    assert window_pages_logged("\n".join(lines.lines)) == [PAGES, 0], lines.lines
     assert window_pages_logged(window_pages.USAGE_LOG % (17, 2)) == [17]
 
 

@@ -145,7 +145,10 @@ class Server:
         """Resident memory of the server's processes (API server, engine core, workers)."""
         import psutil
 
-        root = psutil.Process(self.proc.pid)
+        try:
+            root = psutil.Process(self.proc.pid)
+        except psutil.Error:
+            return 0
         total = 0
         for p in [root, *root.children(recursive=True)]:
             try:
@@ -316,6 +319,7 @@ async def load_phases(server: Server, args, mix, alone_reqs, graphs, repeats) ->
     out["repeats"] = identical_runs(runs)
     out["graph_batches"] = {b: await batch_call(client, p, args.graph_tokens) for b, p in graphs.items()}
     out["rss_bytes"] = server.rss_bytes()
+    await client.close()
     return out
 
 
@@ -332,7 +336,9 @@ def run_backend(backend: str, args, mix, alone_reqs, graphs, repeats, port: int)
 
         async def eager_batches():
             client = client_for(server)
-            return {b: await batch_call(client, p, args.graph_tokens) for b, p in graphs.items()}
+            replies = {b: await batch_call(client, p, args.graph_tokens) for b, p in graphs.items()}
+            await client.close()
+            return replies
 
         eager = asyncio.run(eager_batches())
     res["graphs_vs_eager"] = {  # keyed by str(batch), as the results read back from JSON are
@@ -469,17 +475,22 @@ async def soak_load(server: Server, args, mix: list[Request]) -> tuple[list[dict
     counter = iter(range(10**9))
 
     async def worker():
-        while time.perf_counter() < stop_at:
+        while time.perf_counter() < stop_at and server.proc.poll() is None:
             r = mix[next(counter) % len(mix)]
             res = await send(client, r)
             events.append({"end": time.perf_counter() - t_start, "latency": res["latency"], "ok": res["ok"],
                            "cancelled": bool(res.get("cancelled")), "error": res.get("error")})
+            if not res["ok"]:
+                await asyncio.sleep(1)  # a failing server is not hammered
 
     async def sampler():
         k = 1
         while True:
             await asyncio.sleep(max(0.0, t_start + k * args.interval - time.perf_counter()))
-            m = server.metrics()
+            try:
+                m = server.metrics()
+            except Exception:  # the server is gone: its row says so with empty readings
+                m = ""
             pages = window_pages_logged(server.log_text())
             samples.append({"t": time.perf_counter() - t_start, "gpu_memory_gib": (gpu_memory_used() or 0) / 2**30,
                             "server_rss_gib": server.rss_bytes() / 2**30,
@@ -492,6 +503,7 @@ async def soak_load(server: Server, args, mix: list[Request]) -> tuple[list[dict
 
     await asyncio.gather(sampler(), *(worker() for _ in range(args.concurrency)))
     idle = await idle_state(server, client)
+    await client.close()
     return events, samples, {"baseline": baseline, "idle": idle}
 
 
