@@ -314,7 +314,7 @@ def test_the_tp2_rotations_are_valid_for_the_checkpoint(serve_load, tmp_path, pe
 SMOLLM2_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
                   "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
                   "max_position_embeddings": 8192, "vocab_size": 49152, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
-                  "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
+                  "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32"}
 
 
 @pytest.fixture(scope="module")
@@ -346,6 +346,7 @@ def test_the_load_servers_command_passes_vllms_parser_and_the_startup_checks(ser
     config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
     assert config.additional_config["oscar"]["rotation_path"] == rotations
     assert config.scheduler_config.max_num_seqs == 256 and config.model_config.max_model_len == 8192
+    assert config.model_config.dtype == torch.bfloat16, "FLASH_ATTN serves no float32, the prepared folder's dtype"
     assert (config.compilation_config.cudagraph_capture_sizes or []) == ([] if eager else serve_load.CAPTURE_SIZES)
 
 

@@ -95,7 +95,8 @@ class Server:
                  max_num_seqs: int, eager: bool, memory: float):
         self.log, self.port, self.backend = log, port, backend
         args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--served-model-name", SERVED_NAME,
-                "--attention-backend", backend, "--max-model-len", str(context), "--max-num-seqs", str(max_num_seqs),
+                "--attention-backend", backend, "--dtype", "bfloat16",  # the prepared folder says float32
+                "--max-model-len", str(context), "--max-num-seqs", str(max_num_seqs),
                 "--gpu-memory-utilization", str(memory), "--seed", "0", "--port", str(port),
                 "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
         if eager:
@@ -606,7 +607,7 @@ def cmd_soak(args) -> None:
 def refusal_engine(args) -> dict:
     """The engine every refusal case changes one thing of: small, eager, OSCAR."""
     return dict(model=args.model, attention_backend="OSCAR", additional_config=oscar_config(args.rotations),
-                max_model_len=2048, max_num_seqs=8, gpu_memory_utilization=0.3, enforce_eager=True, seed=0)
+                dtype="bfloat16", max_model_len=2048, max_num_seqs=8, gpu_memory_utilization=0.3, enforce_eager=True, seed=0)
 
 
 def refusal_cases(args, scratch: Path) -> list[tuple[str, dict, str, dict]]:
