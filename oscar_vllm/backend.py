@@ -39,6 +39,7 @@ from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape, window_pages_
 from csrc_triton.warm_up import warm_up_kernels
 from oscar_vllm.plugin import check_vllm_version
 from oscar_vllm.fold import RotationFoldError
+from oscar_vllm.preflight import check_in_worker
 from oscar_vllm.quant import PARAM_DTYPES, clip_index
 from oscar_vllm.settings import BACKEND_NAME, OscarSettings
 from oscar_vllm.window_pages import WindowPagesError
@@ -278,6 +279,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
 
         vllm_config = get_current_vllm_config()
+        check_in_worker(vllm_config)  # the startup checks, also for configs EngineArgs did not build
         self.settings = OscarSettings.from_vllm_config(vllm_config)
         self.sink = self.settings.sink_size
         self.recent = self.settings.recent_size

@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from oscar_vllm import corpus
+from oscar_vllm.atomic_output import atomic_output_dir, check_replaceable
 from oscar_vllm.calibration import (
     VALUE_WEIGHTS,
     LayerStats,
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     t0 = time.time()
+    check_replaceable(args.output_dir)  # before minutes of calibration, not after
     text, corpus_name = (  # before the model loads, so a missing text fails at once
         (read_corpus(args.corpus), str(args.corpus))
         if args.corpus else (corpus.calibration_text(), corpus.CALIBRATION_NAME)
@@ -154,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
         param_dtype_from_name(args.scale_dtype),
         {"corpus": corpus_name, "seq_len": args.seq_len, "heldout_tokens": args.heldout_tokens},
     )
-    out = save_rotations(rot, args.output_dir)
+    with atomic_output_dir(args.output_dir) as tmp:  # killed at any moment: the old folder, or none
+        save_rotations(rot, tmp)
+    out = args.output_dir
     logger.info("wrote rotations for %s (%d layers) to %s in %.0f s", loaded.name, len(rot.layer_ids), out, time.time() - t0)
     if rot.clip_ratios_k is not None:
         fit = rot.calibration["clip_fit"]

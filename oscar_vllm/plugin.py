@@ -3,11 +3,14 @@ OSCAR backend (and ``CUSTOM``, when no other plugin has claimed that slot).
 
 vLLM loads general plugins in every process, before it parses ``--attention-backend`` into
 an ``AttentionBackendEnum`` member, so ``register()`` adds the ``OSCAR`` member there. It is
-idempotent, imports only vLLM's small registry module and never touches CUDA.
+idempotent, imports only vLLM's small registry module and never touches CUDA. Where vLLM's
+``EngineArgs`` is loaded already (the process that starts an engine), it also has the configs
+it builds checked at once (``oscar_vllm.preflight``).
 """
 from __future__ import annotations
 
 import logging
+import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from oscar_vllm.settings import BACKEND_NAME, BACKEND_PATH
@@ -83,3 +86,10 @@ def register() -> None:
     _add_enum_member(AttentionBackendEnum, BACKEND_NAME, BACKEND_PATH)
     if not AttentionBackendEnum.CUSTOM.is_overridden():
         register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    # The process that starts an engine registers plugins from EngineArgs, which is imported by
+    # then: its configs are checked as they are built, before any engine process or GPU memory.
+    arg_utils = sys.modules.get("vllm.engine.arg_utils")
+    if arg_utils is not None:
+        from oscar_vllm.preflight import install_startup_check
+
+        install_startup_check(arg_utils.EngineArgs)

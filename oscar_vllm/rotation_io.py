@@ -24,6 +24,8 @@ import argparse
 import json
 import logging
 import math
+import pickle
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -33,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from oscar_vllm import __version__
+from oscar_vllm.atomic_output import atomic_output_dir, is_partial_output
 from oscar_vllm.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
 from oscar_vllm.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
 
@@ -46,6 +49,8 @@ OUR_FILES = {KEY: "k_rotation.safetensors", VALUE: "v_rotation.safetensors"}
 ZOO_FORMAT_VERSIONS = (1, 2)
 ZOO_GROUPING = {1: "layer", 2: "per_kv_head"}
 ORTHOGONALITY_TOL = 1e-4
+# Half precision cannot hold an orthogonal matrix to ORTHOGONALITY_TOL: refused by name.
+ROTATION_DTYPES = (torch.float32, torch.float64)
 
 # Which statistic an objective's prefix names, hence whether it rotates keys or values.
 _OBJECTIVE_KIND = {"qqt": KEY, "ktk": KEY, "sst": VALUE, "vtv": VALUE}
@@ -247,6 +252,11 @@ def _first_line(e: Exception) -> str:
     return line.split(". ", 1)[0].rstrip(".")
 
 
+def _dtype_problem(layer_id: int, dtype: torch.dtype) -> str:
+    return (f"layer {layer_id} rotation is stored as {str(dtype).removeprefix('torch.')}; rotations are float32 "
+            f"(or float64): lower precision is not orthogonal to {ORTHOGONALITY_TOL:g}")
+
+
 def _ranges(ids: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
     out, start = [], None
@@ -269,8 +279,16 @@ def load_rotationzoo_file(path: str | Path) -> RotationSet:
         raise RotationFileError(f"{path}: no such rotation file")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a pickle torch refuses, a truncated file, not a torch file
-        raise _fail(str(path), f"is not a readable torch.save file ({type(e).__name__}: {_first_line(e)})") from e
+    except Exception as e:  # an object torch will not build without running code, a truncated file, not a torch file
+        code = re.search(r"GLOBAL (\S+)", str(e)) if isinstance(e, pickle.UnpicklingError) else None
+        if code:
+            raise _fail(str(path), f"holds a pickled object other than tensors, numbers and strings ({code[1]}); "
+                                   "refused unread, since loading it would run code (a RotationZoo file holds "
+                                   "tensors only)") from e
+        # torch's refusal of bytes that are no pickle at all names the problem after its advice
+        detail = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", str(e))
+        raise _fail(str(path), f"is not a readable torch.save file ({type(e).__name__}: "
+                               f"{detail[1] if detail else _first_line(e)})") from e
     if not isinstance(state, Mapping) or "layers" not in state or "format_version" not in state:
         raise _fail(str(path), "is not a RotationZoo file (expected keys format_version, objective, layers)")
     version = state["format_version"]
@@ -280,11 +298,19 @@ def load_rotationzoo_file(path: str | Path) -> RotationSet:
     objective = str(state.get("objective", ""))
     kind = objective_kind(objective) or _kind_from_filename(path)
     rotations, eigenvalues = {}, {}
+    if not isinstance(state["layers"], Mapping):
+        raise _fail(str(path), f"'layers' is a {type(state['layers']).__name__}, not a map of layer id to entry")
     for key, entry in state["layers"].items():
+        if not isinstance(entry, Mapping) or "rotation" not in entry:
+            keys = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
+            raise _fail(str(path), f"layer {key} entry has no 'rotation' (it holds {keys}); format {version} "
+                                   "entries hold layer_id, rotation and eigenvalues")
         layer_id = int(entry.get("layer_id", key))
         r = entry["rotation"]
         if not isinstance(r, torch.Tensor):
             raise _fail(str(path), f"layer {layer_id} rotation is not a tensor")
+        if r.dtype not in ROTATION_DTYPES:
+            raise _fail(str(path), _dtype_problem(layer_id, r.dtype))
         want_dims = 3 if grouping == "per_kv_head" else 2
         if r.dim() != want_dims:
             raise _fail(
@@ -362,6 +388,8 @@ def _load_our_file(path: Path, kind: str) -> RotationSet:
         parts = name.split(".")
         if len(parts) != 3 or parts[0] != "layers" or parts[2] not in ("rotation", "eigenvalues"):
             raise _fail(str(path), f"unexpected tensor {name!r}")
+        if parts[2] == "rotation" and t.dtype not in ROTATION_DTYPES:
+            raise _fail(str(path), _dtype_problem(int(parts[1]), t.dtype))
         (rotations if parts[2] == "rotation" else eigenvalues)[int(parts[1])] = t.float()
     return RotationSet(meta.get("kind", ""), meta.get("objective", ""), rotations, eigenvalues, str(path))
 
@@ -421,6 +449,9 @@ def _load_ours(folder: Path) -> OscarRotations:
 def load_rotations(path: str | Path, shape: ModelShape | None = None) -> OscarRotations:
     """Load a rotation folder, ours or RotationZoo, and validate it against ``shape``."""
     folder = Path(path)
+    if is_partial_output(folder):
+        raise RotationFileError(f"{folder}: the temporary folder of an output that was being written (its writer "
+                                "was killed or is still running); use the folder it was written for")
     if not folder.exists():
         raise RotationFileError(f"{folder}: rotation path does not exist")
     if not folder.is_dir():
@@ -512,8 +543,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if shape is not None:
         rot = replace(rot, model=rot.model or shape.name, model_fingerprint=rot.model_fingerprint or dict(shape.fingerprint))
-    out = save_rotations(rot, args.dst) if args.to == "oscar" else save_rotationzoo(rot, args.dst)
-    print(f"wrote {args.to} rotations to {out}")
+    with atomic_output_dir(args.dst) as tmp:  # killed at any moment: the old folder, or none
+        save_rotations(rot, tmp) if args.to == "oscar" else save_rotationzoo(rot, tmp)
+    print(f"wrote {args.to} rotations to {args.dst}")
 
 
 if __name__ == "__main__":

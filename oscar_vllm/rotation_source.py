@@ -3,7 +3,9 @@ Hugging Face Hub repo (+ subfolder) fetched into the hub cache, or the data-free
 mode asked for by name."""
 from __future__ import annotations
 
+import os
 import re
+import socket
 from pathlib import Path
 
 from oscar_vllm.calibration import hadamard_rotation_sets
@@ -52,3 +54,26 @@ def rotations_for_model(settings: OscarSettings, shape: ModelShape) -> OscarRota
         validate_rotations(rot, shape)
         return rot
     return load_rotations(resolve_rotation_path(settings.require_rotation_path()), shape)
+
+
+def rotations_in_process(settings: OscarSettings, shape: ModelShape, worker: str | None = None) -> OscarRotations:
+    """:func:`rotations_for_model`, a path this process cannot read named as such. In a vLLM
+    worker (``worker``: which one) the error also names the host and pid: every process that
+    holds model weights reads the rotations itself, after the process that started the engine
+    read them, so a worker that cannot sees another folder than that one did."""
+    try:
+        return rotations_for_model(settings, shape)
+    except (RotationFileError, OSError) as e:
+        if settings.is_hadamard or not settings.rotation_path:
+            raise
+        problem = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else str(e)
+        if worker is None:
+            if isinstance(e, RotationFileError):
+                raise
+            raise RotationFileError(f"rotation path {settings.rotation_path!r} cannot be read ({problem})") from e
+        raise RotationFileError(
+            f"{worker} on host {socket.gethostname()} (pid {os.getpid()}) cannot use rotation path "
+            f"{settings.rotation_path!r}: {problem}. Every vLLM process that holds model weights loads the "
+            "rotations itself, so the folder must be readable, with the same files, at the same path on every "
+            "node (or give hf://ORG/REPO, which each node fetches)"
+        ) from e

@@ -62,7 +62,11 @@ class OscarSettings:
         cls, additional_config: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
     ) -> "OscarSettings":
         environ = os.environ if environ is None else environ
-        given = dict((additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {})
+        given = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}
+        if not isinstance(given, Mapping):
+            raise OscarSettingsError(f"--additional-config's {ADDITIONAL_CONFIG_KEY!r} entry must be a JSON object of "
+                                     f"settings, like {{\"rotation_path\": DIR}}; got {given!r}")
+        given = dict(given)
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(given) - set(known))
         if unknown:

@@ -245,7 +245,7 @@ def prepare_model(model: torch.nn.Module) -> None:
 
     from oscar_vllm.fold import fold_value_rotation, kv_heads_of_shard, per_head
     from oscar_vllm.rotation_io import KEY, VALUE, ModelShape
-    from oscar_vllm.rotation_source import rotations_for_model
+    from oscar_vllm.rotation_source import rotations_in_process
 
     blocks = oscar_attention_blocks(model)
     if not blocks:
@@ -264,8 +264,8 @@ def prepare_model(model: torch.nn.Module) -> None:
         )
     settings = OscarSettings.from_vllm_config(vllm_config)
     shape = ModelShape.from_hf_config(hf_config, vllm_config.model_config.model)
-    rotations = rotations_for_model(settings, shape)
     tp_size, tp_rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    rotations = rotations_in_process(settings, shape, worker=f"vLLM worker (tensor-parallel rank {tp_rank})")
     kv_heads = kv_heads_of_shard(shape.num_kv_heads, tp_size, tp_rank)
     for layer_id, block in blocks:
         qkv, o = block.qkv_proj, block.o_proj

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -41,6 +42,10 @@ logger = logging.getLogger("vllm.oscar_vllm")
 # sink pages came from the prefix cache and hold the sink already, else the request writes them.
 SCHEDULER_OUTPUT_FIELD = "oscar_window_pages"
 SINK_TAG = b"oscar_vllm.sink"
+# The pages held are logged when they change: at once from and to 0, else at most this often
+# (USAGE_LOG is the line; tests/gpu/serve_load.py reads it).
+USAGE_LOG_SECONDS = 10.0
+USAGE_LOG = "OSCAR window pages held: %d blocks by %d requests"
 
 
 class WindowPagesError(OscarError, RuntimeError):
@@ -77,6 +82,7 @@ class WindowPageAllocator:
         # to have its sink block cached provides the prefix's cached sink).
         self.unregistered: dict[str, None] = {}
         self.fresh: set[int] = set()  # blocks cached in the current schedule() call
+        self.logged_pages, self.logged_at = 0, float("-inf")  # the last usage line
 
     @property
     def pages_per_request(self) -> int:
@@ -153,6 +159,8 @@ class WindowPageAllocator:
         sink last: cached sink pages outlive the request's other blocks in vLLM's LRU order."""
         self.unregistered.pop(request_id, None)
         pages = self.held.pop(request_id, None)
+        if not self.held:
+            self.log_usage()
         return [] if pages is None else pages.recent + pages.sink
 
     def page_ids(self, request_id: str) -> list[int]:
@@ -170,6 +178,16 @@ class WindowPageAllocator:
         only cached pages carry a block hash, the tags ``end_step`` gives them."""
         sink = self.held[request_id].sink
         return bool(sink) and sink[0].block_hash is not None
+
+    def log_usage(self) -> None:
+        """Log the pages held (USAGE_LOG) if they changed: at once when they leave or reach 0, else
+        at most every USAGE_LOG_SECONDS. So the last line of an idle server says 0, and a request
+        whose pages never came back keeps it from saying so."""
+        held, now = self.pages_in_use, time.monotonic()
+        if held == self.logged_pages or (held and self.logged_pages and now - self.logged_at < USAGE_LOG_SECONDS):
+            return
+        logger.info(USAGE_LOG, held, len(self.held))
+        self.logged_pages, self.logged_at = held, now
 
     def begin_step(self) -> None:
         self.fresh.clear()
@@ -282,6 +300,7 @@ def attach_to_scheduler(scheduler, sink_pages: int, recent_pages: int, sink: int
         allocator.begin_step()
         output = original(*args, **kwargs)
         allocator.end_step(blocks_of)
+        allocator.log_usage()
         setattr(output, SCHEDULER_OUTPUT_FIELD, {
             r.req_id: (allocator.page_ids(r.req_id), allocator.sink_shared(r.req_id)) for r in output.scheduled_new_reqs
         })

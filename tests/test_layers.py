@@ -13,7 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CORE = ["oscar_vllm.quant", "oscar_vllm.rotation", "oscar_vllm.rotation_io", "oscar_vllm.mixed_cache",
         "oscar_vllm.fold", "oscar_vllm.settings", "oscar_vllm.errors", "oscar_vllm.reference.oscar_attention",
-        "oscar_vllm.reference.oscar_write", "oscar_vllm.reference.oscar_dense_kv", "oscar_vllm.window_pages"]
+        "oscar_vllm.reference.oscar_write", "oscar_vllm.reference.oscar_dense_kv", "oscar_vllm.window_pages",
+        "oscar_vllm.atomic_output"]
 KERNELS = ["csrc_triton.oscar_attention", "csrc_triton.oscar_write", "csrc_triton.oscar_dense_kv",
            "csrc_triton.warm_up"]
 CALIBRATION = ["oscar_vllm.calibration", "oscar_vllm.calibrate", "oscar_vllm.evaluate", "oscar_vllm.hf",

@@ -20,6 +20,14 @@
 #   chunked prompt logprobs through chunked prefill (chunks 256 and 8192, SmolLM2): no NaN, and a
 #           request's chunks alone in a step give what they give in a batch
 #   decode  decode tokens/s, OSCAR vs FLASH_ATTN, batch 1/32, context 8K/32K
+#   refuse  bad input refused by name in one process (SmolLM2), GPU memory back to its baseline
+#   load    `vllm serve` under load, FLASH_ATTN and OSCAR through the same test (SmolLM2): replies
+#           against the same requests alone, idle KV blocks and window pages after load and
+#           cancellations, the same batch 20 times, CUDA graphs against eager (OSCAR_LOAD_ARGS;
+#           --backends FLASH_ATTN, then --backends OSCAR, splits it into two calls)
+#   soak    OSCAR_SOAK_MINUTES (8) of mixed load on an OSCAR server: soak.csv, soak.png, soak.md
+#   tp2     TP=2 against TP=1, seeded Qwen3-architecture checkpoint (needs 2 GPUs; OSCAR_TP2_ARGS)
+#           (these four: tests/gpu/serve_load.py, docs/reliability.md; output in OUT_DIR/reliability)
 #   fidelity  the core issue's GPU fidelity benchmark
 #   bash tests/gpu/run.sh OUT_DIR [STAGE...]     (default stages: tests e2e serve decode)
 # Every stage runs even if one fails; the exit status says whether all passed.
@@ -106,6 +114,28 @@ for stage in $stages; do
         $e2e decode --model "$work/qwen3-8b-shape" --rotations "$zoo"
         $e2e decode --model "$work/qwen3-8b-shape" --backend FLASH_ATTN
       } 2>&1 | tee "$out/decode.log" || status=1 ;;
+    refuse)
+      {
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
+        timeout 420 python3 tests/gpu/serve_load.py refuse --model "$work/smollm2" --rotations "$smol_rot" \
+          --out "$out/reliability"
+      } 2>&1 | grep -v EngineCore | tee "$out/refuse.log" || status=1 ;;
+    load)
+      {
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
+        timeout 900 python3 tests/gpu/serve_load.py load --model "$work/smollm2" --rotations "$smol_rot" \
+          --out "$out/reliability" ${OSCAR_LOAD_ARGS:-}
+      } 2>&1 | tee "$out/load.log" || status=1 ;;
+    soak)
+      minutes=${OSCAR_SOAK_MINUTES:-8}
+      {
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
+        timeout $(( ${minutes%.*} * 60 + 360 )) python3 tests/gpu/serve_load.py soak --minutes "$minutes" \
+          --model "$work/smollm2" --rotations "$smol_rot" --out "$out/reliability" ${OSCAR_SOAK_ARGS:-}
+      } 2>&1 | tee "$out/soak.log" || status=1 ;;
+    tp2)
+      timeout 900 python3 tests/gpu/serve_load.py tp2 --work "$work" --out "$out/reliability" ${OSCAR_TP2_ARGS:-} \
+        2>&1 | tee "$out/tp2.log" || status=1 ;;
     fidelity)
       bash benchmarks/fidelity.sh "$out" 2>&1 | grep -v $'\r' | tee "$out/fidelity.log" || status=1 ;;
     *) echo "unknown stage $stage" >&2; status=1 ;;

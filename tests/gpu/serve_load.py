@@ -1,0 +1,962 @@
+"""Reliability of the OSCAR backend as a server, on a GPU (tests/gpu/run.sh stages refuse, load,
+soak, tp2; docs/reliability.md). Each subcommand prints one ``RESULT {json}`` line and writes a
+markdown summary (and its data) into ``--out``; it exits non-zero when a check fails.
+
+  refuse  bad input refused in one process (in-process engines), and torch's GPU memory back to
+          its baseline after each refusal, including one a worker makes after loading the model
+  load    `vllm serve` under load, OSCAR and FLASH_ATTN through the same test, one after the
+          other: 512 requests at concurrency 256 (load_mix.build_mix), every reply of a chosen
+          set compared with the same request sent alone; free KV blocks and window pages back at
+          their idle values after the load and after cancellations; the same mixed batch 20
+          times; CUDA graphs against eager at batch sizes 1, 7, 25, 45, 123 and one larger than
+          any captured size
+  soak    N minutes of mixed load on an OSCAR server at full concurrency, sampled per interval
+          (requests completed and failed, p50/p99 latency, GPU memory, server RSS, window pages,
+          KV usage): soak.csv, soak.png, soak.md
+  tp2     a Qwen3-architecture checkpoint (8 KV heads, head_dim 128) written once with a fixed
+          seed, served at TP=1 and TP=2 with FLASH_ATTN and with OSCAR (per-layer and per-head
+          rotations): OSCAR's TP=2 against TP=1 agreement against FLASH_ATTN's; each rank's capacity
+  plan    the load mix's sizes, without a GPU
+
+The SmolLM2 model folder comes from `tests/gpu/e2e_vllm.py prepare`; the text is the evaluation
+corpus (OSCAR_CORPUS_DIR).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load_mix import (  # noqa: E402
+    Reply,
+    Request,
+    build_mix,
+    compare,
+    growth,
+    identical_runs,
+    mix_summary,
+    pick_alone,
+    prometheus_value,
+    soak_rows,
+    token_id,
+    window_pages_logged,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SERVED_NAME = "model"
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]  # batches 7, 25, 45, 123 run padded; 200 runs uncaptured
+GRAPH_BATCHES = [1, 7, 25, 45, 123, 200]
+BACKENDS = ("FLASH_ATTN", "OSCAR")
+
+
+def result(**kw) -> dict:
+    """One JSON line with what a check measured, and where and when (as tests/gpu/e2e_vllm.py)."""
+    from oscar_vllm.evaluate import environment
+
+    line = {**kw, **environment("tests/gpu/serve_load.py")}
+    print("RESULT " + json.dumps(line), flush=True)
+    return line
+
+
+def oscar_config(rotations: str) -> dict:
+    return {"oscar": {"rotation_path": rotations, "sink_size": 64, "recent_size": 256}}
+
+
+def text_ids(model: str) -> list[int]:
+    """The evaluation corpus in the model's tokens."""
+    from transformers import AutoTokenizer
+
+    from oscar_vllm import corpus
+
+    return corpus.tokenize(AutoTokenizer.from_pretrained(model), corpus.evaluation_text()).tolist()
+
+
+def context_of(model: str, cap: int) -> int:
+    config = json.loads((Path(model) / "config.json").read_text())
+    return min(cap, int(config.get("max_position_embeddings", cap)))
+
+
+# ---------------------------------------------------------------------------- a server
+
+
+class Server:
+    """``vllm serve`` in its own process group; its log in a file."""
+
+    def __init__(self, model: str, backend: str, rotations: str, log: Path, port: int, context: int,
+                 max_num_seqs: int, eager: bool, memory: float):
+        self.log, self.port, self.backend = log, port, backend
+        args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--served-model-name", SERVED_NAME,
+                "--attention-backend", backend, "--dtype", "bfloat16",  # the prepared folder says float32
+                "--max-model-len", str(context), "--max-num-seqs", str(max_num_seqs),
+                "--gpu-memory-utilization", str(memory), "--seed", "0", "--port", str(port),
+                "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+        if eager:
+            args.append("--enforce-eager")
+        else:
+            args += ["--compilation-config", json.dumps({"cudagraph_capture_sizes": CAPTURE_SIZES})]
+        if backend == "OSCAR":
+            args += ["--additional-config", json.dumps(oscar_config(rotations))]
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "Server":
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(self.args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0"))
+        self.started = time.time()
+        return self
+
+    def wait_ready(self, timeout: float = 480) -> float:
+        import httpx
+
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return time.time() - self.started
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.time() - self.started > timeout:
+                raise SystemExit(f"{self.backend} server did not come up (exit {self.proc.poll()}); its log ends:\n"
+                                 + self.log_text()[-4000:])
+            time.sleep(2)
+
+    def metrics(self) -> str:
+        import httpx
+
+        return httpx.get(self.url + "/metrics", timeout=10).text
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server's processes (API server, engine core, workers)."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+        except psutil.Error:
+            return 0
+        total = 0
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def gpu_memory_used() -> int | None:
+    """Bytes in use on GPU 0 (all processes), from NVML: no CUDA context in this process."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)
+    except Exception:  # no NVML: the column stays empty
+        return None
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def client_for(server: Server, timeout: float = 600):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=timeout)
+
+
+def add_choice(replies: dict[int, Reply], choice) -> None:
+    reply = replies[choice.index]
+    reply.ids.extend(getattr(choice, "token_ids", None) or [])
+    if choice.logprobs is not None and choice.logprobs.top_logprobs:
+        reply.top.extend({token_id(k): v for k, v in (d or {}).items()} for d in choice.logprobs.top_logprobs)
+
+
+async def send(client, req: Request, stream: bool | None = None) -> dict:
+    """One request; for a ``cancel`` one, the connection is closed after ``cancel_after`` chunks."""
+    stream = req.stream if stream is None else stream
+    replies: dict[int, Reply] = defaultdict(Reply)
+    t0 = time.perf_counter()
+    try:
+        if stream:
+            response = await client.completions.create(model=SERVED_NAME, prompt=req.prompt, stream=True,
+                                                       **req.sampling)
+            chunks = 0
+            async for chunk in response:
+                for choice in chunk.choices:
+                    add_choice(replies, choice)
+                chunks += 1
+                if req.kind == "cancel" and chunks >= req.cancel_after:
+                    await response.close()
+                    return {"index": req.index, "ok": True, "cancelled": True, "latency": time.perf_counter() - t0}
+        else:
+            response = await client.completions.create(model=SERVED_NAME, prompt=req.prompt, **req.sampling)
+            for choice in response.choices:
+                add_choice(replies, choice)
+    except Exception as e:  # a failed request is a result, counted and shown
+        return {"index": req.index, "ok": False, "error": f"{type(e).__name__}: {e}"[:300],
+                "latency": time.perf_counter() - t0}
+    choices = [replies[i] for i in range(req.n)]
+    ok = all(len(c.ids) == req.max_tokens for c in choices)
+    return {"index": req.index, "ok": ok, "choices": choices, "latency": time.perf_counter() - t0,
+            **({} if ok else {"error": f"lengths {[len(c.ids) for c in choices]}, asked {req.max_tokens}"})}
+
+
+async def send_all(client, reqs: list[Request], concurrency: int) -> list[dict]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(r):
+        async with gate:
+            return await send(client, r)
+
+    return await asyncio.gather(*(one(r) for r in reqs))
+
+
+async def batch_call(client, prompts: list[list[int]], max_tokens: int) -> list[Reply]:
+    """Prompts in one completion request (they reach the engine together), greedy."""
+    response = await client.completions.create(
+        model=SERVED_NAME, prompt=prompts, max_tokens=max_tokens, temperature=0.0, logprobs=5,
+        extra_body={"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True})
+    replies: dict[int, Reply] = defaultdict(Reply)
+    for choice in response.choices:
+        add_choice(replies, choice)
+    return [replies[i] for i in range(len(prompts))]
+
+
+async def idle_state(server: Server, client, timeout: float = 120) -> dict:
+    """The KV cache usage vLLM reports and the window pages the OSCAR scheduler last logged, once
+    nothing runs. An engine with no requests takes no steps, so its stats (and /metrics) keep
+    what the last step saw, even after aborts since: a one-token request makes a step, after
+    which the stats are current. Repeated until that step saw nothing else running."""
+    t0 = time.time()
+    while True:
+        await send(client, Request(-1, [1, 2, 3, 4], 1, stream=False))
+        await asyncio.sleep(1.5)
+        m = server.metrics()
+        busy = (prometheus_value(m, "vllm:num_requests_running") or 0) + (prometheus_value(m, "vllm:num_requests_waiting") or 0)
+        if not busy:
+            break
+        if time.time() - t0 > timeout:
+            return {"settled": False, "busy": busy}
+    pages = window_pages_logged(server.log_text())
+    return {"settled": True, "kv_cache_usage": prometheus_value(m, "vllm:kv_cache_usage_perc"),
+            "window_pages_last_logged": pages[-1] if pages else None,
+            "window_pages_peak_logged": max(pages) if pages else None}
+
+
+def replies_of(results: list[dict]) -> dict[int, list[Reply]]:
+    return {r["index"]: r["choices"] for r in results if r.get("ok") and "choices" in r}
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def graph_prompts(ids: list[int], sizes: list[int], seed: int = 7) -> dict[int, list[list[int]]]:
+    import random
+
+    rng = random.Random(seed)
+    out = {}
+    for b in sizes:
+        lengths = [rng.randint(16, 400) for _ in range(b)]
+        out[b] = [ids[(s := rng.randrange(0, len(ids) - n)):s + n] for n in lengths]
+    return out
+
+
+def repeat_prompts(mix: list[Request], count: int) -> list[list[int]]:
+    """A mixed batch: prompts of the mix up to 2K tokens, several on shared system prompts."""
+    shared = [r.prompt for r in mix if r.shared_prefix >= 0 and len(r.prompt) <= 3500][: count // 3]
+    plain = [r.prompt for r in mix if r.shared_prefix < 0 and len(r.prompt) <= 2048]
+    return (shared + plain)[:count]
+
+
+async def load_phases(server: Server, args, mix, alone_reqs, graphs, repeats) -> dict:
+    client = client_for(server)
+    out: dict = {"baseline": await idle_state(server, client)}
+    t0 = time.perf_counter()
+    loaded = await send_all(client, mix, args.concurrency)
+    out["load_seconds"] = round(time.perf_counter() - t0, 1)
+    out["failed"] = [{"index": r["index"], "error": r.get("error")} for r in loaded if not r["ok"]]
+    out["cancelled"] = sum(bool(r.get("cancelled")) for r in loaded)
+    out["after_load"] = await idle_state(server, client)
+    # Cancellations alone: long streams closed after a few chunks, then idle again.
+    ids = [t for r in mix for t in r.prompt[:200]]
+    cancels = [Request(10_000 + i, ids[i * 97:i * 97 + 600], 1024, stream=True, kind="cancel", cancel_after=3 + i % 5)
+               for i in range(args.cancel_only)]
+    await send_all(client, cancels, len(cancels))
+    out["after_cancel_only"] = await idle_state(server, client)
+    t0 = time.perf_counter()
+    alone = [await send(client, r, stream=False) for r in alone_reqs]
+    out["alone_seconds"] = round(time.perf_counter() - t0, 1)
+    out["alone_failed"] = sum(not r["ok"] for r in alone)
+    batched = replies_of(loaded)
+    alone_ok = {i: c for i, c in replies_of(alone).items() if i in batched}
+    by_kind = {r.index: r.kind for r in alone_reqs}
+    out["greedy"] = compare(batched, {i: c for i, c in alone_ok.items() if by_kind[i] == "greedy"})
+    out["sampled"] = compare(batched, {i: c for i, c in alone_ok.items() if by_kind[i] == "sampled"})
+    runs = [[c.ids for c in await batch_call(client, repeats, args.repeat_tokens)] for _ in range(args.repeats)]
+    out["repeats"] = identical_runs(runs)
+    out["graph_batches"] = {b: await batch_call(client, p, args.graph_tokens) for b, p in graphs.items()}
+    out["rss_bytes"] = server.rss_bytes()
+    await client.close()
+    return out
+
+
+def run_backend(backend: str, args, mix, alone_reqs, graphs, repeats, port: int) -> dict:
+    out_dir = Path(args.out)
+    common = dict(model=args.model, backend=backend, rotations=args.rotations, context=args.context,
+                  max_num_seqs=args.concurrency, memory=args.gpu_memory_utilization)
+    with Server(log=out_dir / f"server-{backend}-graphs.log", port=port, eager=False, **common) as server:
+        started = server.wait_ready()
+        res = asyncio.run(load_phases(server, args, mix, alone_reqs, graphs, repeats))
+        res["start_seconds_graphs"] = round(started, 1)
+    with Server(log=out_dir / f"server-{backend}-eager.log", port=port + 1, eager=True, **common) as server:
+        res["start_seconds_eager"] = round(server.wait_ready(), 1)
+
+        async def eager_batches():
+            client = client_for(server)
+            replies = {b: await batch_call(client, p, args.graph_tokens) for b, p in graphs.items()}
+            await client.close()
+            return replies
+
+        eager = asyncio.run(eager_batches())
+    res["graphs_vs_eager"] = {  # keyed by str(batch), as the results read back from JSON are
+        str(b): compare({i: [r] for i, r in enumerate(res["graph_batches"][b])}, {i: [r] for i, r in enumerate(eager[b])})
+        for b in graphs}
+    del res["graph_batches"]
+    return res
+
+
+def load_checks(results: dict[str, dict]) -> list[str]:
+    """What must hold; each failure as a sentence."""
+    failures = []
+    for backend, r in results.items():
+        if r["failed"]:
+            failures.append(f"{backend}: {len(r['failed'])} requests failed, first {r['failed'][0]}")
+        for phase in ("after_load", "after_cancel_only"):
+            idle, base = r[phase], r["baseline"]
+            if not idle.get("settled"):
+                failures.append(f"{backend} {phase}: requests still running")
+            elif idle["kv_cache_usage"] is None or idle["kv_cache_usage"] > (base["kv_cache_usage"] or 0) + 1e-9:
+                failures.append(f"{backend} {phase}: KV cache usage {idle['kv_cache_usage']}, idle {base['kv_cache_usage']}")
+            if backend == "OSCAR" and idle.get("window_pages_last_logged") not in (0, None):
+                failures.append(f"OSCAR {phase}: {idle['window_pages_last_logged']} window pages still held")
+        if backend == "OSCAR" and r["after_load"].get("window_pages_peak_logged") in (0, None):
+            failures.append("OSCAR: the server never logged window pages in use under load")
+    if set(BACKENDS) <= set(results):
+        o, f = results["OSCAR"], results["FLASH_ATTN"]
+        for kind in ("greedy", "sampled"):
+            if o[kind]["far"] > f[kind]["far"]:
+                failures.append(f"{kind}: {o[kind]['far']} OSCAR replies diverge from alone at a token that is no "
+                                f"near tie, FLASH_ATTN {f[kind]['far']}")
+            if o[kind]["mismatch_rate"] > f[kind]["mismatch_rate"] + 0.05:
+                failures.append(f"{kind}: OSCAR mismatch rate {o[kind]['mismatch_rate']:.3f} against alone, "
+                                f"FLASH_ATTN {f[kind]['mismatch_rate']:.3f}")
+        if o["repeats"]["identical_every_time"] < f["repeats"]["identical_every_time"]:
+            failures.append(f"repeats: OSCAR {o['repeats']['identical_every_time']} of {o['repeats']['requests']} "
+                            f"identical every time, FLASH_ATTN {f['repeats']['identical_every_time']}")
+        for b in o["graphs_vs_eager"]:
+            og, fg = o["graphs_vs_eager"][b], f["graphs_vs_eager"][b]
+            if og["far"] > fg["far"] or og["equal"] + 2 < fg["equal"]:
+                failures.append(f"batch {b}: OSCAR graphs vs eager {og['equal']} equal, {og['far']} far; "
+                                f"FLASH_ATTN {fg['equal']} equal, {fg['far']} far")
+    return failures
+
+
+def load_markdown(results: dict, mix_info: dict, failures: list[str], meta: dict) -> str:
+    lines = ["# Server under load: OSCAR and FLASH_ATTN through the same test", "",
+             f"{meta['date']}, {meta['hardware']}, `{meta['command']}`; {meta['versions']}", "",
+             f"Mix: {json.dumps(mix_info)}", "",
+             "| | " + " | ".join(results) + " |", "|---|" + "---|" * len(results)]
+
+    def row(name, f):
+        lines.append(f"| {name} | " + " | ".join(str(f(r)) for r in results.values()) + " |")
+
+    row("server start, graphs / eager (s)", lambda r: f"{r['start_seconds_graphs']} / {r['start_seconds_eager']}")
+    row("load pass (s)", lambda r: r["load_seconds"])
+    row("failed requests", lambda r: len(r["failed"]))
+    row("cancelled mid-stream", lambda r: r["cancelled"])
+    for kind in ("greedy", "sampled"):
+        row(f"{kind}: equal / near tie / far (of compared)",
+            lambda r, k=kind: f"{r[k]['equal']} / {r[k]['close']} / {r[k]['far']} ({r[k]['compared']})")
+        row(f"{kind}: mismatch rate", lambda r, k=kind: f"{r[k]['mismatch_rate']:.3f}")
+        row(f"{kind}: first divergences at", lambda r, k=kind: r[k]["first_divergence_positions"][:12])
+    for phase in ("baseline", "after_load", "after_cancel_only"):
+        row(f"{phase}: KV usage, window pages logged",
+            lambda r, p=phase: f"{r[p].get('kv_cache_usage')}, {r[p].get('window_pages_last_logged')}")
+    row("window pages, peak logged", lambda r: r["after_load"].get("window_pages_peak_logged"))
+    row("same batch 20 times: requests identical every time",
+        lambda r: f"{r['repeats']['identical_every_time']} of {r['repeats']['requests']}")
+    for b in next(iter(results.values()))["graphs_vs_eager"]:
+        row(f"graphs vs eager, batch {b}: equal / near tie / far",
+            lambda r, b=b: f"{r['graphs_vs_eager'][b]['equal']} / {r['graphs_vs_eager'][b]['close']} / "
+                           f"{r['graphs_vs_eager'][b]['far']}")
+    row("server RSS after the phases (GiB)", lambda r: f"{r['rss_bytes'] / 2**30:.2f}")
+    lines += ["", "Checks: " + ("all passed" if not failures else "FAILED: " + "; ".join(failures)), ""]
+    return "\n".join(lines)
+
+
+def cmd_load(args) -> None:
+    ids = text_ids(args.model)
+    args.context = context_of(args.model, args.max_model_len)
+    mix = build_mix(ids, args.requests, args.context, seed=args.seed, cancelled=args.cancelled)
+    alone_reqs = pick_alone(mix, args.alone, seed=args.seed)
+    graphs = graph_prompts(ids, args.graph_batches)
+    repeats = repeat_prompts(mix, args.repeat_batch)
+    out, keep = Path(args.out), Path(args.keep)
+    out.mkdir(parents=True, exist_ok=True)
+    keep.mkdir(parents=True, exist_ok=True)
+    info = mix_summary(mix)
+    info.update(alone=len(alone_reqs), seed=args.seed, concurrency=args.concurrency)
+    results = {}
+    for k, backend in enumerate(args.backends):
+        print(f"load: {backend}", flush=True)
+        results[backend] = run_backend(backend, args, mix, alone_reqs, graphs, repeats, port=8100 + 10 * k)
+        results[backend]["mix"] = info
+        for folder in (out, keep):
+            (folder / f"load-{backend}.json").write_text(json.dumps(results[backend], indent=1))
+    for backend in BACKENDS:  # the other backend from an earlier call of this stage, if it sent the same mix
+        earlier = keep / f"load-{backend}.json"
+        if backend not in results and earlier.exists() and json.loads(earlier.read_text()).get("mix") == info:
+            results[backend] = json.loads(earlier.read_text())
+            print(f"load: {backend} from {earlier} (an earlier run of the same mix)", flush=True)
+    results = {b: results[b] for b in BACKENDS if b in results}
+    failures = load_checks(results)
+    summary = {b: {k: v for k, v in r.items() if k not in ("failed",)} | {"failed": len(r["failed"])}
+               for b, r in results.items()}
+    meta = result(check="load", mix=info, backends=summary, failures=failures)
+    (out / "load.md").write_text(load_markdown(results, info, failures, meta))
+    if failures:
+        raise SystemExit("load: " + "; ".join(failures))
+
+
+def cmd_plan(args) -> None:
+    """The mix's sizes (no GPU): what a load run will send."""
+    ids = text_ids(args.model)
+    context = context_of(args.model, args.max_model_len)
+    mix = build_mix(ids, args.requests, context, seed=args.seed, cancelled=args.cancelled)
+    alone = pick_alone(mix, args.alone, seed=args.seed)
+    info = mix_summary(mix)
+    info.update(context=context, alone=len(alone), alone_output_tokens=sum(r.max_tokens * r.n for r in alone))
+    print(json.dumps(info, indent=1))
+
+
+# ---------------------------------------------------------------------------- soak
+
+
+async def soak_load(server: Server, args, mix: list[Request]) -> tuple[list[dict], list[dict], dict]:
+    client = client_for(server)
+    baseline = await idle_state(server, client)
+    events: list[dict] = []
+    samples: list[dict] = []
+    t_start = time.perf_counter()
+    stop_at = t_start + 60 * args.minutes
+    counter = iter(range(10**9))
+
+    async def worker():
+        while time.perf_counter() < stop_at and server.proc.poll() is None:
+            r = mix[next(counter) % len(mix)]
+            res = await send(client, r)
+            events.append({"end": time.perf_counter() - t_start, "latency": res["latency"], "ok": res["ok"],
+                           "cancelled": bool(res.get("cancelled")), "error": res.get("error")})
+            if not res["ok"]:
+                await asyncio.sleep(1)  # a failing server is not hammered
+
+    async def sampler():
+        k = 1
+        while True:
+            await asyncio.sleep(max(0.0, t_start + k * args.interval - time.perf_counter()))
+            try:
+                m = server.metrics()
+            except Exception:  # the server is gone: its row says so with empty readings
+                m = ""
+            pages = window_pages_logged(server.log_text())
+            samples.append({"t": time.perf_counter() - t_start, "gpu_memory_gib": (gpu_memory_used() or 0) / 2**30,
+                            "server_rss_gib": server.rss_bytes() / 2**30,
+                            "window_pages": pages[-1] if pages else None,
+                            "kv_cache_usage": prometheus_value(m, "vllm:kv_cache_usage_perc"),
+                            "running": prometheus_value(m, "vllm:num_requests_running")})
+            k += 1
+            if time.perf_counter() >= stop_at:
+                return
+
+    await asyncio.gather(sampler(), *(worker() for _ in range(args.concurrency)))
+    idle = await idle_state(server, client)
+    await client.close()
+    return events, samples, {"baseline": baseline, "idle": idle}
+
+
+def soak_plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r["minute"] for r in rows]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    ax = axes[0][0]
+    ax.plot(x, [r["completed"] for r in rows], "o-", label="completed")
+    ax.plot(x, [r["failed"] for r in rows], "x-", color="red", label="failed")
+    ax.set_ylabel("requests per interval")
+    ax.legend()
+    ax = axes[0][1]
+    ax.plot(x, [r["p50_s"] for r in rows], "o-", label="p50")
+    ax.plot(x, [r["p99_s"] for r in rows], "o-", label="p99")
+    ax.set_ylabel("latency (s)")
+    ax.legend()
+    ax = axes[1][0]
+    ax.plot(x, [r["gpu_memory_gib"] for r in rows], "o-", label="GPU memory used")
+    ax.plot(x, [r["server_rss_gib"] for r in rows], "o-", label="server RSS")
+    ax.set_ylabel("GiB")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax = axes[1][1]
+    ax.plot(x, [r["window_pages"] or 0 for r in rows], "o-", label="window pages held (last logged)")
+    ax.set_ylabel("blocks")
+    ax2 = ax.twinx()
+    ax2.plot(x, [100 * (r["kv_cache_usage"] or 0) for r in rows], "s--", color="gray", label="KV cache usage")
+    ax2.set_ylabel("KV cache usage (%)")
+    ax.legend(loc="upper left")
+    for a in axes[1]:
+        a.set_xlabel("minutes")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def cmd_soak(args) -> None:
+    import csv
+
+    ids = text_ids(args.model)
+    args.context = context_of(args.model, args.max_model_len)
+    mix = build_mix(ids, 4096, args.context, seed=args.seed, cancelled=64)
+    for r in mix:  # a soak measures steady serving: outputs to 512, so requests keep turning over
+        r.max_tokens = min(r.max_tokens, args.max_output)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with Server(args.model, args.backend, args.rotations, out / f"server-soak-{args.backend}.log", 8200,
+                args.context, args.concurrency, eager=False, memory=args.gpu_memory_utilization) as server:
+        started = server.wait_ready()
+        events, samples, idle = asyncio.run(soak_load(server, args, mix))
+    rows = soak_rows(events, samples, args.interval)
+    with open(out / "soak.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    failed = [e for e in events if not e["ok"]]
+    checks = {"failed_requests": len(failed), "gpu_memory_growth_gib": growth(rows, "gpu_memory_gib"),
+              "rss_growth_gib": growth(rows, "server_rss_gib"), "idle": idle}
+    failures = []
+    if failed:
+        failures.append(f"{len(failed)} requests failed, first: {failed[0]['error']}")
+    if (checks["gpu_memory_growth_gib"] or 0) > 0.25:
+        failures.append(f"GPU memory grew {checks['gpu_memory_growth_gib']:.2f} GiB after the first interval")
+    rss = [r["server_rss_gib"] for r in rows[1:]]
+    if len(rss) >= 2 and rss[-1] - rss[0] > max(0.5, 0.1 * rss[0]):
+        failures.append(f"server RSS grew {rss[-1] - rss[0]:.2f} GiB after the first interval")
+    if args.backend == "OSCAR" and idle["idle"].get("window_pages_last_logged") not in (0, None):
+        failures.append(f"{idle['idle']['window_pages_last_logged']} window pages held when idle")
+    base = idle["baseline"].get("kv_cache_usage") or 0
+    if not idle["idle"].get("settled") or (idle["idle"].get("kv_cache_usage") or 0) > base + 1e-9:
+        failures.append(f"KV cache usage when idle {idle['idle'].get('kv_cache_usage')}, at the start {base}")
+    title = f"{args.backend} soak, SmolLM2-135M, concurrency {args.concurrency}, {args.minutes} min"
+    soak_plot(rows, out / "soak.png", title)
+    meta = result(check="soak", backend=args.backend, minutes=args.minutes, concurrency=args.concurrency,
+                  start_seconds=round(started, 1), requests=len(events), cancelled=sum(e["cancelled"] for e in events),
+                  rows=rows, checks=checks, failures=failures)
+    table = ["| minute | completed | failed | p50 (s) | p99 (s) | GPU memory (GiB) | server RSS (GiB) | window pages "
+             "| KV usage |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        table.append(f"| {r['minute']} | {r['completed']} | {r['failed']} | {r['p50_s'] or 0:.2f} | {r['p99_s'] or 0:.2f} "
+                     f"| {r['gpu_memory_gib']:.2f} | {r['server_rss_gib']:.2f} | {r['window_pages']} "
+                     f"| {100 * (r['kv_cache_usage'] or 0):.1f}% |")
+    (out / "soak.md").write_text("\n".join([
+        f"# Soak: {title}", "", f"{meta['date']}, {meta['hardware']}, `{meta['command']}`; {meta['versions']}", "",
+        "![soak](soak.png)", "", *table, "",
+        f"Idle before: {json.dumps(idle['baseline'])}; idle after: {json.dumps(idle['idle'])}", "",
+        "Checks: " + ("all passed" if not failures else "FAILED: " + "; ".join(failures)), ""]))
+    if failures:
+        raise SystemExit("soak: " + "; ".join(failures))
+
+
+# ---------------------------------------------------------------------------- refuse
+
+
+def refusal_engine(args) -> dict:
+    """The engine every refusal case changes one thing of: small, eager, OSCAR."""
+    return dict(model=args.model, attention_backend="OSCAR", additional_config=oscar_config(args.rotations),
+                dtype="bfloat16", max_model_len=2048, max_num_seqs=8, gpu_memory_utilization=0.3, enforce_eager=True, seed=0)
+
+
+def refusal_cases(args, scratch: Path) -> list[tuple[str, dict, str, dict]]:
+    """(kind, LLM arguments, what the error must say, environment) per refusal."""
+    from oscar_vllm.calibration import hadamard_rotation_sets
+    from oscar_vllm.rotation_io import OscarRotations, load_rotations, save_rotations
+
+    good = load_rotations(args.rotations)
+    short = OscarRotations(*hadamard_rotation_sets(list(range(12)), 64))
+    for rs in (short.key, short.value):  # one tensor per layer, as files hold them
+        rs.rotations = {i: r.clone() for i, r in rs.rotations.items()}
+        rs.eigenvalues = {i: e.clone() for i, e in rs.eigenvalues.items()}
+    save_rotations(short, scratch / "twelve-layers")
+    good.key.rotations[3] = good.key.rotations[3] * 1.01
+    save_rotations(good, scratch / "not-orthogonal")
+    swa = scratch / "sliding-window"
+    swa.mkdir(exist_ok=True)
+    for f in Path(args.model).iterdir():
+        if f.name != "config.json" and not (swa / f.name).exists():
+            (swa / f.name).symlink_to(f.resolve())
+    (swa / "config.json").write_text(json.dumps({**json.loads((Path(args.model) / "config.json").read_text()),
+                                                 "sliding_window": 1024}))
+    oscar = oscar_config(args.rotations)["oscar"]
+    return [
+        ("rotations with the wrong layer count", {"additional_config": {"oscar": {**oscar, "rotation_path": str(scratch / "twelve-layers")}}},
+         "missing layers 12-29", {}),
+        ("non-orthogonal rotations", {"additional_config": {"oscar": {**oscar, "rotation_path": str(scratch / "not-orthogonal")}}},
+         "layer 3 rotation is not orthogonal", {}),
+        ("unknown setting", {"additional_config": {"oscar": {**oscar, "sink": 64}}}, "unknown OSCAR setting", {}),
+        ("conflicting --kv-cache-dtype", {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8", {}),
+        ("windows not whole pages", {"additional_config": {"oscar": {**oscar, "sink_size": 50}}}, "sink_size 50", {}),
+        ("speculative decoding", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                                         "prompt_lookup_max": 3}}, "speculative decoding", {}),
+        ("V1 model runner", {}, "V1 model runner", {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
+        ("quantized weights", {"quantization": "fp8"}, "quantized weights (fp8)", {}),
+        ("sliding window", {"model": str(swa)}, "sliding-window attention (window 1024)", {}),
+    ]
+
+
+def cmd_refuse(args) -> None:
+    """Every refusal in this one process; torch's allocated GPU memory after each against the
+    baseline, and the device's used memory for the record."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its memory is ours to see
+    import tempfile
+
+    import torch
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    torch.cuda.init()
+    base_alloc = torch.cuda.memory_allocated()
+    base_used = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
+    scratch = Path(tempfile.mkdtemp(prefix="oscar-refuse-"))
+    common = refusal_engine(args)
+    rows, failures = [], []
+
+    def attempt(start) -> str | None:
+        """The error ``start()`` raises, as text: the exception and its traceback (which holds
+        the frames, and so whatever the failed engine allocated) are gone when it returns."""
+        try:
+            start()
+        except Exception as e:  # the refusal under test, with what it was raised from
+            chain, cause = [], e
+            while cause is not None and len(chain) < 4:
+                chain.append(f"{type(cause).__name__}: {cause}")
+                cause = cause.__cause__ or cause.__context__
+            return " <- ".join(chain)
+        return None
+
+    def measure(kind: str, error: str | None, expect: str) -> None:
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        row = {"kind": kind, "refused": error is not None and expect in error,
+               "error": None if error is None else error[:500],
+               "allocated_delta": torch.cuda.memory_allocated() - base_alloc,
+               "device_used_delta_mib": round((total - free - base_used) / 2**20, 1)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if not row["refused"]:
+            failures.append(f"{kind}: expected an error saying {expect!r}, got {row['error']}")
+        if row["allocated_delta"]:
+            failures.append(f"{kind}: {row['allocated_delta']} bytes of GPU memory left allocated")
+
+    for kind, kwargs, expect, env in refusal_cases(args, scratch):
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            error = attempt(lambda: LLM(**{**common, **kwargs}))
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        measure(kind, error, expect)
+    # A worker that cannot read what the process that started vLLM could: the check passes on the
+    # folder, which is gone when the engine's worker (in this process) loads the model.
+    moved = scratch / "rotations"
+    import shutil
+
+    shutil.copytree(args.rotations, moved)
+    config = EngineArgs(**{**common, "additional_config": oscar_config(str(moved))}).create_engine_config()
+    shutil.rmtree(moved)
+    error = attempt(lambda: LLMEngine.from_vllm_config(config))  # the worker refuses, its weights on the GPU
+    del config
+    measure("rotation path a worker cannot read (after loading the weights)", error,
+            "vLLM worker (tensor-parallel rank 0) on host")
+    meta = result(check="refuse", cases=rows, failures=failures)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["# Bad input refused in one process, GPU memory after each", "",
+             f"{meta['date']}, {meta['hardware']}, `{meta['command']}`", "",
+             "| kind | refused by name | torch allocated after (bytes over baseline) | device used after (MiB over baseline) |",
+             "|---|---|---|---|"]
+    lines += [f"| {r['kind']} | {r['refused']} | {r['allocated_delta']} | {r['device_used_delta_mib']} |" for r in rows]
+    lines += ["", "Checks: " + ("all passed" if not failures else "FAILED: " + "; ".join(failures)), ""]
+    (out / "refuse.md").write_text("\n".join(lines))
+    if failures:
+        raise SystemExit("refuse: " + "; ".join(failures))
+
+
+# ---------------------------------------------------------------------------- tp2
+
+TP_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 2048,
+    "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "vocab_size": 8192,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def write_tp_checkpoint(folder: Path, config: dict = TP_CONFIG, seed: int = 0) -> None:
+    """The checkpoint, written once: weights drawn from a seeded generator, scaled so that the
+    next-token distributions are peaked (greedy decoding then follows the model, not rounding)."""
+    if (folder / "model.safetensors").exists():
+        return
+    import torch
+    from safetensors.torch import save_file
+
+    c = config
+    g = torch.Generator().manual_seed(seed)
+    h, d, hq, hkv, inter = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
+
+    def w(*shape, std):
+        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": w(c["vocab_size"], h, std=1.0), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+               "lm_head.weight": w(c["vocab_size"], h, std=0.15)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": w(hq * d, h, std=h ** -0.5), p + "self_attn.k_proj.weight": w(hkv * d, h, std=h ** -0.5),
+            p + "self_attn.v_proj.weight": w(hkv * d, h, std=h ** -0.5), p + "self_attn.o_proj.weight": w(h, hq * d, std=(hq * d) ** -0.5),
+            p + "self_attn.q_norm.weight": torch.ones(d, dtype=torch.bfloat16), p + "self_attn.k_norm.weight": torch.ones(d, dtype=torch.bfloat16),
+            p + "mlp.gate_proj.weight": w(inter, h, std=h ** -0.5), p + "mlp.up_proj.weight": w(inter, h, std=h ** -0.5),
+            p + "mlp.down_proj.weight": w(h, inter, std=inter ** -0.5),
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)})
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+
+
+def write_tp_rotations(folder: Path, per_head: bool, seed: int = 1) -> None:
+    """Seeded random orthogonal rotations in our format: per layer, or per KV head."""
+    if (folder / "oscar_rotations.json").exists():
+        return
+    import torch
+
+    from oscar_vllm.rotation_io import ModelShape, OscarRotations, RotationSet, save_rotations
+
+    g = torch.Generator().manual_seed(seed + per_head)
+    shape = ModelShape.from_hf_config(TP_CONFIG, name="qwen3-tp-seeded")
+    lead = (shape.num_kv_heads,) if per_head else ()
+
+    def orthogonal():
+        q, r = torch.linalg.qr(torch.randn(*lead, shape.head_dim, shape.head_dim, generator=g, dtype=torch.float64))
+        return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).float()
+
+    sets = [RotationSet(kind, objective, {i: orthogonal() for i in range(shape.num_layers)}, {})
+            for kind, objective in (("key", "qqt_seeded_random"), ("value", "sst_seeded_random"))]
+    save_rotations(OscarRotations(*sets, model=shape.name, model_fingerprint=dict(shape.fingerprint),
+                                  calibration={"seeded_random_orthogonal": seed}), folder)
+
+
+def rank_capacity(worker) -> dict:
+    """What one rank reports: its KV cache memory and blocks (run in each worker by collective_rpc)."""
+    import torch
+
+    config = worker.model_runner.kv_cache_config
+    block = config.kv_cache_groups[0].kv_cache_spec.block_size
+    return {"rank": worker.rank, "available_kv_cache_gib": round(getattr(worker, "available_kv_cache_memory_bytes", 0) / 2**30, 3),
+            "num_blocks": config.num_blocks, "kv_cache_tokens": config.num_blocks * block,
+            "torch_allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3)}
+
+
+def tp_prompts(seed: int = 3, count: int = 48) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, TP_CONFIG["vocab_size"]) for _ in range(rng.choice((40, 63, 64, 65, 320, 321, 700, 1500)))]
+            for _ in range(count)]
+
+
+def cmd_tp2_run(args) -> None:
+    """One engine (a subprocess of tp2): greedy outputs with top-5 logprobs, and each rank's capacity."""
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
+    from vllm import LLM, SamplingParams
+
+    kw = dict(additional_config=oscar_config(args.rotations)) if args.backend == "OSCAR" else {}
+    llm = LLM(args.model, tensor_parallel_size=args.tp, attention_backend=args.backend, skip_tokenizer_init=True,
+              max_model_len=4096, max_num_seqs=64, gpu_memory_utilization=args.gpu_memory_utilization,
+              enforce_eager=not args.cuda_graphs, seed=0, **kw)
+    params = SamplingParams(max_tokens=args.tokens, temperature=0, logprobs=5, ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in tp_prompts()], params, use_tqdm=False)
+    replies = [{"ids": list(o.outputs[0].token_ids),
+                "top": [{str(k): v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs]} for o in outs]
+    Path(args.out).write_text(json.dumps({"replies": replies, "ranks": llm.collective_rpc(rank_capacity)}))
+
+
+def cmd_tp2(args) -> None:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        raise SystemExit(f"tp2 needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    work, out = Path(args.work), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = work / "qwen3-tp-seeded"
+    write_tp_checkpoint(model)
+    rotations = {"per_layer": work / "qwen3-tp-rotations-layer", "per_head": work / "qwen3-tp-rotations-head"}
+    for name, folder in rotations.items():
+        write_tp_rotations(folder, per_head=name == "per_head")
+    engines = [("FLASH_ATTN", None), ("OSCAR", "per_layer"), ("OSCAR", "per_head")]
+
+    def launch(backend, rot, tp, gpus):
+        path = out / f"tp{tp}-{backend}-{rot or 'none'}.json"
+        cmd = [sys.executable, __file__, "tp2-run", "--model", str(model), "--backend", backend, "--tp", str(tp),
+               "--rotations", str(rotations[rot]) if rot else "", "--out", str(path), "--tokens", str(args.tokens),
+               "--gpu-memory-utilization", str(args.gpu_memory_utilization)] + (["--cuda-graphs"] if args.cuda_graphs else [])
+        log = open(out / f"tp{tp}-{backend}-{rot or 'none'}.log", "w")
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, VLLM_USE_FLASHINFER_SAMPLER="0")
+        return path, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    runs = {}
+    t0 = time.time()
+    for pair in (engines[:2], engines[2:]):  # TP=1 engines two at a time, one per GPU
+        started = [(e, *launch(*e, 1, str(i))) for i, e in enumerate(pair)]
+        for e, path, proc in started:
+            if proc.wait() != 0:
+                raise SystemExit(f"tp2: the TP=1 {e} engine failed; see {out}")
+            runs[(e, 1)] = json.loads(path.read_text())
+    for e in engines:
+        path, proc = launch(*e, 2, "0,1")
+        if proc.wait() != 0:
+            raise SystemExit(f"tp2: the TP=2 {e} engine failed; see {out}")
+        runs[(e, 2)] = json.loads(path.read_text())
+
+    def replies(run):
+        return {i: [Reply(r["ids"], [{int(k): v for k, v in t.items()} for t in r["top"]])]
+                for i, r in enumerate(run["replies"])}
+
+    agreement = {f"{b}{'' if r is None else ' ' + r}": compare(replies(runs[((b, r), 2)]), replies(runs[((b, r), 1)]))
+                 for b, r in engines}
+    capacity = {f"{b}{'' if r is None else ' ' + r} TP={tp}": runs[((b, r), tp)]["ranks"] for b, r in engines for tp in (1, 2)}
+    fa = agreement["FLASH_ATTN"]
+    failures = [f"{name}: TP=2 against TP=1 {a['equal']} equal, {a['far']} far; FLASH_ATTN {fa['equal']} equal, "
+                f"{fa['far']} far" for name, a in agreement.items()
+                if name != "FLASH_ATTN" and (a["far"] > fa["far"] or a["mismatch_rate"] > fa["mismatch_rate"] + 0.05)]
+    meta = result(check="tp2", model=TP_CONFIG, agreement=agreement, capacity=capacity, cuda_graphs=args.cuda_graphs,
+                  seconds=round(time.time() - t0, 1), failures=failures)
+    lines = ["# Tensor parallelism 2 against 1, seeded Qwen3-architecture checkpoint", "",
+             f"{meta['date']}, {meta['hardware']}, `{meta['command']}`; {meta['versions']}", "",
+             f"4 layers, hidden 1024, 16 query heads, 8 KV heads, head_dim 128, vocab 8192, bf16; {len(tp_prompts())} "
+             f"prompts of 40-1500 tokens, {args.tokens} greedy tokens each; CUDA graphs {'on' if args.cuda_graphs else 'off'}.", "",
+             "| engine | TP=2 vs TP=1: equal / near tie / far | mismatch rate | first divergences |", "|---|---|---|---|"]
+    lines += [f"| {n} | {a['equal']} / {a['close']} / {a['far']} | {a['mismatch_rate']:.3f} | "
+              f"{a['first_divergence_positions'][:10]} |" for n, a in agreement.items()]
+    lines += ["", "| engine | rank | KV cache memory (GiB) | blocks | KV cache tokens |", "|---|---|---|---|---|"]
+    lines += [f"| {n} | {r['rank']} | {r['available_kv_cache_gib']} | {r['num_blocks']} | {r['kv_cache_tokens']:,} |"
+              for n, ranks in capacity.items() for r in ranks]
+    lines += ["", "Checks: " + ("all passed" if not failures else "FAILED: " + "; ".join(failures)), ""]
+    (out / "tp2.md").write_text("\n".join(lines))
+    if failures:
+        raise SystemExit("tp2: " + "; ".join(failures))
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tests/gpu/serve_load.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("load", "plan", "soak", "refuse"):
+        s = sub.add_parser(name)
+        s.add_argument("--model", required=True, help="the SmolLM2 folder of `e2e_vllm.py prepare`")
+        s.add_argument("--rotations", default="results/smollm2_rotations", help="OSCAR rotations for it (default: %(default)s)")
+        s.add_argument("--out", default="results/reliability", help="folder for the summary and data (default: %(default)s)")
+        s.add_argument("--max-model-len", type=int, default=8192, help="context, capped by the model's (default: %(default)s)")
+        s.add_argument("--seed", type=int, default=0, help="the mix's seed (default: %(default)s)")
+        s.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="per server (default: %(default)s)")
+    for name in ("load", "plan"):
+        s = sub.choices[name]
+        s.add_argument("--requests", type=int, default=512, help="requests of the load pass (default: %(default)s)")
+        s.add_argument("--concurrency", type=int, default=256,
+                       help="requests in flight, and the server's --max-num-seqs (default: %(default)s)")
+        s.add_argument("--cancelled", type=int, default=8, help="streams closed mid-way in the load pass (default: %(default)s)")
+        s.add_argument("--alone", type=int, default=48,
+                       help="requests sent alone too, to compare token for token (default: %(default)s)")
+    s = sub.choices["load"]
+    s.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+                   help="(default: both, FLASH_ATTN first); a backend not run here is compared from --keep")
+    s.add_argument("--keep", default="/tmp/oscar-e2e/load-results",
+                   help="where each backend's results stay for a later call of the other (default: %(default)s)")
+    s.add_argument("--cancel-only", type=int, default=16, help="streams closed mid-way on an idle server (default: %(default)s)")
+    s.add_argument("--repeats", type=int, default=20, help="times the same mixed batch is sent (default: %(default)s)")
+    s.add_argument("--repeat-batch", type=int, default=24, help="prompts of that batch (default: %(default)s)")
+    s.add_argument("--repeat-tokens", type=int, default=48, help="tokens each (default: %(default)s)")
+    s.add_argument("--graph-batches", type=int, nargs="+", default=GRAPH_BATCHES,
+                   help=f"batch sizes, CUDA graphs against eager; captured sizes {CAPTURE_SIZES} (default: %(default)s)")
+    s.add_argument("--graph-tokens", type=int, default=32, help="tokens per request there (default: %(default)s)")
+    s = sub.choices["soak"]
+    s.add_argument("--minutes", type=float, default=8, help="how long the load runs (default: %(default)s)")
+    s.add_argument("--interval", type=float, default=60, help="seconds per sample and table row (default: %(default)s)")
+    s.add_argument("--concurrency", type=int, default=256, help="(default: %(default)s)")
+    s.add_argument("--max-output", type=int, default=512, help="longest output of the soak mix (default: %(default)s)")
+    s.add_argument("--backend", choices=BACKENDS, default="OSCAR", help="(default: %(default)s)")
+    s = sub.add_parser("tp2")
+    s.add_argument("--work", default="/tmp/oscar-e2e", help="where the checkpoint and rotations are written (default: %(default)s)")
+    s.add_argument("--out", default="results/reliability", help="(default: %(default)s)")
+    s.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt (default: %(default)s)")
+    s.add_argument("--cuda-graphs", action="store_true", help="serve with CUDA graphs (default: eager, quicker to start)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="(default: %(default)s)")
+    s = sub.add_parser("tp2-run", help="one engine of tp2 (internal)")
+    s.add_argument("--model", required=True)
+    s.add_argument("--backend", required=True)
+    s.add_argument("--tp", type=int, required=True)
+    s.add_argument("--rotations", default="")
+    s.add_argument("--out", required=True)
+    s.add_argument("--tokens", type=int, default=64)
+    s.add_argument("--cuda-graphs", action="store_true")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    globals()[f"cmd_{args.cmd.replace('-', '_')}"](args)
+
+
+if __name__ == "__main__":
+    main()
