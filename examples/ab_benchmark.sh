@@ -61,10 +61,17 @@ oscar=("${vllm[@]}" bench throughput --model "${model:-MODEL}" --attention-backe
        "${workload[@]}" --output-json "$out/vllm_bench_OSCAR.json")
 bf16=("${vllm[@]}" bench throughput --model "${model:-MODEL}" --attention-backend FLASH_ATTN
       --max-model-len "$max_len" "${workload[@]}" --output-json "$out/vllm_bench_FLASH_ATTN.json")
+show() {  # a command line as it can be pasted, quoting only the arguments that need it
+  local line="" arg
+  for arg in "$@"; do
+    if [[ $arg =~ ^[A-Za-z0-9_./=:,+@-]+$ ]]; then line+=" $arg"; else line+=" '${arg//\'/\'\\\'\'}'"; fi
+  done
+  echo " $line"
+}
 echo
 echo "The same workload with vllm bench (it needs tokenizer files in the model folder):"
-printf '  %q' "${oscar[@]}"; echo
-printf '  %q' "${bf16[@]}"; echo
+show "${oscar[@]}"
+show "${bf16[@]}"
 if [ "$bench" = 1 ]; then
   "${oscar[@]}"
   "${bf16[@]}"
