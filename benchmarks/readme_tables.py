@@ -1,7 +1,8 @@
-"""Refresh the README's result tables from the files the benchmarks wrote.
+"""Refresh the result tables of README.md and docs/*.md from the files the benchmarks wrote.
 
 Every block between ``<!-- table:PATH -->`` and ``<!-- end table -->`` is replaced by the
-file PATH (relative to the repository, less its ``# title`` line), so numbers in the README are never typed by hand.
+file PATH (relative to the repository, less its ``# title`` line: the page gives the
+headings), so numbers in the README and the docs are never typed by hand.
 
     python benchmarks/readme_tables.py [--check]
 """
@@ -14,26 +15,39 @@ REPO = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- table:(?P<path>[^ ]+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
 
 
-def refreshed(text: str) -> str:
-    def fill(m: re.Match) -> str:
-        body = (REPO / m["path"]).read_text()
-        if body.startswith("# "):  # the file's own title: the README has its heading
-            body = body.split("\n", 1)[1].lstrip("\n")
-        return m.group(1) + body.rstrip("\n") + "\n" + m.group(4)
+def pages() -> list[Path]:
+    """The pages whose tables are spliced: the README, then every page of docs/."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
-    return BLOCK.sub(fill, text)
+
+def spliced(path: str) -> str:
+    """What a block for the result file ``path`` holds: the file less its ``# title`` line."""
+    body = (REPO / path).read_text()
+    if body.startswith("# "):
+        body = body.split("\n", 1)[1].lstrip("\n")
+    return body.rstrip("\n") + "\n"
+
+
+def refreshed(text: str) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + spliced(m["path"]) + m.group(4), text)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="fail if the README is out of date")
+    p.add_argument("--check", action="store_true", help="fail if a page is out of date")
     args = p.parse_args()
-    readme = REPO / "README.md"
-    old = readme.read_text()
-    new = refreshed(old)
-    if args.check:
-        sys.exit(0 if new == old else "README tables are out of date: run python benchmarks/readme_tables.py")
-    readme.write_text(new)
+    stale = []
+    for page in pages():
+        old = page.read_text()
+        new = refreshed(old)
+        if new != old:
+            stale.append(str(page.relative_to(REPO)))
+            if not args.check:
+                page.write_text(new)
+    if args.check and stale:
+        sys.exit(f"tables out of date in {', '.join(stale)}: run python benchmarks/readme_tables.py")
+    if stale and not args.check:
+        print("refreshed " + ", ".join(stale))
 
 
 if __name__ == "__main__":

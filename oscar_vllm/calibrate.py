@@ -35,7 +35,7 @@ from oscar_vllm.rotation_io import OscarRotations, save_rotations, validate_rota
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def split_sequences(token_ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:

@@ -178,8 +178,8 @@ def evaluate(
         for m in methods:
             s, r = (sink, recent) if m.windows else (0, 0)
             with attention_hooks(loaded.model, lambda i: MixedCacheHook(specs[m.name][i], s, r, prefill_chunk)):
-                logits = loaded.model(ids, use_cache=False).logits[0, :-1].float()
-            logp = torch.log_softmax(logits, dim=-1)
+                logits = loaded.model(ids, use_cache=False).logits[0, :-1]
+            logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
             if ref_logp is None:
                 ref_logp = logp
             scores[m.name].add(logp, ref_logp, targets)
@@ -435,8 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(own chunk BF16, the prefix's window as the chunk found it); 0: every token "
                              "as decode sees it (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                        help="model compute dtype (default: %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
+                        help="model compute dtype (default: float64 on a CPU, where float32 results depend on the "
+                             "CPU's instruction set; float32 on a GPU)")
     parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR,
                         help="where fidelity.{md,json,png} go (default: %(default)s, ignored by git)")
     parser.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
@@ -458,6 +459,7 @@ def main(argv: list[str] | None = None) -> None:
         load_rotations(args.rotations)  # says why (missing, not a folder) before the model loads
     t0 = time.time()
     eval_text = corpus.evaluation_text()  # before the model loads, so a missing corpus fails at once
+    args.dtype = args.dtype or ("float64" if args.device == "cpu" else "float32")
     loaded = load_model(args.model_path, args.gguf_file, args.device, DTYPES[args.dtype])
     eval_ids = corpus.tokenize(loaded.tokenizer, eval_text)
     if eval_ids.numel() < args.eval_tokens:
@@ -501,6 +503,7 @@ def main(argv: list[str] | None = None) -> None:
         "sink": args.sink,
         "recent": args.recent,
         "prefill_chunk": args.prefill_chunk,
+        "dtype": args.dtype,
         "calibration": calibration,
         "seconds": round(time.time() - t0),
     }

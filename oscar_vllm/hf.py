@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
@@ -87,7 +88,8 @@ def load_model(
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kwargs,
+                                                     **(_dequantized_gguf() if gguf_file else {}))
     except (OSError, ValueError) as e:  # no such folder or file, not in the Hub cache, unreadable
         where = f"{model_path}/{gguf_file}" if gguf_file else model_path
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
@@ -96,6 +98,14 @@ def load_model(
     check_supported(model.config)
     shape = ModelShape.from_hf_config(model.config, name=name)
     return LoadedModel(model, tokenizer, name, shape)
+
+
+def _dequantized_gguf() -> dict:
+    """A GGUF file loaded as a plain model in the dtype asked for. transformers could keep its
+    weights packed and compute in float32 where GGUF kernels are installed (and warns that it
+    might for any dtype but float32); the hooks and a float64 evaluation need dense weights."""
+    config = getattr(transformers, "GgufConfig", None)
+    return {"quantization_config": config(dequantize=True)} if config is not None else {}
 
 
 def check_supported(config) -> None:

@@ -86,7 +86,8 @@ def mixed_cache_attention(
     block_q: int = 512,
     chunk_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of ``q`` over the mixed cache built from ``k``, ``v``: fp32 ``[Tq, Hq, d]``.
+    """Causal attention of ``q`` over the mixed cache built from ``k``, ``v``: ``[Tq, Hq, d]``, fp32
+    (fp64 for fp64 inputs, so that a float64 evaluation sums nothing in fp32).
 
     ``chunk_starts`` ``[Tq]``: the position where each query's prefill chunk begins (see
     ``high_precision_mask``); default: every query is a decode step.
@@ -97,17 +98,18 @@ def mixed_cache_attention(
         raise ValueError(f"bad shapes q {tuple(q.shape)}, k {tuple(k.shape)}")
     g = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
 
     def rotate(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
-        return x.float() if r is None else apply_rotation(x.float(), r.to(x.device))
+        return x.to(compute) if r is None else apply_rotation(x.to(compute), r.to(x.device))
 
     kr, vr = rotate(k, layer.key_rotation), rotate(v, layer.value_rotation)
     # [Hkv, g, Tq, d]: the g query heads of KV head h share its keys and values.
     qr = rotate(q, layer.key_rotation).reshape(tq, hkv, g, d).permute(1, 2, 0, 3)
-    k_hi, v_hi = (x.to(window_dtype).float().transpose(0, 1) for x in (kr, vr))
-    k_lo, v_lo = layer.key_quant(kr).transpose(0, 1), layer.value_quant(vr).transpose(0, 1)
+    k_hi, v_hi = (x.to(window_dtype).to(compute).transpose(0, 1) for x in (kr, vr))
+    k_lo, v_lo = (quant(x).to(compute).transpose(0, 1) for quant, x in ((layer.key_quant, kr), (layer.value_quant, vr)))
 
-    out = torch.empty(hkv, g, tq, d, dtype=torch.float32, device=q.device)
+    out = torch.empty(hkv, g, tq, d, dtype=compute, device=q.device)
     key_pos = torch.arange(tk, device=q.device)
     for t0 in range(0, tq, block_q):
         t1 = min(tq, t0 + block_q)

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 from oscar_vllm.errors import DEBUG_FLAG, DEBUG_HELP, cli
 from oscar_vllm.settings import ADDITIONAL_CONFIG_KEY, OscarSettings, OscarSettingsError
@@ -49,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     given.add_argument("--attention-backend", default=None, metavar="OSCAR",
                        help="always OSCAR (set for you; another backend is an error)")
     other = parser.add_argument_group("other")
-    other.add_argument("-h", "--help", action="store_true", help="this help, then vllm serve's")
+    other.add_argument("-h", "--help", action="store_true",
+                       help="this help; --help=all (or =SECTION, =FLAG) then vllm serve's own")
     other.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
     return parser
 
@@ -103,10 +105,22 @@ def vllm_serve_help(help_arg: str) -> int:
     return proc.returncode
 
 
+VLLM_HELP = (
+    "Every other argument goes to `vllm serve` unchanged. See vLLM's own flags with `vllm serve --help`, or with "
+    "`oscar-vllm --help=all` (also --help=SECTION, --help=FLAG), which prints them after these; either needs a "
+    "CUDA GPU, as vLLM does even for its help."
+)
+
+
 def print_help(argv: list[str]) -> int:
+    """Our flags at once (nothing heavy imported); vLLM's only when asked for with ``--help=...``,
+    since producing them means starting vLLM (about 15 s, and a CUDA GPU)."""
     print(build_parser().format_help())
-    help_arg = next((a for a in argv if a in HELP_FLAGS or a.startswith("--help=")), "--help")
-    print(f"--- vllm serve {help_arg} ---", flush=True)
+    print(textwrap.fill(VLLM_HELP, 79), flush=True)
+    help_arg = next((a for a in argv if a.startswith("--help=")), None)
+    if help_arg is None:
+        return 0
+    print(f"\n--- vllm serve {help_arg} ---", flush=True)
     return vllm_serve_help(help_arg)
 
 

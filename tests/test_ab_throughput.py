@@ -86,6 +86,8 @@ def test_report_capacity_by_max_num_seqs(ab, tmp_path):
     # The main table is the main runs' alone.
     assert table_row(text, "KV cache capacity (tokens)") == ["4,000,000 (8.00x)", "500,000", "failed"]
     section = text[text.index("**KV cache capacity by max_num_seqs**"):]
+    # No heading but the title: pages that splice the file (less its title) give the headings.
+    assert not [line for line in text.splitlines()[1:] if line.startswith("#")]
     assert table_row(section, "max_num_seqs") == ["OSCAR", "FLASH_ATTN", "fp8"]
     labels = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| ") and "(" in line]
     assert labels == ["1024 (main run, CUDA graphs)", "32 (enforce_eager)", "256 (enforce_eager)"]

@@ -93,27 +93,42 @@ def test_serve_errors_are_one_line(capsys):
     assert err == "error: recent_size must be >= 1, got 0\n"
 
 
-def test_serve_help_lists_every_oscar_flag_and_exits_0():
-    proc = run_module("oscar_vllm.serve", "serve", "--help")
+def test_serve_help_lists_every_oscar_flag_without_starting_vllm():
+    probe = ("import sys\nfrom oscar_vllm import serve\ntry:\n    serve.main(['serve', '--help'])\n"
+             "except SystemExit as e:\n    code = e.code\n"
+             "print('exit', code, 'vllm' in sys.modules, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    ours, _, vllms = proc.stdout.partition("--- vllm serve --help ---")
+    ours, _, status = proc.stdout.rpartition("exit ")
+    assert status.split() == ["0", "False", "False"], status  # exit 0, neither vLLM nor torch imported
     usage = ours.split("\n\n")[0]
     assert all(flag in usage and ours.count(flag) >= 2 for flag in FLAGS), ours  # the usage line and a help line
+    assert " ".join(ours.split()).endswith(serve.VLLM_HELP)
+    assert "--- vllm serve" not in ours and proc.stderr == ""
+
+
+def test_serve_help_all_hands_on_to_vllm():
+    proc = run_module("oscar_vllm.serve", "serve", "--help=all")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ours, _, vllms = proc.stdout.partition("--- vllm serve --help=all ---")
+    assert all(flag in ours for flag in FLAGS), ours
     assert "Traceback" not in proc.stdout + proc.stderr
     if torch.cuda.is_available():
         assert "--max-model-len" in vllms
     else:
-        assert vllms.strip() == ("vLLM's own help (`vllm serve --help`) needs a CUDA GPU, and this machine has none. "
-                                 "Every argument not listed above goes to `vllm serve` unchanged.")
+        assert vllms.strip() == ("vLLM's own help (`vllm serve --help=all`) needs a CUDA GPU, and this machine has "
+                                 "none. Every argument not listed above goes to `vllm serve` unchanged.")
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["serve", "m", "--help=all"]])
-def test_every_help_form_hands_on_to_vllm(argv, capsys, monkeypatch):
+@pytest.mark.parametrize("argv, vllm_help", [(["--help"], None), (["-h"], None), (["serve", "m", "-h"], None),
+                                             (["serve", "m", "--help=all"], "--help=all"),
+                                             (["--help=max-model-len"], "--help=max-model-len")])
+def test_every_help_form(argv, vllm_help, capsys, monkeypatch):
     asked = []
     monkeypatch.setattr(serve, "vllm_serve_help", lambda help_arg: asked.append(help_arg) or 0)
     with pytest.raises(SystemExit) as exit_info:
         serve.main(argv)
-    assert exit_info.value.code == 0 and asked == [argv[-1]]
+    assert exit_info.value.code == 0 and asked == ([vllm_help] if vllm_help else [])
     out = capsys.readouterr().out
     assert all(flag in out for flag in FLAGS), out
 

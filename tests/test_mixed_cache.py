@@ -17,17 +17,17 @@ def random_rotation(d, heads=None, seed=0):
     return rotation_from_moment(x.transpose(-1, -2) @ x)[0].float()
 
 
-def brute_force(q, k, v, spec, sink, recent, window_dtype=torch.bfloat16):
+def brute_force(q, k, v, spec, sink, recent, window_dtype=torch.bfloat16, compute=torch.float32):
     """One query at a time: build exactly the K/V this query reads, then softmax."""
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
     g = hq // hkv
     rk = spec.key_rotation if spec.key_rotation is not None else torch.eye(d)
     rv = spec.value_rotation if spec.value_rotation is not None else torch.eye(d)
-    kr, vr, qr = apply_rotation(k.float(), rk), apply_rotation(v.float(), rv), apply_rotation(q.float(), rk)
-    k_hi, v_hi = kr.to(window_dtype).float(), vr.to(window_dtype).float()
-    k_lo, v_lo = spec.key_quant(kr), spec.value_quant(vr)
-    out = torch.zeros(tq, hq, d)
+    kr, vr, qr = (apply_rotation(x.to(compute), r) for x, r in ((k, rk), (v, rv), (q, rk)))
+    k_hi, v_hi = kr.to(window_dtype).to(compute), vr.to(window_dtype).to(compute)
+    k_lo, v_lo = spec.key_quant(kr).to(compute), spec.value_quant(vr).to(compute)
+    out = torch.zeros(tq, hq, d, dtype=compute)
     for i in range(tq):
         t = tk - tq + i
         for h in range(hq):
@@ -71,6 +71,18 @@ def test_matches_brute_force(tq, tk, hq, hkv, sink, recent, block_q, per_head):
     out = mixed_cache_attention(q, k, v, spec, sink, recent, block_q=block_q)
     assert out.shape == (tq, hq, d)
     torch.testing.assert_close(out, brute_force(q, k, v, spec, sink, recent), atol=2e-5, rtol=1e-4)
+
+
+def test_float64_inputs_are_computed_in_float64():
+    """The evaluation's float64 mode, whose table does not depend on the CPU: nothing may be summed
+    in fp32 (an fp32 sum would put the output ~1e-7 off the fp64 brute force)."""
+    torch.manual_seed(7)
+    d, hkv = 16, 2
+    q, k, v = (torch.randn(21, h, d, dtype=torch.float64) for h in (6, hkv, hkv))
+    spec = int2_spec(d, hkv, per_head=False)
+    out = mixed_cache_attention(q, k, v, spec, 4, 5, block_q=8)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, brute_force(q, k, v, spec, 4, 5, compute=torch.float64), atol=1e-12, rtol=1e-12)
 
 
 def sdpa(q, k, v):

@@ -1,14 +1,88 @@
-"""The README's result tables are the result files, never numbers typed by hand."""
+"""The README and docs/: result tables are the result files, never numbers typed by hand; every
+page's headings are its own (a spliced file brings none) and its links lead somewhere."""
 import importlib.util
+import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
+# Pages other issues add (docs/quality.md: issue 19, docs/reliability.md: issue 20); the README's map
+# links them already.
+PAGES_TO_COME = {"docs/quality.md", "docs/reliability.md"}
+LINK = re.compile(r"\[[^\]]*\]\((?P<target>[^)\s]+)\)")
 
 
-def test_readme_tables_match_the_result_files():
+def load_tables():
     spec = importlib.util.spec_from_file_location("readme_tables", REPO / "benchmarks" / "readme_tables.py")
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)
-    readme = (REPO / "README.md").read_text()
-    assert tables.BLOCK.search(readme), "no spliced tables found"
-    assert tables.refreshed(readme) == readme, "run python benchmarks/readme_tables.py"
+    return tables
+
+
+TABLES = load_tables()
+PAGES = [p.relative_to(REPO).as_posix() for p in TABLES.pages()]
+
+
+def outside_code(text: str) -> list[str]:
+    """The page's lines outside fenced code blocks (where ``#`` starts a comment, not a heading)."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
+def test_the_docs_pages_are_there():
+    assert {"docs/method.md", "docs/backend.md", "docs/kernels.md", "docs/ab.md", "docs/fidelity.md",
+            "docs/gpu-checks.md"} <= set(PAGES)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_tables_match_the_result_files(page):
+    text = (REPO / page).read_text()
+    if page == "README.md":
+        assert TABLES.BLOCK.search(text), "no spliced tables found"
+    assert TABLES.refreshed(text) == text, "run python benchmarks/readme_tables.py"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_spliced_files_bring_no_headings(page):
+    for block in TABLES.BLOCK.finditer((REPO / page).read_text()):
+        headings = [line for line in outside_code(block["body"]) if line.startswith("#")]
+        assert not headings, f"{block['path']} brings headings {headings}: write them as bold labels"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_heading_twice(page):
+    headings = [line for line in outside_code((REPO / page).read_text()) if re.match(r"#+ ", line)]
+    twice = sorted({h for h in headings if headings.count(h) > 1})
+    assert not twice, f"{page}: {twice}"
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    return {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for line in outside_code(page.read_text()) if re.match(r"#+ ", line)}
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_local_links_lead_somewhere(page):
+    missing = []
+    for m in LINK.finditer((REPO / page).read_text()):
+        target, _, anchor = m["target"].partition("#")
+        if re.match(r"[a-z]+:", target):  # a URL
+            continue
+        path = (REPO / page).parent / target if target else REPO / page
+        if not path.exists():
+            if path.resolve().relative_to(REPO).as_posix() not in PAGES_TO_COME:
+                missing.append(m["target"])
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            missing.append(m["target"])
+    assert not missing, f"{page} links to {missing}"
+
+
+def test_readme_stays_short():
+    assert len((REPO / "README.md").read_text().splitlines()) <= 260

@@ -22,6 +22,14 @@ def test_corpus_texts_do_not_overlap():
     assert not any(p in paragraphs for p in evals.split("\n\n") if len(p) > 200)
 
 
+def test_the_gguf_model_loads_dense(smollm2):
+    """Plain nn.Linear weights in the dtype asked for, as the hooks and the float64 evaluation need,
+    never GGUF blocks multiplied in float32 (what transformers does where GGUF kernels are installed)."""
+    linears = [m for m in smollm2.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 30 * 7 + 1  # q, k, v, o, gate, up, down per layer; the LM head
+    assert all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in linears)
+
+
 def test_calibration_cli_end_to_end(tmp_path, smollm2):
     out = tmp_path / "rot"
     calibrate_main([
