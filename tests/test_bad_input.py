@@ -16,10 +16,10 @@ import torch
 from rotationzoo_files import write_published_files
 from vllm_cpu import vllm_configs_on_cpu
 
-from oscar_vllm.atomic_output import PARTIAL_MARK
-from oscar_vllm.preflight import SUPPORTED_HEAD_DIMS, WINDOW_BLOCK_TOKENS, OscarStartupError
-from oscar_vllm.rotation_io import RotationFileError, load_rotations, save_rotations
-from oscar_vllm.settings import OscarSettings, OscarSettingsError
+from oscar_vllm.core.atomic_output import PARTIAL_MARK
+from oscar_vllm.core.rotation_io import RotationFileError, load_rotations, save_rotations
+from oscar_vllm.core.settings import OscarSettings, OscarSettingsError
+from oscar_vllm.serving.preflight import SUPPORTED_HEAD_DIMS, WINDOW_BLOCK_TOKENS, OscarStartupError
 
 vllm = pytest.importorskip("vllm")
 
@@ -127,7 +127,7 @@ def test_the_plugin_checks_configs_as_vllm_builds_them():
 
 
 def test_workers_check_configs_that_skipped_the_startup_check(engine_args, models):
-    from oscar_vllm import preflight
+    from oscar_vllm.serving import preflight
 
     config = build(engine_args, models / "qwen3", attention_backend="FLASH_ATTN")
     preflight.check_in_worker(config)  # not an OSCAR engine: nothing to refuse
@@ -140,7 +140,7 @@ def test_workers_check_configs_that_skipped_the_startup_check(engine_args, model
 def test_the_checks_agree_with_the_kernels():
     from csrc_triton.paged_layout import BLOCK_SIZE
 
-    from oscar_vllm.backend import OscarAttentionBackend
+    from oscar_vllm.serving.backend import OscarAttentionBackend
 
     assert WINDOW_BLOCK_TOKENS == BLOCK_SIZE
     assert tuple(OscarAttentionBackend.get_supported_head_sizes()) == SUPPORTED_HEAD_DIMS
@@ -349,16 +349,16 @@ def test_refuses_a_rotation_path_a_worker_cannot_read(engine_args, models, zoo, 
             pytest.skip("root reads any folder: a permission cannot hide one from a worker")
         folder.chmod(0)
         match = "Permission denied"
-    code = ("import json, sys; from oscar_vllm.settings import OscarSettings; "
-            "from oscar_vllm.rotation_io import ModelShape; "
-            "from oscar_vllm.rotation_source import rotations_in_process; "
+    code = ("import json, sys; from oscar_vllm.core.settings import OscarSettings; "
+            "from oscar_vllm.core.rotation_io import ModelShape; "
+            "from oscar_vllm.serving.rotation_source import rotations_in_process; "
             "rotations_in_process(OscarSettings.from_sources(json.loads(sys.argv[1]), environ={}), "
             "ModelShape(2, 2, 128), worker='vLLM worker (tensor-parallel rank 1)')")
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(config.additional_config)], capture_output=True,
                           text=True, timeout=300, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)))
     folder.chmod(0o755) if folder.exists() else None
     error = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 1 and error.startswith("oscar_vllm.rotation_io.RotationFileError: vLLM worker "
+    assert proc.returncode == 1 and error.startswith("oscar_vllm.core.rotation_io.RotationFileError: vLLM worker "
                                                      "(tensor-parallel rank 1) on host "), proc.stderr[-2000:]
     assert f"cannot use rotation path {str(folder)!r}" in error and match in error
     assert "at the same path on every node" in error

@@ -1,17 +1,17 @@
-"""The cached-prefix workload and the reference cache's reads of it (``oscar_vllm.evaluate``),
+"""The cached-prefix workload and the reference cache's reads of it (``oscar_vllm.calibration.evaluate``),
 on a tiny random model."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from oscar_vllm.evaluate import (
+from oscar_vllm.calibration.evaluate import (
     CACHED_PREFIX_TOKENS,
     cached_prefix_reads,
     cached_prefix_workload,
 )
-from oscar_vllm.hf import LoadedModel, MixedCacheHook, attention_hooks
-from oscar_vllm.mixed_cache import LayerCacheSpec, RowQuantizer
-from oscar_vllm.rotation_io import ModelShape
+from oscar_vllm.calibration.models import LoadedModel, MixedCacheHook, attention_hooks
+from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
+from oscar_vllm.core.rotation_io import ModelShape
 
 PREFIX, CUTS, LENGTH = 24, (10, 21, 37), 64
 

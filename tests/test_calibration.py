@@ -7,18 +7,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from oscar_vllm.calibrate import capture_stats, rotations_from_stats, split_sequences
-from oscar_vllm.calibration import (
+from oscar_vllm.calibration.calibrate import capture_stats, rotations_from_stats, split_sequences
+from oscar_vllm.calibration.fit import (
     LayerStats,
     build_rotation_sets,
     causal_score_weights,
     clip_candidates,
     fit_clip_ratios,
 )
-from oscar_vllm.hf import LoadedModel, attention_modules, check_supported
-from oscar_vllm.quant import clip_index
-from oscar_vllm.rotation import key_moment, rotation_from_moment
-from oscar_vllm.rotation_io import ModelShape, validate_rotations
+from oscar_vllm.calibration.models import LoadedModel, attention_modules, check_supported
+from oscar_vllm.core.quant import clip_index
+from oscar_vllm.core.rotation import key_moment, rotation_from_moment
+from oscar_vllm.core.rotation_io import ModelShape, validate_rotations
 
 
 def test_streaming_stats_equal_one_shot():
@@ -167,7 +167,7 @@ def test_unsupported_models_are_refused():
 
 
 def test_error_measure_is_the_mean_squared_logit_error():
-    from oscar_vllm.calibration import LayerErrorMeasure
+    from oscar_vllm.calibration.fit import LayerErrorMeasure
 
     torch.manual_seed(3)
     t, hq, hkv, d = 20, 6, 2, 16

@@ -3,7 +3,7 @@ makes the projection emit rotated values."""
 import pytest
 import torch
 
-from oscar_vllm.fold import fold_value_rotation, kv_heads_of_shard, per_head
+from oscar_vllm.core.fold import fold_value_rotation, kv_heads_of_shard, per_head
 from kernel_cases import random_rotation
 
 

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CORE = ["oscar_vllm.quant", "oscar_vllm.rotation", "oscar_vllm.rotation_io", "oscar_vllm.mixed_cache",
-        "oscar_vllm.fold", "oscar_vllm.settings", "oscar_vllm.errors", "oscar_vllm.reference.oscar_attention",
-        "oscar_vllm.reference.oscar_write", "oscar_vllm.reference.oscar_dense_kv", "oscar_vllm.window_pages",
-        "oscar_vllm.atomic_output"]
+CORE = ["oscar_vllm.core.quant", "oscar_vllm.core.rotation", "oscar_vllm.core.rotation_io", "oscar_vllm.core.mixed_cache",
+        "oscar_vllm.core.fold", "oscar_vllm.core.settings", "oscar_vllm.core.errors", "oscar_vllm.reference.oscar_attention",
+        "oscar_vllm.reference.oscar_write", "oscar_vllm.reference.oscar_dense_kv", "oscar_vllm.serving.window_pages",
+        "oscar_vllm.core.atomic_output"]
 KERNELS = ["csrc_triton.oscar_attention", "csrc_triton.oscar_write", "csrc_triton.oscar_dense_kv",
            "csrc_triton.warm_up"]
-CALIBRATION = ["oscar_vllm.calibration", "oscar_vllm.calibrate", "oscar_vllm.evaluate", "oscar_vllm.hf",
-               "oscar_vllm.rotation_source"]
+CALIBRATION = ["oscar_vllm.calibration.fit", "oscar_vllm.calibration.calibrate", "oscar_vllm.calibration.evaluate", "oscar_vllm.calibration.models",
+               "oscar_vllm.serving.rotation_source"]
 HEAVY = ("vllm", "transformers", "triton", "csrc_triton")
 
 
@@ -78,4 +78,4 @@ def test_no_import_cycle():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
-    assert "oscar_vllm.backend" not in graph["oscar_vllm.vllm_hooks"]
+    assert "oscar_vllm.serving.backend" not in graph["oscar_vllm.serving.vllm_hooks"]

@@ -175,7 +175,7 @@ def test_the_window_pages_line_the_scheduler_logs_is_the_one_read():
     pytest.importorskip("vllm")
     from test_window_pages import PAGES, admit, manager, request
 
-    from oscar_vllm import window_pages
+    from oscar_vllm.serving import window_pages
 
     logger, lines = logging.getLogger("vllm.oscar_vllm"), Lines()
     level = logger.level
@@ -302,7 +302,7 @@ def test_the_tp2_checkpoint_has_the_weights_vllm_and_transformers_load(serve_loa
 
 @pytest.mark.parametrize("per_head", [False, True])
 def test_the_tp2_rotations_are_valid_for_the_checkpoint(serve_load, tmp_path, per_head):
-    from oscar_vllm.rotation_io import ModelShape, load_rotations
+    from oscar_vllm.core.rotation_io import ModelShape, load_rotations
 
     serve_load.write_tp_rotations(tmp_path, per_head)
     shape = ModelShape.from_hf_config(serve_load.TP_CONFIG, name="qwen3-tp-seeded")

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from oscar_vllm.mixed_cache import LayerCacheSpec, RowQuantizer, high_precision_mask, mixed_cache_attention
-from oscar_vllm.rotation import apply_rotation, rotation_from_moment
+from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer, high_precision_mask, mixed_cache_attention
+from oscar_vllm.core.rotation import apply_rotation, rotation_from_moment
 
 EXACT = RowQuantizer("bf16")
 

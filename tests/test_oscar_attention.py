@@ -18,8 +18,8 @@ from csrc_triton.oscar_attention import (
 )
 from csrc_triton.oscar_write import oscar_write
 from csrc_triton.paged_layout import window_args, window_entries_per_page
-from oscar_vllm.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
-from oscar_vllm.quant import clip_index
+from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
+from oscar_vllm.core.quant import clip_index
 from oscar_vllm.reference.oscar_attention import causal_attention_reference, oscar_attention_reference
 from kernel_cases import (
     CASES, assert_close_to_reference, CLIP_K, CLIP_V, DEVICE, ON_GPU, cache_args, case_id, dense_twin, prepare, random_rotation, random_rows,
@@ -282,7 +282,7 @@ def test_prefix_cache_hit_never_reads_another_requests_window():
 @pytest.mark.parametrize("new", [5, 1], ids=["prefill", "decode"])
 def test_a_hit_reads_the_shared_sink_pages_in_bf16(new):
     """A request that hits a cached prefix shares the sink pages of the request that wrote
-    them (oscar_vllm.window_pages): its row names those pages and trusts the sink positions.
+    them (oscar_vllm.serving.window_pages): its row names those pages and trusts the sink positions.
     Kernel and twin read the same BF16 sink, which differs from the INT2 copy."""
     d, hkv, g, sink, recent = 64, 1, 2, 4, 8
     pc, rot = _request_zero_written(d, hkv, sink, recent)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from csrc_triton.oscar_decode import MAX_SPLITS, decode_splits, supports
-from oscar_vllm.quant import clip_index
+from oscar_vllm.core.quant import clip_index
 from oscar_vllm.reference.oscar_attention import oscar_attention_reference
 from oscar_vllm.reference.oscar_decode import oscar_decode_reference
 from oscar_vllm.reference.oscar_write import oscar_write_reference

@@ -99,7 +99,7 @@ def test_dense_prefill_through_flash_attention_ignores_rows_past_the_batch(prefi
     pytest.importorskip("vllm")
     from types import SimpleNamespace
 
-    from oscar_vllm.backend import OscarAttentionImpl, _flash_attention
+    from oscar_vllm.serving.backend import OscarAttentionImpl, _flash_attention
 
     d, hkv, g, sink, recent, dtype = 64, 3, 3, 64, 256, torch.bfloat16
     scale = 1 / math.sqrt(d)

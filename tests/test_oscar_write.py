@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from csrc_triton.oscar_write import oscar_write
-from oscar_vllm.quant import clip_index, unpack_int2
+from oscar_vllm.core.quant import clip_index, unpack_int2
 from oscar_vllm.reference.oscar_write import oscar_write_decode_reference, oscar_write_reference
 from oscar_vllm.reference.paged import layout_views, window_views
 from kernel_cases import DEVICE, DTYPES, ON_GPU, random_rotation, random_rows

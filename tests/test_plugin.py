@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from oscar_vllm import plugin
+from oscar_vllm.serving import plugin
 
 
 def run_python(code: str) -> str:
@@ -20,7 +20,7 @@ def run_python(code: str) -> str:
 
 def test_entry_point_is_declared():
     eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert eps.get("oscar") == "oscar_vllm.plugin:register"
+    assert eps.get("oscar") == "oscar_vllm.serving.plugin:register"
 
 
 def test_vllm_loads_the_plugin_and_parses_the_backend_name():
@@ -34,11 +34,11 @@ def test_vllm_loads_the_plugin_and_parses_the_backend_name():
         assert names.count("OSCAR") == 1, names
         assert AttentionConfig(backend="OSCAR").backend is E.OSCAR
         assert AttentionConfig(backend="oscar").backend is E.OSCAR
-        assert E.OSCAR.get_path() == E.CUSTOM.get_path() == "oscar_vllm.backend.OscarAttentionBackend"
+        assert E.OSCAR.get_path() == E.CUSTOM.get_path() == "oscar_vllm.serving.backend.OscarAttentionBackend"
         import pickle
         assert pickle.loads(pickle.dumps(E.OSCAR)) is E.OSCAR
         assert not torch.cuda.is_initialized()
-        assert not any(m.startswith(("oscar_vllm.backend", "csrc_triton")) for m in sys.modules)
+        assert not any(m.startswith(("oscar_vllm.serving.backend", "csrc_triton")) for m in sys.modules)
         print("ok")
     """)
     assert out == "ok"
@@ -48,7 +48,7 @@ def test_member_unpickles_in_a_process_that_has_not_loaded_plugins():
     """vLLM's spawned engine core unpickles its config before it loads plugins."""
     blob = run_python("""
         import base64, pickle
-        from oscar_vllm.plugin import register
+        from oscar_vllm.serving.plugin import register
         register()
         from vllm.config.attention import AttentionConfig
         print(base64.b64encode(pickle.dumps(AttentionConfig(backend="OSCAR"))).decode())
@@ -61,23 +61,23 @@ def test_member_unpickles_in_a_process_that_has_not_loaded_plugins():
         assert Scheduler.__init__.__oscar_wrapped__
         print(config.backend.name, config.backend.get_path())
     """)
-    assert out == "OSCAR oscar_vllm.backend.OscarAttentionBackend"
+    assert out == "OSCAR oscar_vllm.serving.backend.OscarAttentionBackend"
 
 
 def test_custom_slot_taken_by_another_plugin_is_left_alone():
     out = run_python("""
         from vllm.v1.attention.backends.registry import AttentionBackendEnum as E, register_backend
         register_backend(E.CUSTOM, "someone.else.Backend")
-        from oscar_vllm.plugin import register
+        from oscar_vllm.serving.plugin import register
         register()
         print(E.CUSTOM.get_path(), E.OSCAR.get_path())
     """)
-    assert out == "someone.else.Backend oscar_vllm.backend.OscarAttentionBackend"
+    assert out == "someone.else.Backend oscar_vllm.serving.backend.OscarAttentionBackend"
 
 
 def test_backend_class_resolves_and_installs_its_hooks():
     out = run_python("""
-        from oscar_vllm.plugin import register
+        from oscar_vllm.serving.plugin import register
         register()
         from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
         backend = E.OSCAR.get_class()
@@ -103,9 +103,9 @@ def test_version_check_names_the_versions(monkeypatch):
 def test_int2_page_is_reported_truthfully(head_dim, slot):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    import oscar_vllm.backend  # noqa: F401  (installs the hooks)
-    from oscar_vllm.backend import OscarAttentionBackend
-    from oscar_vllm.vllm_hooks import oscar_kv_cache_spec
+    import oscar_vllm.serving.backend  # noqa: F401  (installs the hooks)
+    from oscar_vllm.serving.backend import OscarAttentionBackend
+    from oscar_vllm.serving.vllm_hooks import oscar_kv_cache_spec
 
     layer = SimpleNamespace(num_kv_heads=8, head_size=head_dim)
     config = SimpleNamespace(cache_config=SimpleNamespace(block_size=64))
@@ -123,8 +123,8 @@ def test_int2_page_is_reported_truthfully(head_dim, slot):
 
 
 def test_dense_prefill_buffers_are_shared_and_sized_for_a_longest_request():
-    import oscar_vllm.backend  # noqa: F401  (installs the hooks)
-    from oscar_vllm.vllm_hooks import give_dense_prefill_buffers
+    import oscar_vllm.serving.backend  # noqa: F401  (installs the hooks)
+    from oscar_vllm.serving.vllm_hooks import give_dense_prefill_buffers
 
     def impl():
         return SimpleNamespace(num_kv_heads=8, head_size=128, flash_attention=print, window_pos=torch.empty(0),
@@ -143,7 +143,7 @@ def test_dense_prefill_buffers_are_shared_and_sized_for_a_longest_request():
 
 
 def test_dense_prefill_is_taken_only_when_the_batch_fits():
-    from oscar_vllm.backend import OscarAttentionImpl
+    from oscar_vllm.serving.backend import OscarAttentionImpl
 
     buf = torch.empty(100, 2, 16)
     impl = SimpleNamespace(dense_kv=(buf, buf), rotate=lambda x: x * 2, flash_attention=print)
@@ -167,7 +167,7 @@ def test_dense_prefill_is_taken_only_when_the_batch_fits():
 
 
 def builder_state(max_seqs=4, pages=3, layers=2):
-    from oscar_vllm.backend import OscarAttentionMetadataBuilder
+    from oscar_vllm.serving.backend import OscarAttentionMetadataBuilder
 
     state = SimpleNamespace(null_row=max_seqs, pages_per_ring=pages, sink_pages=1, sink=2, batch_rows=None,
                             window_pages=torch.zeros(max_seqs + 1, pages, dtype=torch.int32),
@@ -192,7 +192,7 @@ def test_padded_batch_entries_read_the_empty_row():
 
 
 def test_new_rows_get_their_pages_and_empty_rings_in_every_layer():
-    from oscar_vllm.window_pages import WindowPagesError
+    from oscar_vllm.serving.window_pages import WindowPagesError
 
     cls, b = builder_state()
     cls.assign_windows(b, [3, 1], [[7, 8, 9], [4, 5, 6]], num_blocks=10)
@@ -216,9 +216,9 @@ def test_rows_that_share_a_cached_sink_read_it_and_nothing_else():
 
 
 def test_a_second_weight_hook_would_fold_twice_and_is_refused():
-    from oscar_vllm.fold import RotationFoldError
-    from oscar_vllm.settings import BACKEND_NAME
-    from oscar_vllm.vllm_hooks import prepare_model
+    from oscar_vllm.core.fold import RotationFoldError
+    from oscar_vllm.core.settings import BACKEND_NAME
+    from oscar_vllm.serving.vllm_hooks import prepare_model
 
     backend = SimpleNamespace(get_name=lambda: BACKEND_NAME)
 

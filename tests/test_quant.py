@@ -4,7 +4,7 @@ round trips."""
 import pytest
 import torch
 
-from oscar_vllm.quant import (
+from oscar_vllm.core.quant import (
     Int2Rows,
     clip_index,
     clip_rows,

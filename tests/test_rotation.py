@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from oscar_vllm.rotation import (
+from oscar_vllm.core.rotation import (
     apply_rotation,
     bit_reversal_permutation,
     eigen_bit_reversal_permutation,

@@ -8,14 +8,14 @@ import pytest
 import torch
 from rotationzoo_files import write_published_files
 
-from oscar_vllm.calibration import hadamard_rotation_sets
-from oscar_vllm.rotation import rotation_from_moment
-from oscar_vllm.rotation_io import (
+from oscar_vllm.core.rotation import rotation_from_moment
+from oscar_vllm.core.rotation_io import (
     METADATA_FILE,
     ModelShape,
     OscarRotations,
     RotationFileError,
     RotationSet,
+    hadamard_rotation_sets,
     load_rotations,
     load_rotationzoo_file,
     main,
@@ -290,7 +290,7 @@ def test_key_and_value_layers_must_agree(tmp_path):
 
 def test_hadamard_sets_validate():
     k, v = hadamard_rotation_sets([0, 1, 2, 3], 16)
-    from oscar_vllm.rotation_io import validate_rotations
+    from oscar_vllm.core.rotation_io import validate_rotations
 
     validate_rotations(OscarRotations(k, v), SMALL)
     with pytest.raises(RotationFileError, match="given as the value rotation"):

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import huggingface_hub.constants as hub_constants
-from oscar_vllm.rotation_io import ModelShape, RotationFileError
-from oscar_vllm.rotation_source import parse_hub_spec, resolve_rotation_path, rotations_for_model
-from oscar_vllm.settings import OscarSettings, OscarSettingsError
+from oscar_vllm.core.rotation_io import ModelShape, RotationFileError
+from oscar_vllm.core.settings import OscarSettings, OscarSettingsError
+from oscar_vllm.serving.rotation_source import parse_hub_spec, resolve_rotation_path, rotations_for_model
 
 QWEN3_8B = ModelShape(36, 8, 128, "Qwen/Qwen3-8B")
 

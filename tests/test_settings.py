@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from oscar_vllm.serve import build_vllm_argv
-from oscar_vllm.settings import OscarSettings, OscarSettingsError
+from oscar_vllm.core.settings import OscarSettings, OscarSettingsError
+from oscar_vllm.serving.serve import build_vllm_argv
 
 
 def test_defaults():

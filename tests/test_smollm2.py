@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from oscar_vllm import corpus
-from oscar_vllm.calibrate import main as calibrate_main
-from oscar_vllm.evaluate import METHODS_BY_NAME, evaluate, rotation_variants, write_report
-from oscar_vllm.evaluate import main as evaluate_main
-from oscar_vllm.rotation_io import METADATA_FILE, load_rotations
+from oscar_vllm.calibration import corpus
+from oscar_vllm.calibration.calibrate import main as calibrate_main
+from oscar_vllm.calibration.evaluate import METHODS_BY_NAME, evaluate, rotation_variants, write_report
+from oscar_vllm.calibration.evaluate import main as evaluate_main
+from oscar_vllm.core.rotation_io import METADATA_FILE, load_rotations
 
 
 def test_corpus_texts_do_not_overlap():

@@ -17,7 +17,7 @@ from csrc_triton.oscar_write import WRITE_NUM_WARPS, _oscar_write_kernel, oscar_
 from csrc_triton.paged_layout import launch_bucket
 from csrc_triton.warm_up import decode_variants, warm_up_kernels
 from kernel_cases import CLIP_K, CLIP_V, DEVICE, ON_GPU, dense_twin, prepare, random_rotation, random_rows
-from oscar_vllm.quant import clip_index
+from oscar_vllm.core.quant import clip_index
 
 KERNELS = (_oscar_attention_kernel, _merge_splits_kernel, _oscar_dense_kv_kernel, _oscar_write_kernel)
 

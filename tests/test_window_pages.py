@@ -3,7 +3,7 @@ the OSCAR allocator installed, driven as the scheduler drives it."""
 import pytest
 
 from csrc_triton.paged_layout import window_pages_per_request
-from oscar_vllm.window_pages import (
+from oscar_vllm.serving.window_pages import (
     SCHEDULER_OUTPUT_FIELD,
     WindowPageAllocator,
     WindowPagesError,
@@ -20,8 +20,8 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from oscar_vllm.vllm_hooks import oscar_kv_cache_spec, window_pages_of_group  # noqa: E402
-from oscar_vllm.settings import OscarSettings  # noqa: E402
+from oscar_vllm.core.settings import OscarSettings  # noqa: E402
+from oscar_vllm.serving.vllm_hooks import oscar_kv_cache_spec, window_pages_of_group  # noqa: E402
 
 BLOCK = 64
 SINK, RECENT = 64, 100  # tokens: the sink is block 0, a hit leaves the last 100 tokens to compute

@@ -20,7 +20,7 @@ def vllm_configs_on_cpu():
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
-    from oscar_vllm.plugin import register
+    from oscar_vllm.serving.plugin import register
 
     patch = pytest.MonkeyPatch()
     patch.setattr(current_platform, "device_type", "cpu")

@@ -225,7 +225,7 @@ def prometheus_value(text: str, name: str) -> float | None:
     return sum(values) if values else None
 
 
-# oscar_vllm.window_pages.USAGE_LOG, as it reaches a server's log
+# oscar_vllm.serving.window_pages.USAGE_LOG, as it reaches a server's log
 WINDOW_PAGES_LINE = re.compile(r"OSCAR window pages held: (\d+) blocks by (\d+) requests")
 
 

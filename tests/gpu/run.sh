@@ -81,7 +81,7 @@ for stage in $stages; do
     e2e)
       {
         [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
-        python3 -m oscar_vllm.evaluate --model-path "$work/smollm2" --rotations "$smol_rot" \
+        python3 -m oscar_vllm.calibration.evaluate --model-path "$work/smollm2" --rotations "$smol_rot" \
           --methods bf16,oscar-int2-fit --context 2048 --eval-tokens 16384 --prefill-chunk 256 --device cuda \
           --output-dir "$work/reference" && cp "$work/reference/fidelity.json" "$out/reference_fidelity.json"
         $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype float32 --eager

@@ -20,10 +20,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
-from oscar_vllm.calibration import LayerStats, causal_score_weights
-from oscar_vllm.errors import OscarError
-from oscar_vllm.mixed_cache import LayerCacheSpec, mixed_cache_attention
-from oscar_vllm.rotation_io import ModelShape
+from oscar_vllm.calibration.fit import LayerStats, causal_score_weights
+from oscar_vllm.core.errors import OscarError
+from oscar_vllm.core.mixed_cache import LayerCacheSpec, mixed_cache_attention
+from oscar_vllm.core.rotation_io import ModelShape
 
 ATTN_IMPL = "oscar_hooks"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")

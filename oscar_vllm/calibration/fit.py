@@ -1,6 +1,6 @@
 """Calibration math: per-layer statistics, OSCAR rotation sets, fitted clip ratios.
 
-Fed by the capture in :mod:`oscar_vllm.calibrate` (any framework can feed it: it takes
+Fed by the capture in :mod:`oscar_vllm.calibration.calibrate` (any framework can feed it: it takes
 tensors). Depends on torch only.
 
 Shapes: ``T`` tokens, ``Hq`` query heads, ``Hkv`` KV heads, ``g = Hq/Hkv``, ``d`` head dim.
@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from oscar_vllm.quant import (
+from oscar_vllm.core.quant import (
     REFERENCE_CLIP_RATIO_K,
     REFERENCE_CLIP_RATIO_V,
     clip_index,
@@ -21,16 +21,15 @@ from oscar_vllm.quant import (
     minmax_dequantize,
     minmax_quantize,
 )
-from oscar_vllm.rotation import (
+from oscar_vllm.core.rotation import (
     apply_rotation,
-    hadamard_rotation,
     key_importance_weights,
     key_moment,
     query_moments,
     rotation_from_moment,
     value_moment,
 )
-from oscar_vllm.rotation_io import KEY, VALUE, RotationSet
+from oscar_vllm.core.rotation_io import KEY, VALUE, RotationSet
 
 VALUE_WEIGHTS = ("proxy", "softmax")
 KEY_OBJECTIVE = "qqt_r_h_pbr"
@@ -122,17 +121,6 @@ def build_rotation_sets(
         RotationSet(KEY, KEY_OBJECTIVE, key_rot, key_eig),
         RotationSet(VALUE, VALUE_OBJECTIVES[value_weights], val_rot, val_eig),
     )
-
-
-def hadamard_rotation_sets(layer_ids: list[int], head_dim: int) -> tuple[RotationSet, RotationSet]:
-    """Data-free Hadamard rotations for every layer (the QuaRot-like ablation)."""
-    h = hadamard_rotation(head_dim).float()
-    ones = torch.ones(head_dim)
-    sets = tuple(
-        RotationSet(kind, "hadamard", {i: h for i in layer_ids}, {i: ones for i in layer_ids})
-        for kind in (KEY, VALUE)
-    )
-    return sets[0], sets[1]
 
 
 def clip_candidates(head_dim: int) -> list[float]:

@@ -6,7 +6,7 @@ engine process unpickles a config naming OSCAR):
 * ``Attention.get_kv_cache_spec``: OSCAR layers report INT2 pages (a ``TQFullAttentionSpec``
   whose slot is ``int2_slot_bytes(d)``), so vLLM sizes the KV cache by the real page.
 * ``Scheduler.__init__``: the scheduler of an OSCAR engine gives every request the pages of its
-  BF16 window ring from its own block pool (``oscar_vllm.window_pages``) and says which.
+  BF16 window ring from its own block pool (``oscar_vllm.serving.window_pages``) and says which.
 * V2 model runner, ``GPUModelRunner.add_requests`` and ``DefaultModelState.prepare_attn``: a new
   request's row gets its window pages and an empty ring; each batch's rows go to the builders.
 * ``process_weights_after_loading`` as ``BaseModelLoader.load_model`` calls it: load the
@@ -14,7 +14,7 @@ engine process unpickles a config naming OSCAR):
 * V2 model runner, ``GPUModelRunner.initialize_kv_cache``: once the cache exists, compile
   every kernel variant serving can launch (``warm_up_kernels``), before graph capture.
 
-This module never imports ``oscar_vllm.backend`` (the backend imports it): it knows OSCAR
+This module never imports ``oscar_vllm.serving.backend`` (the backend imports it): it knows OSCAR
 layers by their backend's name. It imports the kernels' package only where it uses it, so an
 engine process that only schedules loads no Triton.
 """
@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from oscar_vllm.fold import RotationFoldError
-from oscar_vllm.settings import BACKEND_NAME, BACKEND_PATH, OscarSettings
-from oscar_vllm.window_pages import attach_to_scheduler, pages_of_new_requests
+from oscar_vllm.core.fold import RotationFoldError
+from oscar_vllm.core.settings import BACKEND_NAME, BACKEND_PATH, OscarSettings
+from oscar_vllm.serving.window_pages import attach_to_scheduler, pages_of_new_requests
 
 # Under vLLM's logger, so its handlers show what the backend loaded.
 logger = logging.getLogger("vllm.oscar_vllm")
@@ -243,9 +243,9 @@ def prepare_model(model: torch.nn.Module) -> None:
     from vllm.config import get_current_vllm_config
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-    from oscar_vllm.fold import fold_value_rotation, kv_heads_of_shard, per_head
-    from oscar_vllm.rotation_io import KEY, VALUE, ModelShape
-    from oscar_vllm.rotation_source import rotations_in_process
+    from oscar_vllm.core.fold import fold_value_rotation, kv_heads_of_shard, per_head
+    from oscar_vllm.core.rotation_io import KEY, VALUE, ModelShape
+    from oscar_vllm.serving.rotation_source import rotations_in_process
 
     blocks = oscar_attention_blocks(model)
     if not blocks:

@@ -21,9 +21,9 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
-from oscar_vllm.errors import OscarError
-from oscar_vllm.settings import ADDITIONAL_CONFIG_KEY, HADAMARD, OscarSettings
-from oscar_vllm.vllm_hooks import SUPPORTED_MODEL_TYPES, engine_uses_oscar
+from oscar_vllm.core.errors import OscarError
+from oscar_vllm.core.settings import ADDITIONAL_CONFIG_KEY, HADAMARD, OscarSettings
+from oscar_vllm.serving.vllm_hooks import SUPPORTED_MODEL_TYPES, engine_uses_oscar
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # what the kernels are built for (the backend's supported sizes)
 WINDOW_BLOCK_TOKENS = 64  # csrc_triton.paged_layout.BLOCK_SIZE: tokens of one INT2 page
@@ -131,7 +131,7 @@ def engine_problems(vllm_config, settings: OscarSettings) -> list[str]:
 
 
 def model_shape(vllm_config):
-    from oscar_vllm.rotation_io import ModelShape
+    from oscar_vllm.core.rotation_io import ModelShape
 
     return ModelShape.from_hf_config(vllm_config.model_config.hf_text_config, vllm_config.model_config.model)
 
@@ -149,7 +149,7 @@ def check_engine_config(vllm_config, rotations: bool = True) -> OscarSettings | 
         raise OscarStartupError(f"the OSCAR attention backend cannot serve {vllm_config.model_config.model}: "
                                 f"{numbered}")
     if rotations:
-        from oscar_vllm.rotation_source import rotations_in_process
+        from oscar_vllm.serving.rotation_source import rotations_in_process
 
         rotations_in_process(settings, model_shape(vllm_config))
     return settings

@@ -2,7 +2,7 @@
 
 Row-vector convention throughout: ``x_rot = x @ R`` for ``x`` of shape ``[..., d]``.
 Statistics and eigendecompositions run in float64; rotations are returned in float64 and
-stored in float32 by :mod:`oscar_vllm.rotation_io`.
+stored in float32 by :mod:`oscar_vllm.core.rotation_io`.
 
 Shapes: ``T`` tokens, ``Hq`` query heads, ``Hkv`` KV heads, ``g = Hq // Hkv``, ``d`` head dim.
 """

@@ -1,7 +1,7 @@
 """Calibration CLI: compute OSCAR rotations (and fitted clip ratios) for a model.
 
     oscar-calibrate --model-path PATH --calib-tokens 8192 --output-dir DIR [--per-head]
-    python -m oscar_vllm.calibrate --gguf-file model.gguf --output-dir DIR
+    python -m oscar_vllm.calibration.calibrate --gguf-file model.gguf --output-dir DIR
 
 Runs the model in transformers over calibration text, captures per layer the queries
 and keys after q/k norm and RoPE and the values, builds ``R_K`` from ``C_Q`` and ``R_V``
@@ -20,18 +20,18 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from oscar_vllm import corpus
-from oscar_vllm.atomic_output import atomic_output_dir, check_replaceable
-from oscar_vllm.calibration import (
+from oscar_vllm.calibration import corpus
+from oscar_vllm.calibration.fit import (
     VALUE_WEIGHTS,
     LayerStats,
     build_rotation_sets,
     fit_clip_ratios,
 )
-from oscar_vllm.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
-from oscar_vllm.hf import CaptureHook, LoadedModel, attention_hooks, load_model
-from oscar_vllm.quant import PARAM_DTYPES, param_dtype_from_name
-from oscar_vllm.rotation_io import OscarRotations, save_rotations, validate_rotations
+from oscar_vllm.calibration.models import CaptureHook, LoadedModel, attention_hooks, load_model
+from oscar_vllm.core.atomic_output import atomic_output_dir, check_replaceable
+from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
+from oscar_vllm.core.quant import PARAM_DTYPES, param_dtype_from_name
+from oscar_vllm.core.rotation_io import OscarRotations, save_rotations, validate_rotations
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ vLLM loads general plugins in every process, before it parses ``--attention-back
 an ``AttentionBackendEnum`` member, so ``register()`` adds the ``OSCAR`` member there. It is
 idempotent, imports only vLLM's small registry module and never touches CUDA. Where vLLM's
 ``EngineArgs`` is loaded already (the process that starts an engine), it also has the configs
-it builds checked at once (``oscar_vllm.preflight``).
+it builds checked at once (``oscar_vllm.serving.preflight``).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import logging
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from oscar_vllm.settings import BACKEND_NAME, BACKEND_PATH
+from oscar_vllm.core.settings import BACKEND_NAME, BACKEND_PATH
 
 SUPPORTED_VLLM = "0.26.0"
 
@@ -50,7 +50,7 @@ def oscar_backend_member():
         # A spawned engine process unpickles its config here, before it builds its scheduler,
         # which must then give requests their window pages (the backend module, which installs
         # every hook, is imported only where a model is built: in this process or a worker's).
-        from oscar_vllm.vllm_hooks import install_scheduler_hook
+        from oscar_vllm.serving.vllm_hooks import install_scheduler_hook
 
         install_scheduler_hook()
     return member
@@ -90,6 +90,6 @@ def register() -> None:
     # then: its configs are checked as they are built, before any engine process or GPU memory.
     arg_utils = sys.modules.get("vllm.engine.arg_utils")
     if arg_utils is not None:
-        from oscar_vllm.preflight import install_startup_check
+        from oscar_vllm.serving.preflight import install_startup_check
 
         install_startup_check(arg_utils.EngineArgs)

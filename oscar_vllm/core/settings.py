@@ -7,10 +7,10 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from oscar_vllm.errors import OscarError
+from oscar_vllm.core.errors import OscarError
 
 BACKEND_NAME = "OSCAR"  # what --attention-backend names
-BACKEND_PATH = "oscar_vllm.backend.OscarAttentionBackend"
+BACKEND_PATH = "oscar_vllm.serving.backend.OscarAttentionBackend"
 ADDITIONAL_CONFIG_KEY = "oscar"
 ENV_PREFIX = "OSCAR_"
 HADAMARD = "hadamard"

@@ -1,10 +1,10 @@
 """Fidelity evaluation: what 2-bit KV costs a real model, against a BF16 cache.
 
     oscar-evaluate                              # SmolLM2-135M-Instruct, embedded corpus
-    python -m oscar_vllm.evaluate --context 4096 --eval-tokens 131072 --device cuda
+    python -m oscar_vllm.calibration.evaluate --context 4096 --eval-tokens 131072 --device cuda
 
 Every method runs the whole model with its attention reading a simulated cache exactly as
-decode sees it (:mod:`oscar_vllm.mixed_cache`): token ``t`` reads BF16 keys/values for
+decode sees it (:mod:`oscar_vllm.core.mixed_cache`): token ``t`` reads BF16 keys/values for
 the first ``--sink`` positions and its last ``--recent``, quantized ones in between, in
 the rotated space. Reported per method, against the BF16 cache on the evaluation text:
 perplexity, ΔPPL, mean KL(BF16 ‖ method) per token and top-1 agreement. Writes
@@ -33,14 +33,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from oscar_vllm import __version__, corpus
-from oscar_vllm.calibrate import DTYPES, capture_stats, rotations_from_stats, split_sequences
-from oscar_vllm.calibration import fit_clip_ratios, hadamard_rotation_sets
-from oscar_vllm.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
-from oscar_vllm.hf import LoadedModel, MixedCacheHook, attention_hooks, load_model
-from oscar_vllm.mixed_cache import LayerCacheSpec, RowQuantizer
-from oscar_vllm.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
-from oscar_vllm.rotation_io import OscarRotations, RotationSet, load_rotations
+from oscar_vllm import __version__
+from oscar_vllm.calibration import corpus
+from oscar_vllm.calibration.calibrate import DTYPES, capture_stats, rotations_from_stats, split_sequences
+from oscar_vllm.calibration.fit import fit_clip_ratios
+from oscar_vllm.calibration.models import LoadedModel, MixedCacheHook, attention_hooks, load_model
+from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
+from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
+from oscar_vllm.core.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
+from oscar_vllm.core.rotation_io import OscarRotations, RotationSet, hadamard_rotation_sets, load_rotations
 
 logger = logging.getLogger(__name__)
 

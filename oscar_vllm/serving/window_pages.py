@@ -35,7 +35,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from oscar_vllm.errors import OscarError
+from oscar_vllm.core.errors import OscarError
 
 logger = logging.getLogger("vllm.oscar_vllm")
 # {request id: (page block ids, sink shared)} of the step's new requests; ``sink shared``: the

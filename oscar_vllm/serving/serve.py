@@ -13,8 +13,8 @@ import os
 import subprocess
 import sys
 
-from oscar_vllm.errors import DEBUG_FLAG, DEBUG_HELP, cli
-from oscar_vllm.settings import ADDITIONAL_CONFIG_KEY, OscarSettings, OscarSettingsError
+from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, cli
+from oscar_vllm.core.settings import ADDITIONAL_CONFIG_KEY, OscarSettings, OscarSettingsError
 
 FLAGS = {
     "--oscar-rotation-path": ("rotation_path", str, "DIR",

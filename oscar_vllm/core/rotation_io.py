@@ -35,9 +35,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from oscar_vllm import __version__
-from oscar_vllm.atomic_output import atomic_output_dir, is_partial_output
-from oscar_vllm.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
-from oscar_vllm.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
+from oscar_vllm.core.atomic_output import atomic_output_dir, is_partial_output
+from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
+from oscar_vllm.core.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
+from oscar_vllm.core.rotation import hadamard_rotation
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,17 @@ class OscarRotations:
         if ratios is None:
             return REFERENCE_CLIP_RATIO_K if kind == KEY else REFERENCE_CLIP_RATIO_V
         return ratios[self.layer_ids.index(layer_id)]
+
+
+def hadamard_rotation_sets(layer_ids: list[int], head_dim: int) -> tuple[RotationSet, RotationSet]:
+    """Data-free Hadamard rotations for every layer (the QuaRot-like ablation)."""
+    h = hadamard_rotation(head_dim).float()
+    ones = torch.ones(head_dim)
+    sets = tuple(
+        RotationSet(kind, "hadamard", {i: h for i in layer_ids}, {i: ones for i in layer_ids})
+        for kind in (KEY, VALUE)
+    )
+    return sets[0], sets[1]
 
 
 # ---------------------------------------------------------------------------- validation

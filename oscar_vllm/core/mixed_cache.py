@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from oscar_vllm.quant import fake_quantize_int2, fake_quantize_int4, fake_quantize_naive_int2
-from oscar_vllm.rotation import apply_rotation
+from oscar_vllm.core.quant import fake_quantize_int2, fake_quantize_int4, fake_quantize_naive_int2
+from oscar_vllm.core.rotation import apply_rotation
 
 QUANT_KINDS = ("bf16", "int4", "naive_int2", "int2")
 

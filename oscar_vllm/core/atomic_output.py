@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from oscar_vllm.errors import OscarError
+from oscar_vllm.core.errors import OscarError
 
 logger = logging.getLogger(__name__)
 
