@@ -1,5 +1,10 @@
 """Shared fixtures: RotationZoo files (written here, and the published ones where present),
-the real model and the corpus."""
+the real model and the corpus.
+
+The tests sit in folders that mirror the package (core/, kernels/, calibration/, serving/, and
+benchmarks/ for the benchmarks' scripts). The helpers beside this file (kernel_cases, paged_sim,
+rotationzoo_files, vllm_cpu) are imported by name from all of them: pytest puts this folder on
+sys.path when it loads this file (no __init__.py here, the default "prepend" import mode)."""
 
 import os
 from pathlib import Path

@@ -1,5 +1,5 @@
 """What the server checks (``serve_load.py``) send and how they judge the replies: plain Python,
-no GPU, no vLLM, so the CPU tests run all of it (``tests/test_load_mix.py``).
+no GPU, no vLLM, so the CPU tests run all of it (``tests/serving/test_load_mix.py``).
 
 * :func:`build_mix`: the requests of the load test: prompt lengths from 10 tokens to the model's
   context (shorter than the sink, exactly 63/64/65 and 320/321 around the windows, whole

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "gpu"))
 import load_mix  # noqa: E402
 from load_mix import (  # noqa: E402
@@ -169,7 +169,7 @@ class Lines(logging.Handler):
 
 
 def test_the_window_pages_line_the_scheduler_logs_is_the_one_read():
-    """The OSCAR scheduler's allocator on vLLM's real block pool (as tests/test_window_pages.py
+    """The OSCAR scheduler's allocator on vLLM's real block pool (as tests/serving/test_window_pages.py
     drives it): a line when pages are first held, none while they change within the interval,
     and one at once when the last request gives them back."""
     pytest.importorskip("vllm")

@@ -23,7 +23,7 @@ from oscar_vllm.serving.preflight import SUPPORTED_HEAD_DIMS, WINDOW_BLOCK_TOKEN
 
 vllm = pytest.importorskip("vllm")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "reliability.md"
 QWEN3 = dict(json.loads((REPO / "benchmarks" / "configs" / "qwen3-8b.json").read_text()), num_hidden_layers=2,
              hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,

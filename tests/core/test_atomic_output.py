@@ -27,7 +27,7 @@ from oscar_vllm.core.rotation_io import (
 )
 from rotationzoo_files import write_published_files
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Runs a CLI in a child process that stops (prints PAUSED, then sleeps until killed) at one
 # point of the output's writing, chosen by KILL_AT:
