@@ -40,12 +40,12 @@ setup(
     extras_require={"test": ["pytest"]},
     entry_points={
         "console_scripts": [
-            "oscar-calibrate=oscar_vllm.calibrate:main",
-            "oscar-evaluate=oscar_vllm.evaluate:main",
-            "oscar-rotations=oscar_vllm.rotation_io:main",
-            "oscar-vllm=oscar_vllm.serve:main",
+            "oscar-calibrate=oscar_vllm.calibration.calibrate:main",
+            "oscar-evaluate=oscar_vllm.calibration.evaluate:main",
+            "oscar-rotations=oscar_vllm.core.rotation_io:main",
+            "oscar-vllm=oscar_vllm.serving.serve:main",
         ],
         # vLLM loads these in every process; register() makes --attention-backend OSCAR work.
-        "vllm.general_plugins": ["oscar = oscar_vllm.plugin:register"],
+        "vllm.general_plugins": ["oscar = oscar_vllm.serving.plugin:register"],
     },
 )

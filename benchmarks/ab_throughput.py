@@ -200,7 +200,7 @@ def oscar_window_tokens(cfg: dict) -> int:
     """Tokens of the KV pool one running request's BF16 windows take (OSCAR's default sink and
     recent window; the engine logs and reports the exact figure)."""
     from csrc_triton.paged_layout import BLOCK_SIZE, window_pages_per_request
-    from oscar_vllm.settings import OscarSettings
+    from oscar_vllm.core.settings import OscarSettings
 
     s = OscarSettings()
     d = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
@@ -463,8 +463,8 @@ def oscar_window_blocks(vllm_config) -> int:
     """KV cache blocks one running request's OSCAR windows take (as the engine's scheduler counts)."""
     from types import SimpleNamespace
 
-    from oscar_vllm.settings import OscarSettings
-    from oscar_vllm.vllm_hooks import window_pages_of_group
+    from oscar_vllm.core.settings import OscarSettings
+    from oscar_vllm.serving.vllm_hooks import window_pages_of_group
 
     model = vllm_config.model_config
     spec = SimpleNamespace(block_size=vllm_config.cache_config.block_size, head_size=model.get_head_size(),
@@ -1287,7 +1287,7 @@ def main() -> None:
         parser().error(str(e))
     # In a child process: a CUDA context left in this one would take GPU memory from a worker.
     env = json.loads(subprocess.run(
-        [sys.executable, "-c", "import json; from oscar_vllm.evaluate import environment; "
+        [sys.executable, "-c", "import json; from oscar_vllm.calibration.evaluate import environment; "
          "print(json.dumps(environment('python benchmarks/ab_throughput.py')))"],
         capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
     env["command"] = f"python benchmarks/ab_throughput.py {shlex.join(sys.argv[1:])}".strip()

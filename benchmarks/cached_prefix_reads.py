@@ -5,7 +5,7 @@ caching on and off, in chunks of 8192 and 256 tokens. With caching off, a prompt
 reads every key in BF16, and a later chunk finds the ring before it in BF16; with caching on,
 the chunk after the hit reads the cached prefix, whose middle (past the sink) is 2-bit there,
 with no ring before it. This runs the same windows and cuts through the reference cache
-(``oscar_vllm.mixed_cache``) each of those ways, plus as a decode step reads them, so the vLLM
+(``oscar_vllm.core.mixed_cache``) each of those ways, plus as a decode step reads them, so the vLLM
 numbers can be read against what the method itself gives:
 
     python benchmarks/cached_prefix_reads.py --out results/windows/cached_prefix_reads
@@ -17,8 +17,9 @@ import json
 import math
 from pathlib import Path
 
-from oscar_vllm import corpus
-from oscar_vllm.evaluate import (
+from oscar_vllm.calibration import corpus
+from oscar_vllm.calibration.calibrate import DTYPES
+from oscar_vllm.calibration.evaluate import (
     CACHED_PREFIX_CUTS,
     METHODS_BY_NAME,
     cached_prefix_reads,
@@ -26,9 +27,8 @@ from oscar_vllm.evaluate import (
     environment,
     layer_specs,
 )
-from oscar_vllm.calibrate import DTYPES
-from oscar_vllm.hf import load_model
-from oscar_vllm.rotation_io import load_rotations
+from oscar_vllm.calibration.models import load_model
+from oscar_vllm.core.rotation_io import load_rotations
 
 READS = {
     "bf16": "BF16 cache",

@@ -6,5 +6,5 @@
 # tokens in 4K windows), each with fidelity.md, fidelity.json and fidelity.png.
 set -euo pipefail
 out=${1:-results}
-python3 -m oscar_vllm.evaluate --device cuda --context 2048 --eval-tokens 65536 --output-dir "$out/ctx2048"
-python3 -m oscar_vllm.evaluate --device cuda --context 4096 --eval-tokens 131072 --output-dir "$out/ctx4096"
+python3 -m oscar_vllm.calibration.evaluate --device cuda --context 2048 --eval-tokens 65536 --output-dir "$out/ctx2048"
+python3 -m oscar_vllm.calibration.evaluate --device cuda --context 4096 --eval-tokens 131072 --output-dir "$out/ctx4096"

@@ -7,7 +7,7 @@ measured per rotation.
 For identity, the data-free Hadamard and OSCAR's ``U·H·P`` rotations, on held-out tokens
 the rotations never saw, it reports the mean over layers of the expected squared logit
 error of the INT2 keys and the score-weighted error of the INT2 values
-(:class:`oscar_vllm.calibration.LayerErrorMeasure`), for each clip setting and group size.
+(:class:`oscar_vllm.calibration.fit.LayerErrorMeasure`), for each clip setting and group size.
 Writes ``rotation_error.md`` and ``rotation_error.json`` into ``--output-dir``.
 """
 
@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from oscar_vllm import corpus
-from oscar_vllm.calibrate import DTYPES, capture_stats
-from oscar_vllm.calibration import LayerErrorMeasure, build_rotation_sets, hadamard_rotation_sets
-from oscar_vllm.evaluate import environment
-from oscar_vllm.hf import load_model
+from oscar_vllm.calibration import corpus
+from oscar_vllm.calibration.calibrate import DTYPES, capture_stats
+from oscar_vllm.calibration.evaluate import environment
+from oscar_vllm.calibration.fit import LayerErrorMeasure, build_rotation_sets
+from oscar_vllm.calibration.models import load_model
+from oscar_vllm.core.rotation_io import hadamard_rotation_sets
 
 CLIPS = {"reference 0.96/0.92": (0.96, 0.92), "none": (0.0, 0.0)}
 

@@ -26,7 +26,7 @@ cache, the window being the sink and the ``recent`` positions ending at ``seq_le
 
 Reference: :func:`oscar_vllm.reference.oscar_decode.oscar_decode_reference`. Gluon does not run
 under ``TRITON_INTERPRET``: the CPU tests compile it for sm_90 and read the machine code
-(``tests/test_kernels_compile.py``), the GPU tests compare it with the reference.
+(``tests/kernels/test_kernels_compile.py``), the GPU tests compare it with the reference.
 """
 import torch
 import triton

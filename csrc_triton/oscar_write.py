@@ -226,7 +226,7 @@ def oscar_write(
     """Write ``key``/``value`` ``[T, Hkv, d]`` into the INT2 ``cache`` and the BF16 windows.
 
     ``cache``: uint8 ``[num_blocks, Hkv, int2_region_bytes(d)]`` (``paged_layout``); the other
-    arguments as documented on the kernel; ``clip_idx_*`` as ``oscar_vllm.quant.clip_index``
+    arguments as documented on the kernel; ``clip_idx_*`` as ``oscar_vllm.core.quant.clip_index``
     gives them. Tokens whose slot is negative are skipped. ``num_decodes``: the batch's first
     requests have one token each (a hint that skips the token -> request search; 0 is always right).
     ``num_warps``: else from ``WRITE_NUM_WARPS``.

@@ -17,7 +17,7 @@ through a 16-bit view of the same memory.
 
 The BF16 windows (sink and recent window) of each running request live in pages of the same
 pool: vLLM's scheduler gives a request ``window_pages_per_ring`` blocks when it starts and takes
-them back when it ends (``oscar_vllm.window_pages``), so they cost memory only for the requests
+them back when it ends (``oscar_vllm.serving.window_pages``), so they cost memory only for the requests
 actually running. Viewed as bf16 (``windows_view``), a page holds ``E = window_entries_per_page``
 entries of one ring: ``[E, num_kv_heads, d]`` rotated keys, then the values transposed,
 ``[num_kv_heads, d, E]``, so that one dim of a page's entries is 16 contiguous bytes (``p @ V``
@@ -27,7 +27,7 @@ A request's ring has ``sink + recent`` entries; position ``p`` lives at entry ``
 ``window_pages[ring, i // E]`` at slot ``i % E``. ``E`` divides ``sink`` (a page holds fewer
 entries than it could when that is what it takes), so the sink fills pages of its own and the
 recent window starts on a fresh page: the sink pages of one request can be the sink pages of
-others, and requests that share a cached prefix share its BF16 sink (``oscar_vllm.window_pages``).
+others, and requests that share a cached prefix share its BF16 sink (``oscar_vllm.serving.window_pages``).
 ``window_pos`` ``[num_rings, sink + recent]`` int32 holds the position each entry holds (-1:
 empty). A reader trusts an entry only when ``window_pos`` equals the position it wants, so a
 stale or missing entry falls back to the INT2 copy.

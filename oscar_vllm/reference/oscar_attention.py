@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from oscar_vllm.quant import dequantize_int2, Int2Rows
-from oscar_vllm.reference.paged import block_size_of, layout_views, read_ring, v_column
+from oscar_vllm.core.quant import dequantize_int2, Int2Rows
 from oscar_vllm.reference.oscar_write import window_index
+from oscar_vllm.reference.paged import block_size_of, layout_views, read_ring, v_column
 
 
 def read_int2_slots(cache: torch.Tensor, slots: torch.Tensor, head_dim: int,

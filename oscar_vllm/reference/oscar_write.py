@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_vllm.quant import quantize_int2
+from oscar_vllm.core.quant import quantize_int2
 from oscar_vllm.reference.paged import layout_views, ring_index, v_column, window_views
 
 

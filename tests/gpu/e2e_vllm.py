@@ -37,7 +37,7 @@ QWEN3_8B_CONFIG = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 def result(**kw) -> None:
     """One JSON line with what a check measured, and where and when (date, hardware, command,
     versions: the same header the fidelity reports carry)."""
-    from oscar_vllm.evaluate import environment
+    from oscar_vllm.calibration.evaluate import environment
 
     print("RESULT " + json.dumps({**kw, **environment("tests/gpu/e2e_vllm.py")}), flush=True)
 
@@ -50,7 +50,7 @@ def cmd_prepare(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oscar_vllm.hf import smollm2_gguf_path
+    from oscar_vllm.calibration.models import smollm2_gguf_path
 
     out = Path(args.work)
     gguf = smollm2_gguf_path()
@@ -73,8 +73,8 @@ def cmd_prepare(args) -> None:
 def eval_windows(model_dir: str, tokens: int, context: int):
     from transformers import AutoTokenizer
 
-    from oscar_vllm import corpus
-    from oscar_vllm.calibrate import split_sequences
+    from oscar_vllm.calibration import corpus
+    from oscar_vllm.calibration.calibrate import split_sequences
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = corpus.tokenize(tok, corpus.evaluation_text())[:tokens]
@@ -160,7 +160,7 @@ def cmd_serve(args) -> None:
     port = 8011
     env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0")
     server = subprocess.Popen(
-        [sys.executable, "-m", "oscar_vllm.serve", "serve", args.model, "--load-format", "dummy", "--oscar-rotation-path", args.rotations,
+        [sys.executable, "-m", "oscar_vllm.serving.serve", "serve", args.model, "--load-format", "dummy", "--oscar-rotation-path", args.rotations,
          "--oscar-sink-size", "64", "--oscar-recent-size", "256", "--max-model-len", "4096", "--max-num-seqs", "16",
          "--gpu-memory-utilization", "0.5", "--enforce-eager", "--port", str(port)],
         env=env, stdout=sys.stdout, stderr=sys.stderr)
@@ -187,9 +187,9 @@ def cmd_serve(args) -> None:
 
 
 def prefix_workload(model_dir: str):
-    """``oscar_vllm.evaluate.cached_prefix_workload`` on the evaluation text: 16 chats on a 1,536-token
+    """``oscar_vllm.calibration.evaluate.cached_prefix_workload`` on the evaluation text: 16 chats on a 1,536-token
     system prompt, and 23 windows of one shared 512-token prefix plus 1,536 distinct tokens."""
-    from oscar_vllm.evaluate import CACHED_PREFIX_TOKENS, cached_prefix_workload
+    from oscar_vllm.calibration.evaluate import CACHED_PREFIX_TOKENS, cached_prefix_workload
 
     ids, _ = eval_windows(model_dir, CACHED_PREFIX_TOKENS, 64)
     return cached_prefix_workload([t for w in ids for t in w])
@@ -200,7 +200,7 @@ def prefix_run(args) -> dict:
     held-out text after a shared cached prefix."""
     from vllm import LLM, SamplingParams
 
-    from oscar_vllm.evaluate import CACHED_PREFIX_CUTS
+    from oscar_vllm.calibration.evaluate import CACHED_PREFIX_CUTS
 
     chats, shared, windows = prefix_workload(args.model)
     kw = dict(additional_config=oscar_config(args.rotations)) if args.backend == "OSCAR" else {}

@@ -1,5 +1,5 @@
 """What the server checks (``serve_load.py``) send and how they judge the replies: plain Python,
-no GPU, no vLLM, so the CPU tests run all of it (``tests/test_load_mix.py``).
+no GPU, no vLLM, so the CPU tests run all of it (``tests/serving/test_load_mix.py``).
 
 * :func:`build_mix`: the requests of the load test: prompt lengths from 10 tokens to the model's
   context (shorter than the sink, exactly 63/64/65 and 320/321 around the windows, whole
@@ -225,7 +225,7 @@ def prometheus_value(text: str, name: str) -> float | None:
     return sum(values) if values else None
 
 
-# oscar_vllm.window_pages.USAGE_LOG, as it reaches a server's log
+# oscar_vllm.serving.window_pages.USAGE_LOG, as it reaches a server's log
 WINDOW_PAGES_LINE = re.compile(r"OSCAR window pages held: (\d+) blocks by (\d+) requests")
 
 

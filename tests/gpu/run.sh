@@ -52,8 +52,8 @@ for stage in $stages; do
   case $stage in
     tests)
       { python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print(torch.cuda.get_device_name(0))' &&
-        python3 -m pytest -q -p no:warnings $xdist tests/test_oscar_decode.py tests/test_oscar_write.py \
-          tests/test_oscar_attention.py tests/test_oscar_dense_kv.py tests/test_launch_table.py tests/test_warm_up.py; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
+        python3 -m pytest -q -p no:warnings $xdist tests/kernels/test_oscar_decode.py tests/kernels/test_oscar_write.py \
+          tests/kernels/test_oscar_attention.py tests/kernels/test_oscar_dense_kv.py tests/kernels/test_launch_table.py tests/kernels/test_warm_up.py; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
     kernels)
       { (cd benchmarks/kernels &&
          python3 oscar_decode.py decode --out "$out/kernels" ${OSCAR_KERNEL_ARGS:-} &&
@@ -81,7 +81,7 @@ for stage in $stages; do
     e2e)
       {
         [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
-        python3 -m oscar_vllm.evaluate --model-path "$work/smollm2" --rotations "$smol_rot" \
+        python3 -m oscar_vllm.calibration.evaluate --model-path "$work/smollm2" --rotations "$smol_rot" \
           --methods bf16,oscar-int2-fit --context 2048 --eval-tokens 16384 --prefill-chunk 256 --device cuda \
           --output-dir "$work/reference" && cp "$work/reference/fidelity.json" "$out/reference_fidelity.json"
         $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype float32 --eager

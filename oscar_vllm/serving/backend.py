@@ -1,0 +1,411 @@
+"""The OSCAR attention backend for vLLM 0.26.0: INT2 paged KV with BF16 sink and recent
+windows, in the attention-aware rotated basis.
+
+Order as in vLLM's own backends: metadata, builder, backend, impl. The kernels live in
+``csrc_triton/``; what ties the backend into vLLM beyond this interface (the KV spec, the
+request rows and their window pages, the weight fold) is in ``vllm_hooks``.
+
+Window state: each layer owns its ``window_pos`` (which position each ring entry holds); the
+builder owns what all layers share, each request row's window pages (``window_pages``, given by
+the scheduler, ``oscar_vllm.serving.window_pages``) and the batch's rows (``ring_slots``). The windows'
+bytes are pages of the layer's own KV cache.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from csrc_triton import oscar_attention as triton_decode
+from csrc_triton import oscar_decode as gluon_decode
+from csrc_triton.oscar_attention import DensePrefill, oscar_attention, oscar_prefill_batch
+from csrc_triton.oscar_decode import oscar_decode
+from csrc_triton.oscar_write import decode_rotation, oscar_write, oscar_write_decode
+from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape, window_pages_per_request, windows_view
+from csrc_triton.warm_up import warm_up_kernels
+from oscar_vllm.core.fold import RotationFoldError
+from oscar_vllm.core.quant import PARAM_DTYPES, clip_index
+from oscar_vllm.core.settings import BACKEND_NAME, OscarSettings
+from oscar_vllm.serving.plugin import check_vllm_version
+from oscar_vllm.serving.preflight import check_in_worker
+from oscar_vllm.serving.window_pages import WindowPagesError
+
+check_vllm_version()
+
+from oscar_vllm.serving import vllm_hooks  # noqa: E402  (installs the hooks once the version is right)
+
+vllm_hooks.install()
+
+
+@dataclass
+class OscarAttentionMetadata:
+    num_actual_tokens: int
+    max_query_len: int
+    num_reqs: int
+    num_decodes: int  # the batch's first requests, one query token each (vLLM orders them so)
+    decode_splits: int  # most programs a decode request's prefix is split over
+    prefill_has_prefix: bool  # some prefill request has cached tokens (or may: an upper bound)
+    prefill_kv_rows: int  # sum of the prefill requests' lengths (-1: unknown)
+    prefill_max_seq: int  # longest prefill request (upper bound)
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs], including this step
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    ring_slots: torch.Tensor  # int32 [num_reqs]: each request's window ring (its row)
+    window_pages: torch.Tensor  # int32 [rows + 1, pages per ring]: each row's window pages
+    part_out: torch.Tensor  # fp32 split-K scratch, [decode tokens * Hq * decode_splits * d] used
+    part_lse: torch.Tensor  # fp32 [decode tokens * Hq * decode_splits] used
+
+
+class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetadata]):
+    # Decode batches replay as full CUDA graphs: every tensor the kernels read lives in a
+    # persistent buffer and the launch depends only on the (padded) batch size.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Decodes first: they take the split decode kernel, the rest the prefill path.
+        self._init_reorder_batch_threshold(1)
+        num_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        self.num_kv_heads = kv_cache_spec.num_kv_heads
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        settings = OscarSettings.from_vllm_config(vllm_config)
+        d = kv_cache_spec.head_size
+        # The Gluon decode kernel where it serves the shape, else the Triton one (fp32 models).
+        self.decode_kernel = gluon_decode if uses_gluon_decode(vllm_config, num_heads, self.num_kv_heads, d,
+                                                                settings.sink_size) else triton_decode
+        # Request rows are < max_num_seqs; a batch padded for a CUDA graph may count more entries.
+        self.null_row = vllm_config.scheduler_config.max_num_seqs
+        max_batch = max(self.null_row, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
+        split_rows = self.decode_kernel.decode_split_rows(max_batch, self.num_kv_heads, self.num_sms)
+        self.layers = [vllm_config.compilation_config.static_forward_context[name].impl for name in layer_names]
+        self.sink = settings.sink_size
+        self.pages_per_ring, self.sink_pages = window_pages_per_request(settings.sink_size, settings.recent_size,
+                                                                        self.num_kv_heads, d)
+        # Row null_row never holds a window (its positions stay -1): padded batch entries read it.
+        self.window_pages = torch.zeros(self.null_row + 1, self.pages_per_ring, dtype=torch.int32, device=device)
+        self.ring_slots = torch.full((max_batch,), self.null_row, dtype=torch.int32, device=device)
+        self.batch_rows: torch.Tensor | None = None  # int32 [num_reqs]: set per step by vllm_hooks
+        self.part_out = torch.empty(split_rows * num_heads * d, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(split_rows * num_heads, dtype=torch.float32, device=device)
+
+    def assign_windows(self, rows: list[int], pages: list[list[int]], num_blocks: int, allow_null: bool = False,
+                       sink_shared: list[bool] | None = None) -> None:
+        """New requests took ``rows``, with window ``pages`` each (block ids < ``num_blocks``; the
+        null block 0 only with ``allow_null``, for vLLM's start-up warm-up): empty their rings in
+        every layer before they run, so no row reads a window it did not write, but for the sink
+        of rows whose sink pages came from the prefix cache (``sink_shared``): those read it."""
+        if not rows:
+            return
+        first = 0 if allow_null else 1
+        if any(len(p) != self.pages_per_ring or not all(first <= b < num_blocks for b in p) for p in pages):
+            raise WindowPagesError(
+                f"window pages {pages} for rows {rows}: each row needs {self.pages_per_ring} block ids in "
+                f"[{first}, {num_blocks})"
+            )
+        index = torch.tensor(rows, dtype=torch.long).to(self.window_pages.device, non_blocking=True)
+        self.window_pages.index_copy_(0, index, torch.tensor(pages, dtype=torch.int32).to(index.device))
+        for impl in self.layers:
+            impl.window_pos.index_fill_(0, index, -1)
+        shared = [r for r, c in zip(rows, sink_shared or []) if c]
+        if shared and self.sink:
+            shared_index = torch.tensor(shared, dtype=torch.long).to(index.device, non_blocking=True)
+            held = torch.arange(self.sink, dtype=torch.int32, device=index.device).expand(len(shared), -1)
+            for impl in self.layers:
+                impl.window_pos[shared_index, :self.sink] = held
+
+    def fill_ring_slots(self, num_entries: int) -> None:
+        """Each batch entry's ring: the rows of the batch's requests, then the null row for the
+        entries a CUDA graph pads the batch with (they read an empty window)."""
+        rows = self.batch_rows
+        if rows is None:
+            raise RuntimeError(
+                "OSCAR needs vLLM's V2 model runner (the default for dense models) to know each "
+                "request's window ring; set VLLM_USE_V2_MODEL_RUNNER=1"
+            )
+        n = rows.shape[0]
+        if n > num_entries or num_entries > self.ring_slots.shape[0]:
+            raise RuntimeError(f"OSCAR: a batch of {num_entries} entries for {n} request rows "
+                               f"(at most {self.ring_slots.shape[0]} entries)")
+        self.ring_slots[:n].copy_(rows, non_blocking=True)
+        if num_entries > n:
+            self.ring_slots[n:num_entries].fill_(self.null_row)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> OscarAttentionMetadata:
+        m = common_attn_metadata
+        self.fill_ring_slots(m.num_reqs)
+        num_decodes, _, _, _ = split_decodes_and_prefills(m, decode_threshold=1)
+        # From CPU copies (no sync): seq_lens_cpu_upper_bound is exact for prefill rows (it
+        # overstates only async speculative decodes), so the dense path sizes its buffers by it.
+        seq_cpu = m.seq_lens_cpu_upper_bound
+        q_cpu = m.query_start_loc_cpu
+        prefill_seq = None if seq_cpu is None else seq_cpu[num_decodes:m.num_reqs]
+        prefill_has_prefix = (
+            prefill_seq is None
+            or bool((prefill_seq > q_cpu[num_decodes + 1:m.num_reqs + 1] - q_cpu[num_decodes:m.num_reqs]).any())
+        )
+        known = prefill_seq is not None and len(prefill_seq) > 0
+        return OscarAttentionMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            num_reqs=m.num_reqs,
+            num_decodes=num_decodes,
+            decode_splits=self.decode_kernel.decode_splits(num_decodes, self.num_kv_heads, self.num_sms),
+            prefill_has_prefix=prefill_has_prefix,
+            prefill_kv_rows=int(prefill_seq.sum()) if known else -1,
+            prefill_max_seq=int(prefill_seq.max()) if known else 0,
+            query_start_loc=m.query_start_loc,
+            seq_lens=m.seq_lens,
+            block_table=m.block_table_tensor,
+            slot_mapping=m.slot_mapping,
+            ring_slots=self.ring_slots,
+            window_pages=self.window_pages,
+            part_out=self.part_out,
+            part_lse=self.part_lse,
+        )
+
+
+class OscarAttentionBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type["OscarAttentionImpl"]:
+        return OscarAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[OscarAttentionMetadataBuilder]:
+        return OscarAttentionMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        # One kernel block is one attention tile; larger --block-size values are split into it.
+        return [BLOCK_SIZE]
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        return BLOCK_SIZE
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [64, 128, 256]
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        if block_size != BLOCK_SIZE:
+            raise ValueError(f"OSCAR kernel blocks hold {BLOCK_SIZE} tokens, vLLM asked for {block_size}")
+        return int2_cache_shape(num_blocks, num_kv_heads, head_size)
+
+
+def uses_gluon_decode(vllm_config: VllmConfig, num_heads: int, num_kv_heads: int, head_size: int, sink: int) -> bool:
+    """Whether decode batches take ``csrc_triton.oscar_decode`` (write first, then the Gluon
+    kernel), as every layer and the metadata builder must agree."""
+    return torch.cuda.is_available() and gluon_decode.supports(
+        num_heads, num_kv_heads, head_size, vllm_config.model_config.dtype, sink)
+
+
+def _flash_attention(scale: float, dtype: torch.dtype):
+    """Varlen causal attention through vLLM's FlashAttention, or None where it cannot run (fp32
+    models, no CUDA build): ``(q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out,
+    return_lse=False) -> natural-log LSE [Hq, T] or None``, queries the last positions of keys."""
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version, is_flash_attn_varlen_func_available
+
+    if dtype not in (torch.float16, torch.bfloat16) or not is_flash_attn_varlen_func_available():
+        return None
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+    fa_version = get_flash_attn_version()
+    version = {} if fa_version is None else {"fa_version": fa_version}
+
+    def attend(q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out, return_lse=False):
+        res = flash_attn_varlen_func(
+            q=q, k=k, v=v, max_seqlen_q=max_query_len, cu_seqlens_q=cu_q, max_seqlen_k=max_seq_len,
+            cu_seqlens_k=cu_k, softmax_scale=scale, causal=True, return_softmax_lse=return_lse, out=out, **version,
+        )
+        return res[1] if return_lse else None
+
+    return attend
+
+
+def _own_keys(attend, q, k, v, cu_q, max_query_len, out):
+    """A prefill chunk's attention to its own keys only, with its LSE (for the INT2 kernel's merge)."""
+    return attend(q, k, v, cu_q, cu_q, max_query_len, max_query_len, out, return_lse=True)
+
+
+class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, **unsupported) -> None:
+        problems = [
+            (alibi_slopes is not None, "ALiBi"),
+            (sliding_window is not None, "sliding-window attention"),
+            (bool(logits_soft_cap), "logit soft-capping"),
+            (attn_type != AttentionType.DECODER, f"{attn_type} attention"),
+            (kv_sharing_target_layer_name is not None, "cross-layer KV sharing"),
+            (kv_cache_dtype != "auto", f"--kv-cache-dtype {kv_cache_dtype} (OSCAR is its own KV format)"),
+            (unsupported.get("sinks") is not None, "learned attention sinks"),
+        ]
+        refused = [what for bad, what in problems if bad]
+        if refused:
+            raise NotImplementedError(f"the OSCAR backend does not serve models with {', '.join(refused)}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+
+        vllm_config = get_current_vllm_config()
+        check_in_worker(vllm_config)  # the startup checks, also for configs EngineArgs did not build
+        self.settings = OscarSettings.from_vllm_config(vllm_config)
+        self.sink = self.settings.sink_size
+        self.recent = self.settings.recent_size
+        self.param_dtype = PARAM_DTYPES[self.settings.scale_dtype]
+        # Set by vllm_hooks.prepare_model once the model's weights are loaded.
+        self.layer_id: int | None = None
+        self.rot_k: torch.Tensor | None = None
+        self.clip_idx_k = self.clip_idx_v = -1
+        # The position each ring entry holds, per request row (and the builder's empty null row
+        # last). The rings' bytes are pages of the KV cache, taken per running request.
+        rows = vllm_config.scheduler_config.max_num_seqs + 1
+        self.window_pos = torch.full((rows, self.sink + self.recent), -1, dtype=torch.int32)
+        # Prefill runs through FlashAttention where it can: over a cached prefix dequantized
+        # into dense_kv (shared by all layers, given by vllm_hooks.prepare_model), or, where the
+        # batch does not fit it, over the chunk's own keys with the INT2 kernel adding the prefix.
+        self.flash_attention = _flash_attention(self.scale, vllm_config.model_config.dtype)
+        self.own_keys_attention = None
+        if self.flash_attention is not None:
+            self.own_keys_attention = functools.partial(_own_keys, self.flash_attention)
+        self.dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.gluon_decode = uses_gluon_decode(vllm_config, num_heads, num_kv_heads, head_size, self.sink)
+        self.rot_t: torch.Tensor | None = None  # R as the decode write takes it (decode_rotation)
+
+    def set_layer(self, layer_id: int, rot_k: torch.Tensor, clip_ratio_k: float, clip_ratio_v: float) -> None:
+        """The layer's key rotation ``[d, d]`` or ``[Hkv, d, d]`` and clip ratios."""
+        if self.rot_k is not None:
+            raise RotationFoldError(f"OSCAR layer {self.layer_id} was prepared twice")
+        self.layer_id = layer_id
+        self.rot_k = rot_k.to(device=self.window_pos.device, dtype=torch.float32).contiguous()
+        self.rot_t = decode_rotation(self.rot_k)
+        self.clip_idx_k = clip_index(clip_ratio_k, self.head_size)
+        self.clip_idx_v = clip_index(clip_ratio_v, self.head_size)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ R_K`` in fp32 for queries ``[T, Hq, d]`` or keys ``[T, Hkv, d]`` (per KV head
+        when the rotation is per head)."""
+        rot = self.rot_k
+        if rot.dim() == 2:
+            return (x.float() @ rot).to(x.dtype)
+        n, heads, d = x.shape
+        xg = x.float().view(n, self.num_kv_heads, heads // self.num_kv_heads, d)
+        return torch.einsum("thgi,hij->thgj", xg, rot).reshape(x.shape).to(x.dtype)
+
+    def warm_up(self, kv_cache: torch.Tensor, window_pages: torch.Tensor, vllm_config: VllmConfig) -> int:
+        """Compile every kernel variant this layer can launch while serving (``csrc_triton.warm_up``),
+        on scratch inputs over its own cache and windows, which it leaves as they are."""
+        if self.rot_k is None:
+            raise RuntimeError("OSCAR layer has no rotation: the model was not prepared")
+        sched = vllm_config.scheduler_config
+        return warm_up_kernels(
+            kv_cache, windows_view(kv_cache), window_pages, self.window_pos, self.rot_k, self.num_heads,
+            vllm_config.model_config.dtype, self.sink, self.recent, self.param_dtype, sched.max_num_seqs,
+            sched.max_num_batched_tokens, torch.cuda.get_device_properties(kv_cache.device).multi_processor_count,
+            merge_self=self.own_keys_attention is not None, dense=self.dense_kv is not None, gluon=self.gluon_decode,
+        )
+
+    def dense_prefill(self, md: OscarAttentionMetadata, k: torch.Tensor) -> DensePrefill | None:
+        """The dense path for this batch's prefills, when they have a cached prefix and fit."""
+        if (self.dense_kv is None or not md.prefill_has_prefix or md.num_decodes == md.num_reqs
+                or not 0 <= md.prefill_kv_rows <= self.dense_kv[0].shape[0]):
+            return None
+        # FlashAttention-3 loads whole 128-row key tiles and masks the rows past a sequence only
+        # in the scores: their values still meet p = 0 in p @ v, and 0 * NaN is NaN. vLLM orders
+        # the longest chunk last, so its last tile reaches past the batch's rows: the buffers are
+        # cut there (the tiles' loads then fill zeros), never left to what an earlier step wrote.
+        rows = md.prefill_kv_rows
+        k_buf, v_buf = self.dense_kv
+        return DensePrefill(self.rotate(k[md.num_decodes:]), k_buf[:rows], v_buf[:rows], md.prefill_max_seq,
+                            self.flash_attention)
+
+    def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: OscarAttentionMetadata, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("the OSCAR backend does not fuse output quantization")
+        if attn_metadata is None:  # memory-profiling run
+            return output.fill_(0)
+        if self.rot_k is None:
+            raise RuntimeError(f"OSCAR layer {layer.layer_name} has no rotation: the model was not prepared")
+        md = attn_metadata
+        n = md.num_actual_tokens
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        k = key[:n].view(n, self.num_kv_heads, self.head_size)
+        v = value[:n].view(n, self.num_kv_heads, self.head_size)
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        windows = windows_view(kv_cache)
+        if self.gluon_decode:
+            return self._forward_write_first(md, q, k, v, out, kv_cache, windows, output)
+        # Attention first, then the write: this step reads the windows as they were (a ring entry
+        # it overwrites may still be in a query's window). No request reads blocks another
+        # request of its batch fills: the scheduler's prefix-cache hits end before them
+        # (oscar_vllm.serving.window_pages).
+        oscar_attention(
+            out, q, self.rotate(q), k, v, kv_cache, windows, md.window_pages, self.window_pos,
+            md.block_table, md.seq_lens, md.query_start_loc, md.ring_slots, md.num_decodes, md.num_reqs,
+            md.max_query_len, self.scale, self.sink, self.recent, self.param_dtype, md.decode_splits,
+            md.part_out, md.part_lse, self.own_keys_attention, md.prefill_has_prefix, self.dense_prefill(md, k),
+        )
+        oscar_write(k, v, self.rot_k, md.slot_mapping[:n], md.query_start_loc, md.seq_lens, md.ring_slots, md.num_reqs,
+                    kv_cache, windows, md.window_pages, self.window_pos, self.clip_idx_k, self.clip_idx_v, self.sink,
+                    self.recent, self.param_dtype, md.num_decodes)
+        return output
+
+    def _forward_write_first(self, md: OscarAttentionMetadata, q, k, v, out, kv_cache, windows, output):
+        """Decode tokens are written first (their queries rotated in the same launch), so the
+        decode kernel finds each step's token in its ring; a decode token only overwrites the ring
+        entry of the position that just left its window. Prefill chunks still attend first, then
+        write: a chunk's tokens would overwrite entries its own first queries read."""
+        n, nd, num_reqs = md.num_actual_tokens, md.num_decodes, md.num_reqs
+        q_rot = torch.empty_like(q)
+        if nd:
+            oscar_write_decode(k[:nd], v[:nd], q[:nd], q_rot[:nd], self.rot_t, md.slot_mapping[:nd],
+                               md.seq_lens[:nd], md.ring_slots[:nd], kv_cache, windows, md.window_pages, self.window_pos,
+                               self.clip_idx_k, self.clip_idx_v, self.sink, self.recent, self.param_dtype)
+            oscar_decode(out[:nd], q_rot[:nd], kv_cache, windows, md.window_pages, self.window_pos, md.block_table,
+                         md.seq_lens, md.ring_slots, nd, self.scale, self.sink, self.recent, self.param_dtype,
+                         md.decode_splits, md.part_out, md.part_lse)
+        if nd < num_reqs:
+            q_rot[nd:] = self.rotate(q[nd:])
+            oscar_prefill_batch(
+                out, q, q_rot, k, v, kv_cache, windows, md.window_pages, self.window_pos, md.block_table, md.seq_lens,
+                md.query_start_loc, md.ring_slots, nd, num_reqs, md.max_query_len, self.scale, self.sink, self.recent,
+                self.param_dtype, self.own_keys_attention, md.prefill_has_prefix, self.dense_prefill(md, k))
+            cu_q = md.query_start_loc[nd:num_reqs + 1] - nd
+            oscar_write(k[nd:n], v[nd:n], self.rot_k, md.slot_mapping[nd:n], cu_q, md.seq_lens[nd:num_reqs],
+                        md.ring_slots[nd:num_reqs], num_reqs - nd, kv_cache, windows, md.window_pages, self.window_pos,
+                        self.clip_idx_k, self.clip_idx_v, self.sink, self.recent, self.param_dtype)
+        return output

@@ -1,0 +1,329 @@
+"""The BF16 windows' memory, on the scheduler's side: each running request's ring lives in
+blocks of vLLM's own KV cache pool, taken when the scheduler first gives the request slots and
+returned with its other blocks (finished, aborted or preempted).
+
+So the windows cost memory only for the requests actually running: a server started with
+vLLM's default ``max_num_seqs`` (1024) keeps the KV capacity of one that runs 32 requests,
+and vLLM's admission checks, watermark and preemption count the pages like any other block,
+because the allocator adds them to the count ``allocate_slots`` checks. The workers learn a new
+request's pages from the scheduler output (``SCHEDULER_OUTPUT_FIELD``); the layout inside the
+pages is ``csrc_triton.paged_layout``'s: the sink's pages, then the recent window's.
+
+Prefix-cache hits keep both windows in BF16, as a run without caching has them:
+
+* **The sink is shared.** Once a request's first block (the sink's) is cached, its sink pages
+  are cached too, under tags derived from that block's hash, and live on as evictable cached
+  blocks after the request ends. A request that hits the block takes those pages as its own
+  sink pages (shared, read only: it never writes positions it did not compute). vLLM evicts
+  them like any cached block; a hit whose sink pages are gone is no hit.
+* **The recent window is recomputed.** A hit ends at least ``recent`` tokens before the end of
+  the request's tokens, so the request computes its own recent window (as the OSCAR reference
+  caps prefix matches).
+* **A hit covers only blocks an earlier step wrote.** vLLM caches a block when it schedules
+  it, so a request could hit blocks another request of the same step fills, and sink pages
+  written in the same step; the hit ends before the first such block instead.
+
+``WindowPageAllocator`` works on a real ``BlockPool`` and coordinator, with no GPU: the tests
+drive it through vLLM's ``KVCacheManager`` on the CPU.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from oscar_vllm.core.errors import OscarError
+
+logger = logging.getLogger("vllm.oscar_vllm")
+# {request id: (page block ids, sink shared)} of the step's new requests; ``sink shared``: the
+# sink pages came from the prefix cache and hold the sink already, else the request writes them.
+SCHEDULER_OUTPUT_FIELD = "oscar_window_pages"
+SINK_TAG = b"oscar_vllm.sink"
+# The pages held are logged when they change: at once from and to 0, else at most this often
+# (USAGE_LOG is the line; tests/gpu/serve_load.py reads it).
+USAGE_LOG_SECONDS = 10.0
+USAGE_LOG = "OSCAR window pages held: %d blocks by %d requests"
+
+
+class WindowPagesError(OscarError, RuntimeError):
+    """The scheduler and the workers disagree about a request's window pages."""
+
+
+@dataclass
+class RequestPages:
+    sink: list = field(default_factory=list)  # KVCacheBlocks of the sink, maybe shared
+    recent: list = field(default_factory=list)  # KVCacheBlocks of the recent window, its own
+    shared: bool = False  # the sink pages came from the prefix cache, holding the sink already
+
+
+class WindowPageAllocator:
+    """Window pages of every request that holds KV blocks, from ``block_pool``.
+
+    ``sink_pages`` + ``recent_pages`` blocks per request (``paged_layout.window_pages_per_request``
+    in scheduler blocks of ``block_size`` tokens); ``sink``/``recent`` in tokens; ``requests``:
+    the scheduler's requests by id (their block hashes name a cached sink).
+    """
+
+    def __init__(self, block_pool, sink_pages: int, recent_pages: int, block_size: int, sink: int, recent: int,
+                 requests: Mapping[str, object]):
+        if recent_pages < 1 or sink_pages < 0 or (sink > 0) != (sink_pages > 0):
+            raise ValueError(f"a ring of {sink} + {recent} entries cannot take {sink_pages} + {recent_pages} pages")
+        self.block_pool = block_pool
+        self.sink_pages, self.recent_pages = sink_pages, recent_pages
+        self.block_size, self.sink, self.recent = block_size, sink, recent
+        self.requests = requests
+        # The block whose hash names the sink: the last one the sink touches.
+        self.sink_block = -(-sink // block_size) - 1
+        self.held: dict[str, RequestPages] = {}
+        # Requests that write their own sink, not cached yet (in admission order: the first
+        # to have its sink block cached provides the prefix's cached sink).
+        self.unregistered: dict[str, None] = {}
+        self.fresh: set[int] = set()  # blocks cached in the current schedule() call
+        self.logged_pages, self.logged_at = 0, float("-inf")  # the last usage line
+
+    @property
+    def pages_per_request(self) -> int:
+        return self.sink_pages + self.recent_pages
+
+    @property
+    def pages_in_use(self) -> int:
+        """Page blocks the running requests hold (a shared sink counted once per holder)."""
+        return sum(len(p.sink) + len(p.recent) for p in self.held.values())
+
+    def sink_tags(self, block_hashes) -> list[bytes]:
+        """The sink pages' keys in vLLM's cached-block map, one per page, derived from the sink
+        block's hash: a hash, then the KV cache group (0) in 4 bytes, as vLLM's own keys."""
+        base = bytes(block_hashes[self.sink_block])
+        return [hashlib.sha256(SINK_TAG + base + i.to_bytes(4, "big")).digest() + bytes(4)
+                for i in range(self.sink_pages)]
+
+    def cached_sink(self, block_hashes) -> list | None:
+        """The cached sink pages of the prefix whose block hashes these are, or None."""
+        if self.sink_pages == 0 or len(block_hashes) <= self.sink_block:
+            return None
+        pages = [self.block_pool.cached_block_hash_to_block.get_one_block(t) for t in self.sink_tags(block_hashes)]
+        return None if any(p is None for p in pages) else pages
+
+    def hit_blocks(self, hit: list, num_tokens: int, block_hashes) -> int:
+        """How many of a prefix-cache hit's blocks (``hit``, vLLM's longest hit for a request of
+        ``num_tokens`` tokens) the request may use."""
+        n = min(len(hit), max(0, num_tokens - self.recent) // self.block_size)
+        n = next((i for i, b in enumerate(hit[:n]) if b.block_id in self.fresh), n)
+        if self.sink_pages and n > 0 and (n <= self.sink_block or self.cached_sink(block_hashes) is None):
+            n = 0
+        return n
+
+    def pages_needed(self, request_id: str, new_computed_blocks) -> int:
+        if request_id in self.held:
+            return 0
+        sink = self.shared_sink_of(request_id, new_computed_blocks)
+        if sink is None:
+            return self.pages_per_request
+        return self.recent_pages + sum(b.ref_cnt == 0 for b in sink)  # the rest is in use already
+
+    def shared_sink_of(self, request_id: str, new_computed_blocks) -> list | None:
+        """The cached sink pages a request starting with hit blocks ``new_computed_blocks`` shares."""
+        if self.sink_pages == 0 or len(new_computed_blocks[0]) <= self.sink_block:
+            return None
+        request = self.requests[request_id]
+        if request.num_computed_tokens:
+            return None
+        sink = self.cached_sink(request.block_hashes)
+        if sink is None:
+            raise WindowPagesError(f"request {request_id} hit the sink block of a prefix whose sink pages are gone")
+        return sink
+
+    def take_shared_sink(self, request_id: str, new_computed_blocks) -> None:
+        sink = self.shared_sink_of(request_id, new_computed_blocks)
+        if sink is not None and request_id not in self.held:
+            self.block_pool.touch(sink)
+            self.held[request_id] = RequestPages(sink=list(sink), shared=True)
+
+    def take(self, request_id: str) -> None:
+        pages = self.held.get(request_id)
+        if pages is not None and pages.recent:  # a running request: called every step
+            return
+        if pages is None:
+            pages = self.held[request_id] = RequestPages()
+        if not pages.shared:
+            pages.sink = self.block_pool.get_new_blocks(self.sink_pages)
+            if self.sink_pages:
+                self.unregistered[request_id] = None
+        pages.recent = self.block_pool.get_new_blocks(self.recent_pages)
+
+    def release(self, request_id: str) -> list:
+        """The request's page blocks, no longer held (the caller returns them to the pool), the
+        sink last: cached sink pages outlive the request's other blocks in vLLM's LRU order."""
+        self.unregistered.pop(request_id, None)
+        pages = self.held.pop(request_id, None)
+        if not self.held:
+            self.log_usage()
+        return [] if pages is None else pages.recent + pages.sink
+
+    def page_ids(self, request_id: str) -> list[int]:
+        pages = self.held.get(request_id)
+        if pages is None or not pages.recent:
+            raise WindowPagesError(f"request {request_id} is scheduled but holds no window pages")
+        return [b.block_id for b in pages.sink + pages.recent]
+
+    def sink_shared(self, request_id: str) -> bool:
+        """Whether the request's sink pages came from the prefix cache (it reads, never writes them)."""
+        return self.held[request_id].shared
+
+    def sink_cached(self, request_id: str) -> bool:
+        """Whether the request's sink pages are in the prefix cache (shared, or cached since):
+        only cached pages carry a block hash, the tags ``end_step`` gives them."""
+        sink = self.held[request_id].sink
+        return bool(sink) and sink[0].block_hash is not None
+
+    def log_usage(self) -> None:
+        """Log the pages held (USAGE_LOG) if they changed: at once when they leave or reach 0, else
+        at most every USAGE_LOG_SECONDS. So the last line of an idle server says 0, and a request
+        whose pages never came back keeps it from saying so."""
+        held, now = self.pages_in_use, time.monotonic()
+        if held == self.logged_pages or (held and self.logged_pages and now - self.logged_at < USAGE_LOG_SECONDS):
+            return
+        logger.info(USAGE_LOG, held, len(self.held))
+        self.logged_pages, self.logged_at = held, now
+
+    def begin_step(self) -> None:
+        self.fresh.clear()
+
+    def end_step(self, blocks_of) -> None:
+        """Cache the sink pages of requests whose sink block got cached in this step
+        (``blocks_of(request_id)``: its KV blocks). Their sink is written by the end of the
+        step, so later steps can read it; a prefix cached already keeps its first copy."""
+        for request_id in list(self.unregistered):
+            blocks = blocks_of(request_id)
+            if len(blocks) <= self.sink_block or blocks[self.sink_block].block_hash is None:
+                continue
+            del self.unregistered[request_id]
+            request = self.requests[request_id]
+            if self.cached_sink(request.block_hashes) is not None:
+                continue
+            for tag, page in zip(self.sink_tags(request.block_hashes), self.held[request_id].sink):
+                page.set_block_hash(tag)
+                self.block_pool.cached_block_hash_to_block.insert(tag, page)
+
+    def install(self, coordinator) -> None:
+        """Wrap this coordinator's (one instance's) methods, as ``allocate_slots``, the
+        scheduler and ``get_computed_blocks`` call them: hits are trimmed, the pages enter the
+        free-block check, are taken once any hit blocks are claimed, and leave with the
+        request's blocks."""
+
+        def argument(args, kwargs, name: str, index: int):
+            return kwargs[name] if name in kwargs else args[index]
+
+        def request_id_of(args, kwargs) -> str:
+            return argument(args, kwargs, "request_id", 0)
+
+        def wrap(owner, name, make):
+            original = getattr(owner, name)
+            setattr(owner, name, functools.wraps(original)(make(original)))
+
+        def find(original):
+            def find_longest_cache_hit(block_hashes, max_cache_hit_length, *args, **kwargs):
+                # vLLM asks for at most num_tokens - 1 (the last token is always computed).
+                blocks, hit, uncached = original(block_hashes, max_cache_hit_length, *args, **kwargs)
+                n = self.hit_blocks(blocks[0], max_cache_hit_length + 1, block_hashes)
+                if n == len(blocks[0]):
+                    return blocks, hit, uncached
+                return tuple(group[:n] for group in blocks), n * self.block_size, 0
+            return find_longest_cache_hit
+
+        def count(original):
+            def get_num_blocks_to_allocate(*args, **kwargs):
+                return original(*args, **kwargs) + self.pages_needed(
+                    request_id_of(args, kwargs), argument(args, kwargs, "new_computed_blocks", 2))
+            return get_num_blocks_to_allocate
+
+        def claim(original):
+            def allocate_new_computed_blocks(*args, **kwargs):
+                original(*args, **kwargs)
+                self.take_shared_sink(request_id_of(args, kwargs), argument(args, kwargs, "new_computed_blocks", 1))
+            return allocate_new_computed_blocks
+
+        def allocate(original):
+            def allocate_new_blocks(*args, **kwargs):
+                new_blocks = original(*args, **kwargs)
+                self.take(request_id_of(args, kwargs))
+                return new_blocks
+            return allocate_new_blocks
+
+        def free(original):
+            def free_request(request_id, *args, **kwargs):
+                original(request_id, *args, **kwargs)
+                self.block_pool.free_blocks(self.release(request_id))
+            return free_request
+
+        def pop(original):
+            def pop_blocks_for_free(request_id, *args, **kwargs):
+                # Deferred frees (an in-flight step may still write the blocks): the pages go
+                # back with the request's blocks, when the scheduler frees those.
+                return original(request_id, *args, **kwargs) + self.release(request_id)
+            return pop_blocks_for_free
+
+        def note_cached(original):
+            def cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs):
+                self.fresh.update(b.block_id for b in blocks[num_cached_blocks:num_full_blocks])
+                return original(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
+            return cache_full_blocks
+
+        wrap(coordinator, "find_longest_cache_hit", find)
+        wrap(coordinator, "get_num_blocks_to_allocate", count)
+        wrap(coordinator, "allocate_new_computed_blocks", claim)
+        wrap(coordinator, "allocate_new_blocks", allocate)
+        wrap(coordinator, "free", free)
+        wrap(coordinator, "pop_blocks_for_free", pop)
+        wrap(self.block_pool, "cache_full_blocks", note_cached)
+
+
+def attach_to_scheduler(scheduler, sink_pages: int, recent_pages: int, sink: int, recent: int) -> WindowPageAllocator:
+    """Give ``scheduler`` (vLLM's V1 ``Scheduler``) window pages: its KV cache manager counts and
+    allocates them and trims prefix-cache hits, and every ``schedule()`` output names the pages
+    of the requests it sends the workers as new (new, resumed after preemption, or re-sent)."""
+    manager = scheduler.kv_cache_manager
+    block_size = scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    allocator = WindowPageAllocator(manager.block_pool, sink_pages, recent_pages, block_size, sink, recent,
+                                    scheduler.requests)
+    allocator.install(manager.coordinator)
+    original = scheduler.schedule
+
+    def blocks_of(request_id):
+        return manager.coordinator.get_blocks(request_id)[0]
+
+    @functools.wraps(original)
+    def schedule(*args, **kwargs):
+        allocator.begin_step()
+        output = original(*args, **kwargs)
+        allocator.end_step(blocks_of)
+        allocator.log_usage()
+        setattr(output, SCHEDULER_OUTPUT_FIELD, {
+            r.req_id: (allocator.page_ids(r.req_id), allocator.sink_shared(r.req_id)) for r in output.scheduled_new_reqs
+        })
+        return output
+
+    scheduler.schedule = schedule
+    scheduler.oscar_window_pages = allocator
+    return allocator
+
+
+def pages_of_new_requests(scheduler_output, req_ids) -> dict[str, tuple[list[int], bool]] | None:
+    """The window pages of the requests a worker adds this step, and whether their sink pages
+    hold a cached sink.
+
+    ``None`` for an output no scheduler built: vLLM's start-up warm-up runs made-up requests
+    through the model before the scheduler exists; their rings go to the null block (no request
+    reads it, and their rows are emptied before a real request takes them). An output from the
+    OSCAR scheduler that lacks a request it sends is a named error.
+    """
+    given = getattr(scheduler_output, SCHEDULER_OUTPUT_FIELD, None)
+    if given is None:
+        return None
+    missing = [r for r in req_ids if r not in given]
+    if missing:
+        raise WindowPagesError(f"the scheduler sent request(s) {missing[:4]} without their OSCAR window pages")
+    return {r: given[r] for r in req_ids}

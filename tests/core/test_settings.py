@@ -1,0 +1,80 @@
+"""Settings from --additional-config and OSCAR_* variables, and `oscar-vllm serve` flags."""
+import json
+
+import pytest
+
+from oscar_vllm.core.settings import OscarSettings, OscarSettingsError
+from oscar_vllm.serving.serve import build_vllm_argv
+
+
+def test_defaults():
+    s = OscarSettings.from_sources({}, environ={})
+    assert (s.rotation_path, s.sink_size, s.recent_size, s.clip_ratio_k, s.scale_dtype) == (None, 64, 256, None, "fp16")
+
+
+def test_additional_config_wins_over_environment():
+    env = {"OSCAR_SINK_SIZE": "32", "OSCAR_RECENT_SIZE": "128", "OSCAR_ROTATION_PATH": "/env/rot"}
+    s = OscarSettings.from_sources({"oscar": {"sink_size": 16, "clip_ratio_v": 0.9}}, environ=env)
+    assert (s.sink_size, s.recent_size, s.rotation_path, s.clip_ratio_v) == (16, 128, "/env/rot", 0.9)
+
+
+@pytest.mark.parametrize("given,message", [
+    ({"sink": 3}, "unknown OSCAR setting"),
+    ({"sink_size": -1}, "sink_size must be >= 0"),
+    ({"recent_size": 0}, "recent_size must be >= 1"),
+    ({"recent_size": 2.5}, "recent_size must be int"),
+    ({"clip_ratio_k": 1.5}, r"clip_ratio_k must be in \(0, 1\]"),
+    ({"scale_dtype": "fp32"}, "scale_dtype must be one of"),
+    ({"sink_size": "many"}, "sink_size must be int"),
+])
+def test_bad_settings_are_named(given, message):
+    with pytest.raises(OscarSettingsError, match=message):
+        OscarSettings.from_sources({"oscar": given}, environ={})
+
+
+def test_missing_rotations_say_how_to_get_them():
+    with pytest.raises(OscarSettingsError, match="oscar-calibrate.*hadamard"):
+        OscarSettings.from_sources({}, environ={}).require_rotation_path()
+    assert OscarSettings(rotation_path="hadamard").is_hadamard
+
+
+def test_serve_maps_flags_onto_vllm_serve():
+    argv = build_vllm_argv(["serve", "Qwen/Qwen3-8B", "--oscar-rotation-path", "./rot", "--oscar-sink-size", "64",
+                            "--oscar-recent-size", "256", "--max-model-len", "8192",
+                            "--additional-config", '{"other": 1}'])
+    # vLLM's own max_num_seqs: the windows take memory per running request, not per slot.
+    assert argv[:4] == ["serve", "Qwen/Qwen3-8B", "--max-model-len", "8192"]
+    assert argv[4:6] == ["--attention-backend", "OSCAR"]
+    extra = json.loads(argv[argv.index("--additional-config") + 1])
+    assert extra == {"other": 1, "oscar": {"rotation_path": "./rot", "sink_size": 64, "recent_size": 256}}
+
+
+def test_serve_passes_the_users_max_num_seqs_alone():
+    argv = build_vllm_argv(["serve", "m", "--max-num-seqs=32"])
+    assert argv.count("--max-num-seqs") == 0 and "--max-num-seqs=32" in argv
+    assert not any("max-num-seqs" in a for a in build_vllm_argv(["serve", "m"]))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["Qwen/Qwen3-8B"], "runs `serve` only; usage: oscar-vllm serve MODEL"),
+    (["serve", "m", "--attention-backend", "FLASH_ATTN"], "OSCAR backend"),
+    (["serve", "m", "--oscar-sink-size", "8", "--additional-config", '{"oscar": {"sink_size": 4}}'], "both set"),
+    (["serve", "m", "--additional-config", "{oscar"], "--additional-config is not valid JSON"),
+    (["serve", "m", "--additional-config", "[1]"], "--additional-config must be a JSON object"),
+])
+def test_serve_refuses_conflicts(argv, message):
+    with pytest.raises(OscarSettingsError, match=message):
+        build_vllm_argv(argv)
+
+
+def test_serve_passes_every_setting_as_a_flag():
+    argv = build_vllm_argv(["serve", "m", "--oscar-rotation-path", "hadamard", "--oscar-clip-ratio-k", "0.9",
+                            "--oscar-clip-ratio-v", "0.8", "--oscar-scale-dtype", "bf16"])
+    extra = json.loads(argv[argv.index("--additional-config") + 1])
+    assert extra == {"oscar": {"rotation_path": "hadamard", "clip_ratio_k": 0.9, "clip_ratio_v": 0.8,
+                               "scale_dtype": "bf16"}}
+
+
+def test_serve_validates_before_starting_vllm():
+    with pytest.raises(OscarSettingsError, match="recent_size"):
+        build_vllm_argv(["serve", "m", "--oscar-recent-size", "0"])

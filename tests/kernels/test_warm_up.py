@@ -1,0 +1,101 @@
+"""csrc_triton/warm_up.py: it leaves the cache and windows as they were, and on a GPU it
+compiles everything serving launches afterwards (no Triton compile while serving)."""
+import pytest
+import torch
+
+from csrc_triton.oscar_attention import (
+    DECODE_LAUNCH,
+    DensePrefill,
+    _merge_splits_kernel,
+    _oscar_attention_kernel,
+    decode_split_rows,
+    decode_splits,
+    oscar_attention,
+)
+from csrc_triton.oscar_dense_kv import _oscar_dense_kv_kernel
+from csrc_triton.oscar_write import WRITE_NUM_WARPS, _oscar_write_kernel, oscar_write
+from csrc_triton.paged_layout import launch_bucket
+from csrc_triton.warm_up import decode_variants, warm_up_kernels
+from kernel_cases import CLIP_K, CLIP_V, DEVICE, ON_GPU, dense_twin, prepare, random_rotation, random_rows
+from oscar_vllm.core.quant import clip_index
+
+KERNELS = (_oscar_attention_kernel, _merge_splits_kernel, _oscar_dense_kv_kernel, _oscar_write_kernel)
+
+
+def test_decode_variants_cover_every_batch_size():
+    for num_sms, hkv, max_seqs in [(132, 8, 1024), (132, 1, 64), (4, 2, 40)]:
+        variants = decode_variants(max_seqs, hkv, num_sms)
+        assert len(variants) <= 16  # a handful of compiles, not one per batch size
+        for n in range(1, max_seqs + 1):
+            key = (*launch_bucket(DECODE_LAUNCH, n)[:2], decode_splits(n, hkv, num_sms))
+            assert variants[key] <= n
+        assert min(variants.values()) == 1
+
+
+def _layer(d=64, hkv=2, g=2, sink=4, recent=8, dtype=torch.float32):
+    """A used paged cache and windows (prefixes written), plus what a layer holds."""
+    pc, _, _, _, _, _ = prepare(d, hkv, g, sink, recent, [70, 3], [1, 1], dtype)
+    return pc, random_rotation(d).to(DEVICE)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_warm_up_writes_nothing(dense):
+    pc, rot = _layer()
+    before = [t.clone() for t in (pc.cache, pc.windows, pc.window_pages, pc.window_pos)]
+    n = warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, 4, torch.float32, 4, 8,
+                        torch.float16, max_num_seqs=9, max_num_tokens=64, num_sms=4, merge_self=True, dense=dense)
+    # 64 tokens: one write bucket of WRITE_NUM_WARPS
+    assert n == len(decode_variants(9, 2, 4)) + 1 + dense + 1
+    for b, a in zip(before, (pc.cache, pc.windows, pc.window_pages, pc.window_pos)):
+        assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))  # bitwise: unused window rows are NaN
+
+
+def _compiled() -> list[int]:
+    dev = torch.cuda.current_device()
+    return [len(k.device_caches[dev][0]) for k in KERNELS]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled-kernel caches exist on a GPU only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_serving_after_warm_up_compiles_nothing(dtype):
+    d, hkv, g, sink, recent = 128, 8, 4, 64, 256
+    # Batches of the shapes a server meets: decodes of many sizes (1, 16, 33: Triton's ==1 and
+    # %16 size classes), prefills over a prefix with and without the dense path, mixed batches.
+    batches = [([5000 if n < 16 else 300] * n, [1] * n) for n in (1, 2, 16, 33, 48)]
+    batches += [([0, 700], [1000, 37]), ([900, 3000, 16], [1, 300, 2049]), ([4095, 64, 1], [1, 1, 17])]
+    pcs = [prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=i) for i, (prefix, new) in enumerate(batches)]
+    max_seqs, num_sms = 64, torch.cuda.get_device_properties(0).multi_processor_count
+    rot = random_rotation(d).to(DEVICE)
+    pc0 = pcs[0][0]
+    warm_up_kernels(pc0.cache, pc0.windows, pc0.window_pages, pc0.window_pos, rot, hkv * g, dtype, sink, recent,
+                    torch.float16, max_seqs, 8192, num_sms, merge_self=dtype != torch.float32, dense=True)
+    compiled = _compiled()
+    rows = decode_split_rows(max_seqs, hkv, num_sms)
+    part_out = torch.empty(rows * hkv * g * d, dtype=torch.float32, device=DEVICE)
+    part_lse = torch.empty(rows * hkv * g, dtype=torch.float32, device=DEVICE)
+    scale = d ** -0.5
+    for (prefix, new), (pc, step, q, q_rot, k, v) in zip(batches, pcs):
+        num_decodes = next((i for i, n in enumerate(new) if n > 1), len(new))
+        num_reqs = len(new)
+        for use_dense in (False, True):
+            dense = None
+            if use_dense:
+                buf = [torch.empty(sum(prefix) + sum(new), hkv, d, dtype=dtype, device=DEVICE) for _ in range(2)]
+                dense = DensePrefill((k[num_decodes:].float() @ rot).to(dtype), *buf, max(p + n for p, n in zip(
+                    prefix, new)), dense_twin(scale))
+            out = torch.empty_like(q)
+            own = None
+            if dtype != torch.float32:
+                def own(q_p, k_p, v_p, cu, max_q, out_p):
+                    return torch.zeros(q_p.shape[1], q_p.shape[0], dtype=torch.float32, device=DEVICE)
+            oscar_attention(out, q, q_rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
+                            step.seq_lens, step.cu_q, step.ring_slots, num_decodes, num_reqs, max(new), scale, sink,
+                            recent, torch.float16, decode_splits(num_decodes, hkv, num_sms), part_out, part_lse,
+                            own, True, dense)
+        t = int(step.cu_q[-1])
+        oscar_write(random_rows((t, hkv, d), dtype, 1), random_rows((t, hkv, d), dtype, 2), rot,
+                    step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, pc.cache, pc.windows,
+                    pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent,
+                    torch.float16, num_decodes)
+    torch.cuda.synchronize()
+    assert _compiled() == compiled, f"compiled while serving: {compiled} -> {_compiled()} ({WRITE_NUM_WARPS=})"
