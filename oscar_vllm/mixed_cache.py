@@ -30,7 +30,7 @@ class RowQuantizer:
     """How K or V rows are stored outside the BF16 windows."""
 
     kind: str = "int2"
-    clip_ratio: float = 0.0
+    clip_ratio: float | tuple[float, ...] = 0.0  # INT2: one ratio, or one per KV head
     group_size: int | None = None
     param_dtype: torch.dtype = torch.float16
 
@@ -59,19 +59,36 @@ class LayerCacheSpec:
 
 
 def high_precision_mask(
-    query_pos: torch.Tensor, key_pos: torch.Tensor, sink: int, recent: int,
+    query_pos: torch.Tensor, key_pos: torch.Tensor, sink: int, recent: "int | torch.Tensor",
     chunk_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[Tq, Tk]`` bool: True where the query reads the BF16 copy of the key.
 
     ``chunk_start`` ``[Tq]``: where the prefill chunk of each query begins (default: the query
     itself, i.e. decode). A chunk reads its own keys in BF16 and the cached prefix as it stands
-    when the chunk starts: the sink, and the ``recent`` keys before the chunk.
+    when the chunk starts: the sink, and the ``recent`` keys before the chunk. ``recent``: one
+    window, or one per query ``[Tq]`` (a window that grows with the sequence).
     """
+    if isinstance(recent, torch.Tensor):
+        recent = recent.to(query_pos.device)[:, None]
     if chunk_start is None:
         return (key_pos[None, :] < sink) | (query_pos[:, None] - key_pos[None, :] < recent)
     return ((key_pos[None, :] < sink) | (key_pos[None, :] >= chunk_start[:, None])
             | (chunk_start[:, None] - key_pos[None, :] < recent))
+
+
+def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention of ``q [H, L, d]`` over ``k``/``v`` ``[H, S, d]``: ``(out, lse)``.
+
+    On the CPU through PyTorch's fused flash kernel (it returns the log-sum-exp), elsewhere as
+    plain matrix products."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], k[None], v[None], 0.0, False, scale=scale)[:2]
+        return out[0], lse[0]
+    s = (q @ k.transpose(-1, -2)) * scale
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse[..., None]) @ v, lse
 
 
 def mixed_cache_attention(
@@ -80,7 +97,7 @@ def mixed_cache_attention(
     v: torch.Tensor,
     layer: LayerCacheSpec,
     sink: int,
-    recent: int,
+    recent: "int | torch.Tensor",
     scale: float | None = None,
     window_dtype: torch.dtype = torch.bfloat16,
     block_q: int = 512,
@@ -89,7 +106,13 @@ def mixed_cache_attention(
     """Causal attention of ``q`` over the mixed cache built from ``k``, ``v``: fp32 ``[Tq, Hq, d]``.
 
     ``chunk_starts`` ``[Tq]``: the position where each query's prefill chunk begins (see
-    ``high_precision_mask``); default: every query is a decode step.
+    ``high_precision_mask``); default: every query is a decode step. ``recent``: the recent
+    window, or one per query ``[Tq]``.
+
+    Per block of queries the keys split in two: those past the sink that every query of the block
+    reads quantized (the far past, most of a long context) go through one unmasked attention; the
+    sink and the rest (windows, chunk, causal edge) through an explicit masked one; the two merge by
+    log-sum-exp. Same numbers as one masked softmax over all keys, at the cost of plain attention.
     """
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
@@ -102,30 +125,51 @@ def mixed_cache_attention(
         return x.float() if r is None else apply_rotation(x.float(), r.to(x.device))
 
     kr, vr = rotate(k, layer.key_rotation), rotate(v, layer.value_rotation)
-    # [Hkv, g, Tq, d]: the g query heads of KV head h share its keys and values.
-    qr = rotate(q, layer.key_rotation).reshape(tq, hkv, g, d).permute(1, 2, 0, 3)
-    k_hi, v_hi = (x.to(window_dtype).float().transpose(0, 1) for x in (kr, vr))
-    k_lo, v_lo = layer.key_quant(kr).transpose(0, 1), layer.value_quant(vr).transpose(0, 1)
+    # [Hkv, Tq, g, d]: the g query heads of KV head h share its keys and values, so a block of
+    # queries is one [Hkv, block * g, d] batch.
+    qr = rotate(q, layer.key_rotation).reshape(tq, hkv, g, d).transpose(0, 1).contiguous()
+    k_hi, v_hi = (x.to(window_dtype).float().transpose(0, 1).contiguous() for x in (kr, vr))
+    k_lo, v_lo = (quant(x).transpose(0, 1).contiguous() for quant, x in ((layer.key_quant, kr), (layer.value_quant, vr)))
 
-    out = torch.empty(hkv, g, tq, d, dtype=torch.float32, device=q.device)
+    out = torch.empty(hkv, tq, g, d, dtype=torch.float32, device=q.device)
     key_pos = torch.arange(tk, device=q.device)
     for t0 in range(0, tq, block_q):
         t1 = min(tq, t0 + block_q)
         query_pos = key_pos[tk - tq + t0 : tk - tq + t1]
         end = int(query_pos[-1]) + 1  # causal: later keys are never read
         starts = None if chunk_starts is None else chunk_starts[t0:t1].to(q.device)
-        hi = high_precision_mask(query_pos, key_pos[:end], sink, recent, starts)
-        causal = key_pos[None, :end] <= query_pos[:, None]
-        qb = qr[:, :, t0:t1]
-        s = torch.where(
-            hi,
-            qb @ k_hi[:, None, :end].transpose(-1, -2),
-            qb @ k_lo[:, None, :end].transpose(-1, -2),
-        )
-        p = torch.softmax((s * scale).masked_fill(~causal, float("-inf")), dim=-1)
+        block_recent = recent[t0:t1].to(q.device) if isinstance(recent, torch.Tensor) else recent
+        # Keys in [sink, far) are quantized for every query of the block and precede all of them.
+        if starts is None:
+            lo_end = query_pos - block_recent + 1
+        else:
+            lo_end = starts - (block_recent.clamp(min=1) if isinstance(block_recent, torch.Tensor)
+                               else max(block_recent, 1)) + 1
+        far = max(sink, min(int(lo_end.min()) if isinstance(lo_end, torch.Tensor) else lo_end, int(query_pos[0]) + 1))
+        near = torch.cat([key_pos[: min(sink, end)], key_pos[far:end]])
+        hi = high_precision_mask(query_pos, near, sink, block_recent, starts)[None, :, None]  # [1, b, 1, n]
+        causal = (near[None, :] <= query_pos[:, None])[None, :, None]
+        qb = qr[:, t0:t1].reshape(hkv, (t1 - t0) * g, d)
+        shape = (hkv, t1 - t0, g, near.numel())
+
+        def near_rows(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x[:, : min(sink, end)], x[:, far:end]], dim=1)
+
+        kh, kl = near_rows(k_hi), near_rows(k_lo)
+        s = torch.where(hi, (qb @ kh.transpose(-1, -2)).view(shape), (qb @ kl.transpose(-1, -2)).view(shape))
+        s = (s * scale).masked_fill_(~causal, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)  # -inf for a query that reads all its keys in the far part
+        p = torch.exp(s - lse.clamp(min=torch.finfo(s.dtype).min)[..., None])
         p_hi = p * hi
-        out[:, :, t0:t1] = p_hi @ v_hi[:, None, :end] + (p - p_hi) @ v_lo[:, None, :end]
-    out = out.permute(2, 0, 1, 3).reshape(tq, hq, d)
+        rows = (hkv, (t1 - t0) * g, near.numel())
+        o = (p_hi.reshape(rows) @ near_rows(v_hi) + (p - p_hi).reshape(rows) @ near_rows(v_lo)).view(hkv, t1 - t0, g, d)
+        if far > sink:
+            o_far, lse_far = _attend_with_lse(qb, k_lo[:, sink:far], v_lo[:, sink:far], scale)
+            o_far, lse_far = o_far.view(o.shape), lse_far.view(lse.shape)
+            both = torch.logaddexp(lse, lse_far)
+            o = o * torch.exp(lse - both)[..., None] + o_far * torch.exp(lse_far - both)[..., None]
+        out[:, t0:t1] = o
+    out = out.transpose(0, 1).reshape(tq, hq, d)
     if layer.value_rotation is not None:
         out = apply_rotation(out, layer.value_rotation.to(out.device).transpose(-1, -2))
     return out

@@ -140,3 +140,50 @@ def test_bad_shapes():
         mixed_cache_attention(torch.randn(4, 3, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8), spec, 0, 0)
     with pytest.raises(ValueError, match="quantizer kind"):
         RowQuantizer("int3")
+
+
+def one_masked_softmax(q, k, v, spec, sink, recent, chunk_starts=None):
+    """All keys at once: every query's BF16/quantized choice as one mask, one softmax."""
+    tq, hq, d = q.shape
+    tk, hkv, _ = k.shape
+    g = hq // hkv
+    kr, vr = apply_rotation(k, spec.key_rotation), apply_rotation(v, spec.value_rotation)
+    qr = apply_rotation(q, spec.key_rotation).reshape(tq, hkv, g, d).permute(1, 2, 0, 3)
+    k_hi, v_hi = (x.to(torch.bfloat16).float().transpose(0, 1)[:, None] for x in (kr, vr))
+    k_lo, v_lo = spec.key_quant(kr).transpose(0, 1)[:, None], spec.value_quant(vr).transpose(0, 1)[:, None]
+    pos = torch.arange(tk)
+    hi = high_precision_mask(pos[tk - tq:], pos, sink, recent, chunk_starts)
+    s = torch.where(hi, qr @ k_hi.transpose(-1, -2), qr @ k_lo.transpose(-1, -2)) / math.sqrt(d)
+    p = torch.softmax(s.masked_fill(pos[None, :] > pos[tk - tq:, None], float("-inf")), dim=-1)
+    out = (p * hi) @ v_hi + (p * ~hi) @ v_lo
+    return apply_rotation(out.permute(2, 0, 1, 3).reshape(tq, hq, d), spec.value_rotation.transpose(-1, -2))
+
+
+@pytest.mark.parametrize("tq,tk,sink,recent,block_q,chunk", [
+    (300, 300, 4, 16, 64, 0),  # long context: most keys in the far part, several query blocks
+    (100, 300, 0, 8, 32, 0),  # a late chunk, no sink
+    (300, 300, 8, 16, 64, 48),  # prefill chunks of 48 tokens
+    (300, 300, 8, 0, 64, 48),  # chunks without a ring
+])
+def test_far_keys_split_matches_one_masked_softmax(tq, tk, sink, recent, block_q, chunk):
+    torch.manual_seed(tq + sink + chunk)
+    d, hkv = 32, 2
+    q, k, v = torch.randn(tq, 6, d), torch.randn(tk, hkv, d) * 2, torch.randn(tk, hkv, d)
+    spec = int2_spec(d, hkv, per_head=False)
+    pos = torch.arange(tk - tq, tk)
+    starts = pos // chunk * chunk if chunk else None
+    out = mixed_cache_attention(q, k, v, spec, sink, recent, block_q=block_q, chunk_starts=starts)
+    torch.testing.assert_close(out, one_masked_softmax(q, k, v, spec, sink, recent, starts), atol=2e-5, rtol=1e-4)
+
+
+def test_a_window_per_query_is_each_query_with_its_own_window():
+    torch.manual_seed(5)
+    d, hkv = 32, 2
+    q, k, v = torch.randn(120, 4, d), torch.randn(120, hkv, d), torch.randn(120, hkv, d)
+    spec = int2_spec(d, hkv, per_head=False)
+    recent = torch.arange(120) // 4 + 3  # grows with the position
+    out = mixed_cache_attention(q, k, v, spec, 4, recent, block_q=32)
+    for t in (0, 37, 119):
+        want = mixed_cache_attention(q[t:t + 1], k[:t + 1], v[:t + 1], spec, 4, int(recent[t]))
+        torch.testing.assert_close(out[t:t + 1], want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out, one_masked_softmax(q, k, v, spec, 4, recent), atol=2e-5, rtol=1e-4)
