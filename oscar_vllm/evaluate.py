@@ -279,6 +279,7 @@ def cached_prefix_reads(
     recent: int = 256,
     cuts: Sequence[int] = CACHED_PREFIX_CUTS,
     chunk: int = 256,
+    block: int = 64,
 ) -> dict[str, dict[str, list[float]]]:
     """NLL of the tokens ``tests/gpu/e2e_vllm.py prefix`` scores, as the reference cache reads them
     each way vLLM can serve a window cut at ``end = prefix_len + cut``:
@@ -293,8 +294,19 @@ def cached_prefix_reads(
     - ``hit_chunked``: the same hit, the rest of the prompt in chunks of ``chunk``: the first
       reads as ``hit`` does, later ones also find the ring before them (the prefix itself as
       ``chunked`` computed it).
+    - ``deep_hit``: OSCAR, the prompt after the deepest hit the scheduler allows (vLLM's block of
+      ``block`` tokens; the hit ends at least ``recent`` tokens before the prompt's end), as one
+      chunk, with no ring before it: how the hits on each other's prompts in vLLM's check read.
+    - ``deep_hit_ring``: the same hit as the scheduler now trims it, ``recent`` tokens (whole blocks)
+      shorter, those computed again: one chunk from there (``oscar_vllm.window_pages``).
+    - ``deep_hit_ring_chunked``: that hit, the rest in chunks of ``chunk``, each with its ring (of
+      what the request computed itself).
     - ``decode``: OSCAR, each position as a decode step reads the cache: the sink and the last
       ``recent`` keys in BF16, the rest quantized.
+
+    The ``deep_hit`` reads take every position as the last of a prompt of its own (its hit, its
+    chunks): exact for that position, and close for the keys of the positions before it, which in
+    vLLM come from the chunk of the one prompt.
 
     Returns ``{read: {"cut": [...], "after": [...]}}``: per window and cut, the NLL of the token at
     ``end`` (the prompt's last position predicts it) and of the token after it (predicted from
@@ -317,12 +329,21 @@ def cached_prefix_reads(
 
     everything_bf16 = torch.zeros(total, dtype=torch.long)
     one_chunk_hit, chunked_hit = after_hit(total), after_hit(chunk)
+    # A prompt ending after position p: its deepest hit, and that hit less its ring (whole blocks).
+    # The shared prefix itself was prefilled uncached, as the request that cached it.
+    deepest = torch.where(in_prefix, 0, ((positions + 1 - recent).clamp(min=0) // block * block).clamp(min=prefix_len))
+    trimmed = torch.where(in_prefix, 0, (deepest - -(-recent // block) * block).clamp(min=0))
+    grid = trimmed + (positions - trimmed) // chunk * chunk
+    ring_from = torch.maximum(grid - recent + 1, trimmed)  # the ring holds only what it computed
     reads = {
         "bf16": lambda i: MixedCacheHook(bf16[i], 0, 0),
         "one_chunk": lambda i: MixedCacheHook(oscar[i], sink, recent, chunk_starts=everything_bf16),
         "chunked": lambda i: MixedCacheHook(oscar[i], sink, recent, prefill_chunk=chunk),
         "hit": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=one_chunk_hit),
         "hit_chunked": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=chunked_hit),
+        "deep_hit": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=deepest),
+        "deep_hit_ring": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=trimmed),
+        "deep_hit_ring_chunked": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=ring_from),
         "decode": lambda i: MixedCacheHook(oscar[i], sink, recent),
     }
     device = next(loaded.model.parameters()).device
