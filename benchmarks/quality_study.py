@@ -159,6 +159,7 @@ class Row:
     recent: int = 256
     recent_fraction: float = 0.0  # > 0: the recent window grows, max(recent, fraction * position)
     int4_layers: int = 0  # the most sensitive layers (calibration's measure) cached in INT4
+    logit_correction: float = 0.0  # λ of LayerCacheSpec: quantized logits less λ/2 their rounding variance
 
     @property
     def key_groups(self) -> int:
@@ -174,7 +175,8 @@ class Row:
                 ck, cv = rot.clip_ratio("key", i), rot.clip_ratio("value", i)
                 quant_k = RowQuantizer("int2", tuple(ck) if isinstance(ck, list) else ck, head_dim // self.key_groups)
                 quant_v = RowQuantizer("int2", tuple(cv) if isinstance(cv, list) else cv)
-            specs[i] = LayerCacheSpec(rot.key.rotations[i], rot.value.rotations[i], quant_k, quant_v)
+            specs[i] = LayerCacheSpec(rot.key.rotations[i], rot.value.rotations[i], quant_k, quant_v,
+                                      self.logit_correction)
         return specs
 
     def recent_at(self, positions: torch.Tensor) -> int | torch.Tensor:
@@ -218,6 +220,8 @@ ROWS = [
     Row("int4-1layer", "INT4 for the most sensitive layer", int4_layers=1),
     Row("int4-2layers", "INT4 for the 2 most sensitive layers", int4_layers=2),
     Row("int4-4layers", "INT4 for the 4 most sensitive layers", int4_layers=4),
+    Row("debiased", "today's, with each quantized key's logit less half its expected rounding variance "
+        "(from the stored scale; no bytes, a decode-kernel change)", calibration=None, logit_correction=1.0),
     Row("key-groups", "keys quantized in groups of half a head (32 dims here, 64 at head_dim 128)",
         Calibration(key_groups=2)),
 ]
@@ -289,6 +293,7 @@ class Study:
     def load(self, row: str, w: int) -> WindowScores:
         return WindowScores(**torch.load(self.score_path(row, w)))
 
+    @torch.no_grad()
     def run(self, rows: dict[str, tuple[dict[int, LayerCacheSpec], int, int | torch.Tensor]]) -> dict[str, list[WindowScores]]:
         """``rows``: name -> (specs, sink, recent), the BF16 cache as 'bf16' first: each row's scores
         per window against it, from the cache where they are there."""

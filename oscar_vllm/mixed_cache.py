@@ -19,7 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from oscar_vllm.quant import fake_quantize_int2, fake_quantize_int4, fake_quantize_naive_int2
+from oscar_vllm.quant import (
+    SCALE_EPS,
+    fake_quantize_int2,
+    fake_quantize_int4,
+    fake_quantize_naive_int2,
+    minmax_quantize,
+    quantize_int2,
+)
 from oscar_vllm.rotation import apply_rotation
 
 QUANT_KINDS = ("bf16", "int4", "naive_int2", "int2")
@@ -47,15 +54,36 @@ class RowQuantizer:
             return fake_quantize_naive_int2(x, self.param_dtype)
         return x.to(torch.bfloat16).float()
 
+    def rounding_variance(self, x: torch.Tensor) -> torch.Tensor:
+        """Per group, the variance of what rounding adds to each element, ``scale² / 12`` (uniform
+        over a step): fp32 ``[..., groups]``, from the scale the cache stores (0 for bf16)."""
+        if self.kind == "int2":
+            scale = quantize_int2(x, self.clip_ratio, self.group_size, self.param_dtype).scale
+        elif self.kind == "int4":
+            scale = minmax_quantize(x, 4, self.group_size)[1].to(self.param_dtype)
+        elif self.kind == "naive_int2":
+            scale = (x.float().abs().amax(dim=-1, keepdim=True) / 1.5).clamp(min=SCALE_EPS).to(self.param_dtype)
+        else:
+            return torch.zeros(*x.shape[:-1], 1, device=x.device)
+        return scale.float().square() / 12
+
 
 @dataclass(frozen=True)
 class LayerCacheSpec:
-    """One attention layer's cache: rotations (None = identity) and row quantizers."""
+    """One attention layer's cache: rotations (None = identity) and row quantizers.
+
+    ``logit_correction`` (λ): a quantized key's logit is lowered by λ/2 times its expected
+    rounding variance, ``scale_attn² · Σ_groups ‖q_g‖² · s_g² / 12`` (``s_g`` the key's stored scales).
+    Rounding noise ε in a logit inflates its softmax weight by ``E[exp(ε)] = exp(σ²/2)`` on average,
+    so without it the quantized part of a long context draws more attention than it should; λ = 1
+    removes that bias for uniform rounding noise. It costs no bytes: the kernels have ``s_g`` and ``q``.
+    """
 
     key_rotation: torch.Tensor | None
     value_rotation: torch.Tensor | None
     key_quant: RowQuantizer
     value_quant: RowQuantizer
+    logit_correction: float = 0.0
 
 
 def high_precision_mask(
@@ -130,6 +158,16 @@ def mixed_cache_attention(
     qr = rotate(q, layer.key_rotation).reshape(tq, hkv, g, d).transpose(0, 1).contiguous()
     k_hi, v_hi = (x.to(window_dtype).float().transpose(0, 1).contiguous() for x in (kr, vr))
     k_lo, v_lo = (quant(x).transpose(0, 1).contiguous() for quant, x in ((layer.key_quant, kr), (layer.value_quant, vr)))
+    q_lo = qr
+    if layer.logit_correction:
+        # One more dimension per key group: q_g's squared norm against -λ/2 · scale_attn · var_g,
+        # so that q·k̂ - λ/2 · scale_attn · Σ_g ‖q_g‖² var_g is one dot product (scaled once after).
+        var = layer.key_quant.rounding_variance(kr).transpose(0, 1)  # [Hkv, Tk, G]
+        groups = var.shape[-1]
+        q_norms = qr.reshape(hkv, tq, g, groups, d // groups).square().sum(-1)  # [Hkv, Tq, g, G]
+        q_lo = torch.cat([qr, q_norms], dim=-1)
+        k_lo = torch.cat([k_lo, -0.5 * layer.logit_correction * scale * var], dim=-1)
+        v_lo = torch.cat([v_lo, v_lo.new_zeros(hkv, tk, groups)], dim=-1)  # the fused kernel wants equal dims
 
     out = torch.empty(hkv, tq, g, d, dtype=torch.float32, device=q.device)
     key_pos = torch.arange(tk, device=q.device)
@@ -150,22 +188,24 @@ def mixed_cache_attention(
         hi = high_precision_mask(query_pos, near, sink, block_recent, starts)[None, :, None]  # [1, b, 1, n]
         causal = (near[None, :] <= query_pos[:, None])[None, :, None]
         qb = qr[:, t0:t1].reshape(hkv, (t1 - t0) * g, d)
+        qb_lo = q_lo[:, t0:t1].reshape(hkv, (t1 - t0) * g, q_lo.shape[-1])
         shape = (hkv, t1 - t0, g, near.numel())
 
         def near_rows(x: torch.Tensor) -> torch.Tensor:
             return torch.cat([x[:, : min(sink, end)], x[:, far:end]], dim=1)
 
         kh, kl = near_rows(k_hi), near_rows(k_lo)
-        s = torch.where(hi, (qb @ kh.transpose(-1, -2)).view(shape), (qb @ kl.transpose(-1, -2)).view(shape))
+        s = torch.where(hi, (qb @ kh.transpose(-1, -2)).view(shape), (qb_lo @ kl.transpose(-1, -2)).view(shape))
         s = (s * scale).masked_fill_(~causal, float("-inf"))
         lse = torch.logsumexp(s, dim=-1)  # -inf for a query that reads all its keys in the far part
         p = torch.exp(s - lse.clamp(min=torch.finfo(s.dtype).min)[..., None])
         p_hi = p * hi
         rows = (hkv, (t1 - t0) * g, near.numel())
-        o = (p_hi.reshape(rows) @ near_rows(v_hi) + (p - p_hi).reshape(rows) @ near_rows(v_lo)).view(hkv, t1 - t0, g, d)
+        o = (p_hi.reshape(rows) @ near_rows(v_hi) + (p - p_hi).reshape(rows) @ near_rows(v_lo)[..., :d]).view(
+            hkv, t1 - t0, g, d)
         if far > sink:
-            o_far, lse_far = _attend_with_lse(qb, k_lo[:, sink:far], v_lo[:, sink:far], scale)
-            o_far, lse_far = o_far.view(o.shape), lse_far.view(lse.shape)
+            o_far, lse_far = _attend_with_lse(qb_lo, k_lo[:, sink:far], v_lo[:, sink:far], scale)
+            o_far, lse_far = o_far[..., :d].reshape(o.shape), lse_far.view(lse.shape)
             both = torch.logaddexp(lse, lse_far)
             o = o * torch.exp(lse - both)[..., None] + o_far * torch.exp(lse_far - both)[..., None]
         out[:, t0:t1] = o
