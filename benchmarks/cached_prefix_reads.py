@@ -6,7 +6,9 @@ reads every key in BF16, and a later chunk finds the ring before it in BF16; wit
 the chunk after the hit reads the cached prefix, whose middle (past the sink) is 2-bit there,
 with no ring before it. This runs the same windows and cuts through the reference cache
 (``oscar_vllm.core.mixed_cache``) each of those ways, plus as a decode step reads them, so the vLLM
-numbers can be read against what the method itself gives:
+numbers can be read against what the method itself gives. The ``deep_hit`` reads take each cut's
+prompt after the deepest hit the scheduler allows (the prompts of one window hit each other's
+blocks in vLLM's check), as it was before (no ring) and as it is now (the hit a ring shorter):
 
     python benchmarks/cached_prefix_reads.py --out results/windows/cached_prefix_reads
 
@@ -36,6 +38,11 @@ READS = {
     "chunked": "OSCAR, prompt prefilled in chunks of {chunk} (caching off): chunk, sink and ring before it BF16",
     "hit": "OSCAR, one chunk after a hit on the shared prefix: sink and chunk BF16, rest of the prefix 2-bit",
     "hit_chunked": "OSCAR, chunks of {chunk} after that hit: the first as `hit`, later ones also with their ring",
+    "deep_hit": "OSCAR, one chunk after the deepest hit vLLM's scheduler allowed before (ending 256-319 tokens "
+                "before the prompt's end): the prefix 2-bit up to the chunk",
+    "deep_hit_ring": "OSCAR, the same hit as the scheduler now trims it, a ring (256 tokens) shorter, those "
+                     "computed again: one chunk from there",
+    "deep_hit_ring_chunked": "OSCAR, that hit, the rest in chunks of {chunk}, each with its ring",
     "decode": "OSCAR, as a decode step: sink and last 256 BF16, the rest 2-bit",
 }
 

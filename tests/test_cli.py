@@ -66,6 +66,10 @@ def test_evaluate_errors_are_one_line(tmp_path, capsys, monkeypatch):
     assert "unknown methods ['int3']; choose from bf16, int4," in err
     err = one_line_error(capsys, evaluate.main, ["--eval-tokens", "100"])
     assert "--eval-tokens 100 is less than one window of --context 2048" in err
+    err = one_line_error(capsys, evaluate.main, ["--contexts", "1024,2k"])
+    assert "--contexts must be comma-separated token counts, e.g. 1024,2048,4096, got '1024,2k'" in err
+    err = one_line_error(capsys, evaluate.main, ["--contexts", "3000,4096", "--eval-tokens", "8192"])
+    assert "--eval-tokens 8192 makes no whole windows of every context of --contexts 3000,4096 (at least " in err
     err = one_line_error(capsys, evaluate.main, ["--rotations", str(tmp_path / "nope")])
     assert err == f"error: {tmp_path / 'nope'}: rotation path does not exist\n"
     monkeypatch.setenv("OSCAR_CORPUS_DIR", str(tmp_path))

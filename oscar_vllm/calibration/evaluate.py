@@ -2,6 +2,7 @@
 
     oscar-evaluate                              # SmolLM2-135M-Instruct, embedded corpus
     python -m oscar_vllm.calibration.evaluate --context 4096 --eval-tokens 131072 --device cuda
+    python -m oscar_vllm.calibration.evaluate --contexts 1024,2048,4096,8192 --eval-tokens 16384   # the curve
 
 Every method runs the whole model with its attention reading a simulated cache exactly as
 decode sees it (:mod:`oscar_vllm.core.mixed_cache`): token ``t`` reads BF16 keys/values for
@@ -10,7 +11,9 @@ the rotated space. Reported per method, against the BF16 cache on the evaluation
 perplexity, ΔPPL, mean KL(BF16 ‖ method) per token and top-1 agreement. Writes
 ``fidelity.md``, ``fidelity.json`` and ``fidelity.png`` into ``--output-dir`` (default
 ``runs/fidelity``, which git ignores; the committed ``results/fidelity`` is regenerated
-with ``bash benchmarks/main_job.sh``).
+with ``bash benchmarks/main_job.sh``). With ``--contexts``, every method at each context on
+the same tokens, as ``curve.md``, ``curve.json`` and ``curve.png`` (ΔPPL, KL and top-1 against
+the context, one line per method).
 Rotations are calibrated in the same run on calibration text that never overlaps the
 evaluation text, unless ``--rotations`` gives a folder.
 """
@@ -61,6 +64,7 @@ class Method:
     clip: str = "reference"  # "reference" | "fitted" | "none"
     windows: bool = True
     scale_dtype: torch.dtype = torch.float16
+    logit_correction: float = 0.0  # see LayerCacheSpec: quantized keys' logits less λ/2 their rounding variance
 
     def describe(self) -> dict:
         return {
@@ -86,7 +90,12 @@ METHODS = [
     Method("oscar-int2-perhead", "oscar-perhead", "int2"),
     Method("oscar-int2-softmax", "oscar-softmax", "int2"),
 ]
-METHODS_BY_NAME = {m.name: m for m in METHODS}
+# Not in the default table (the README's main job): quantized logits corrected for their rounding
+# variance, which the serving kernels do not do yet (docs/quality.md).
+EXTRA_METHODS = [
+    Method("oscar-int2-fit-debiased", "oscar", "int2", clip="fitted", logit_correction=1.0),
+]
+METHODS_BY_NAME = {m.name: m for m in METHODS + EXTRA_METHODS}
 
 
 def layer_specs(method: Method, rotations: dict[str, OscarRotations], layer_ids: list[int]) -> dict[int, LayerCacheSpec]:
@@ -107,6 +116,7 @@ def layer_specs(method: Method, rotations: dict[str, OscarRotations], layer_ids:
             rot.value.rotations[i] if rot else None,
             RowQuantizer(method.quant, ck, None, method.scale_dtype),
             RowQuantizer(method.quant, cv, None, method.scale_dtype),
+            method.logit_correction,
         )
     return specs
 
@@ -149,7 +159,51 @@ class Score:
         }
 
 
+@dataclass(frozen=True)
+class CacheConfig:
+    """How one scored run caches every layer: per-layer specs, and the BF16 windows."""
+
+    specs: dict[int, LayerCacheSpec]
+    sink: int = 64
+    recent: int = 256
+
+
 @torch.no_grad()
+def score_windows(
+    loaded: LoadedModel,
+    eval_ids: torch.Tensor,
+    context: int,
+    configs: dict[str, CacheConfig],
+    prefill_chunk: int = 0,
+    desc: str = "evaluating",
+) -> dict[str, Score]:
+    """Run every config on consecutive ``context``-token windows of ``eval_ids``: the scores of
+    each against the first config (the reference), window by window so that the reference's
+    log-probs are computed once per window."""
+    windows = [w for w in split_sequences(eval_ids, context) if w.numel() == context]
+    if not windows:
+        raise ValueError(f"{eval_ids.numel()} evaluation tokens make no window of {context}")
+    scores = {name: Score() for name in configs}
+    device = next(loaded.model.parameters()).device
+    bar = tqdm(total=len(windows) * len(configs), desc=desc, unit="run")
+    for window in windows:
+        ids = window[None].to(device)
+        targets = ids[0, 1:]
+        ref_logp = None
+        for name, c in configs.items():
+            with attention_hooks(loaded.model, lambda i: MixedCacheHook(c.specs[i], c.sink, c.recent, prefill_chunk)):
+                logits = loaded.model(ids, use_cache=False).logits[0, :-1]
+            logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+            del logits
+            if ref_logp is None:
+                ref_logp = logp
+            scores[name].add(logp, ref_logp, targets)
+            bar.set_postfix_str(name)
+            bar.update()
+    bar.close()
+    return scores
+
+
 def evaluate(
     loaded: LoadedModel,
     eval_ids: torch.Tensor,
@@ -165,30 +219,38 @@ def evaluate(
     if methods[0].name != REFERENCE:
         methods = [METHODS_BY_NAME[REFERENCE]] + [m for m in methods if m.name != REFERENCE]
     layer_ids = list(range(loaded.shape.num_layers))
-    specs = {m.name: layer_specs(m, rotations, layer_ids) for m in methods}
-    scores = {m.name: Score() for m in methods}
-    windows = [w for w in split_sequences(eval_ids, context) if w.numel() == context]
-    if not windows:
-        raise ValueError(f"{eval_ids.numel()} evaluation tokens make no window of {context}")
-    device = next(loaded.model.parameters()).device
-    bar = tqdm(total=len(windows) * len(methods), desc="evaluating", unit="run")
-    for window in windows:
-        ids = window[None].to(device)
-        targets = ids[0, 1:]
-        ref_logp = None
-        for m in methods:
-            s, r = (sink, recent) if m.windows else (0, 0)
-            with attention_hooks(loaded.model, lambda i: MixedCacheHook(specs[m.name][i], s, r, prefill_chunk)):
-                logits = loaded.model(ids, use_cache=False).logits[0, :-1]
-            logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-            if ref_logp is None:
-                ref_logp = logp
-            scores[m.name].add(logp, ref_logp, targets)
-            bar.set_postfix_str(m.name)
-            bar.update()
-    bar.close()
+    configs = {
+        m.name: CacheConfig(layer_specs(m, rotations, layer_ids), *((sink, recent) if m.windows else (0, 0)))
+        for m in methods
+    }
+    scores = score_windows(loaded, eval_ids, context, configs, prefill_chunk)
     ref = scores[REFERENCE]
     return {m.name: {**m.describe(), **scores[m.name].summary(ref)} for m in methods}
+
+
+def curve_tokens(eval_tokens: int, contexts: Sequence[int]) -> int:
+    """The most tokens, up to ``eval_tokens``, that are whole windows of every context: so that
+    every context scores the same tokens."""
+    lcm = math.lcm(*contexts)
+    return eval_tokens // lcm * lcm
+
+
+def evaluate_contexts(
+    loaded: LoadedModel,
+    eval_ids: torch.Tensor,
+    contexts: Sequence[int],
+    methods: list[Method],
+    rotations: dict[str, OscarRotations],
+    sink: int = 64,
+    recent: int = 256,
+    prefill_chunk: int = 0,
+) -> dict[int, dict[str, dict]]:
+    """:func:`evaluate` at each context, on the same tokens (``curve_tokens`` of ``eval_ids``):
+    ``{context: {method: row}}``."""
+    n = curve_tokens(eval_ids.numel(), contexts)
+    if n == 0:
+        raise ValueError(f"{eval_ids.numel()} evaluation tokens make no whole windows of every context {list(contexts)}")
+    return {c: evaluate(loaded, eval_ids[:n], c, methods, rotations, sink, recent, prefill_chunk) for c in contexts}
 
 
 # ---------------------------------------------------------------------------- cached prefix
@@ -225,6 +287,7 @@ def cached_prefix_reads(
     recent: int = 256,
     cuts: Sequence[int] = CACHED_PREFIX_CUTS,
     chunk: int = 256,
+    block: int = 64,
 ) -> dict[str, dict[str, list[float]]]:
     """NLL of the tokens ``tests/gpu/e2e_vllm.py prefix`` scores, as the reference cache reads them
     each way vLLM can serve a window cut at ``end = prefix_len + cut``:
@@ -239,8 +302,19 @@ def cached_prefix_reads(
     - ``hit_chunked``: the same hit, the rest of the prompt in chunks of ``chunk``: the first
       reads as ``hit`` does, later ones also find the ring before them (the prefix itself as
       ``chunked`` computed it).
+    - ``deep_hit``: OSCAR, the prompt after the deepest hit the scheduler allows (vLLM's block of
+      ``block`` tokens; the hit ends at least ``recent`` tokens before the prompt's end), as one
+      chunk, with no ring before it: how the hits on each other's prompts in vLLM's check read.
+    - ``deep_hit_ring``: the same hit as the scheduler now trims it, ``recent`` tokens (whole blocks)
+      shorter, those computed again: one chunk from there (``oscar_vllm.serving.window_pages``).
+    - ``deep_hit_ring_chunked``: that hit, the rest in chunks of ``chunk``, each with its ring (of
+      what the request computed itself).
     - ``decode``: OSCAR, each position as a decode step reads the cache: the sink and the last
       ``recent`` keys in BF16, the rest quantized.
+
+    The ``deep_hit`` reads take every position as the last of a prompt of its own (its hit, its
+    chunks): exact for that position, and close for the keys of the positions before it, which in
+    vLLM come from the chunk of the one prompt.
 
     Returns ``{read: {"cut": [...], "after": [...]}}``: per window and cut, the NLL of the token at
     ``end`` (the prompt's last position predicts it) and of the token after it (predicted from
@@ -263,12 +337,21 @@ def cached_prefix_reads(
 
     everything_bf16 = torch.zeros(total, dtype=torch.long)
     one_chunk_hit, chunked_hit = after_hit(total), after_hit(chunk)
+    # A prompt ending after position p: its deepest hit, and that hit less its ring (whole blocks).
+    # The shared prefix itself was prefilled uncached, as the request that cached it.
+    deepest = torch.where(in_prefix, 0, ((positions + 1 - recent).clamp(min=0) // block * block).clamp(min=prefix_len))
+    trimmed = torch.where(in_prefix, 0, (deepest - -(-recent // block) * block).clamp(min=0))
+    grid = trimmed + (positions - trimmed) // chunk * chunk
+    ring_from = torch.maximum(grid - recent + 1, trimmed)  # the ring holds only what it computed
     reads = {
         "bf16": lambda i: MixedCacheHook(bf16[i], 0, 0),
         "one_chunk": lambda i: MixedCacheHook(oscar[i], sink, recent, chunk_starts=everything_bf16),
         "chunked": lambda i: MixedCacheHook(oscar[i], sink, recent, prefill_chunk=chunk),
         "hit": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=one_chunk_hit),
         "hit_chunked": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=chunked_hit),
+        "deep_hit": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=deepest),
+        "deep_hit_ring": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=trimmed),
+        "deep_hit_ring_chunked": lambda i: MixedCacheHook(oscar[i], sink, 0, chunk_starts=ring_from),
         "decode": lambda i: MixedCacheHook(oscar[i], sink, recent),
     }
     device = next(loaded.model.parameters()).device
@@ -379,6 +462,81 @@ def plot(results: dict, meta: dict, path: Path) -> None:
     plt.close(fig)
 
 
+CURVE_METRICS = (  # (key, column title, format)
+    ("delta_ppl_pct", "ΔPPL", lambda x: f"{x:+.2f}%"),
+    ("kl", "KL", lambda x: f"{x:.4f}"),
+    ("top1", "top-1", lambda x: f"{100 * x:.2f}%"),
+)
+
+
+def curve_markdown(curves: dict[int, dict[str, dict]]) -> str:
+    """One table per metric: a row per method, a column per context."""
+    contexts = sorted(curves)
+    methods = list(curves[contexts[0]])
+    out = []
+    for key, title, fmt in CURVE_METRICS:
+        out += [f"**{title}**", "", "| method | " + " | ".join(f"{c:,}" for c in contexts) + " |",
+                "|---|" + "---|" * len(contexts)]
+        out += [f"| {m} | " + " | ".join(fmt(curves[c][m][key]) for c in contexts) + " |" for m in methods]
+        out.append("")
+    return "\n".join(out).rstrip("\n")
+
+
+def write_curve_report(curves: dict[int, dict[str, dict]], meta: dict, out_dir: Path) -> Path:
+    """``curve.{json,md,png}``: every method's ΔPPL, KL and top-1 against the context."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "curve.json").write_text(
+        json.dumps({"meta": meta, "contexts": {str(c): r for c, r in curves.items()}}, indent=1) + "\n")
+    header = [
+        f"# KV-cache fidelity against the context: {meta['model']}",
+        "",
+        f"- date: {meta['date']}",
+        f"- hardware: {meta['hardware']}",
+        f"- command: `{meta['command']}`",
+        f"- {meta['versions']}",
+        f"- evaluation: the same {meta['eval_tokens']} tokens at every context, in windows of that many tokens, "
+        f"from {meta['eval_corpus']}; sink {meta['sink']}, recent {meta['recent']}",
+        f"- calibration: {meta['calibration']}",
+        "",
+        "ΔPPL is against the bf16 cache at the same context; KL is the mean KL(BF16 ‖ method) per predicted",
+        "token (nats); top-1 is agreement with the BF16 cache's argmax.",
+        "",
+        "",
+    ]
+    (out_dir / "curve.md").write_text("\n".join(header) + curve_markdown(curves) + "\n")
+    plot_curve(curves, meta, out_dir / "curve.png")
+    return out_dir
+
+
+def plot_curve(curves: dict[int, dict[str, dict]], meta: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted(curves)
+    methods = [m for m in curves[contexts[0]] if m != REFERENCE]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    for ax, (key, title, _) in zip(axes, CURVE_METRICS):
+        for m in methods:
+            y = [curves[c][m][key] * (100 if key == "top1" else 1) for c in contexts]
+            ax.plot(contexts, y, marker="o", label=m, lw=1.8 if m.startswith("oscar") else 1)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in contexts])
+        ax.set_xlabel("context (tokens)")
+        ax.set_title({"delta_ppl_pct": "ΔPPL vs BF16 cache (%)", "kl": "mean KL per token (nats)",
+                      "top1": "top-1 agreement (%)"}[key])
+        if key != "top1":
+            ax.set_yscale("symlog" if key == "delta_ppl_pct" else "log", **({"linthresh": 1} if key == "delta_ppl_pct" else {}))
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{meta['model']}, the same {meta['eval_tokens']} tokens at each context; "
+                 f"{meta['date']}, {meta['hardware']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # ---------------------------------------------------------------------------- CLI
 
 
@@ -421,8 +579,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="evaluate this rotation folder as 'oscar' instead of calibrating in the run "
                              "(default: calibrate in the run)")
     parser.add_argument("--methods", default=",".join(m.name for m in METHODS),
-                        help=f"comma-separated subset of: {', '.join(METHODS_BY_NAME)} (default: all)")
-    parser.add_argument("--context", type=int, default=2048, help="tokens per evaluation window (default: %(default)s)")
+                        help=f"comma-separated subset of: {', '.join(METHODS_BY_NAME)} "
+                             f"(default: all but {', '.join(m.name for m in EXTRA_METHODS)})")
+    parser.add_argument("--context", type=int, default=2048,
+                        help="tokens per evaluation window, and per calibration sequence (default: %(default)s)")
+    parser.add_argument("--contexts",
+                        help="comma-separated contexts, e.g. 1024,2048,4096,8192: score every method at each, on the "
+                             "same tokens (whole windows of every context), and write curve.{md,json,png} instead of "
+                             "fidelity.*; --context then sets only the calibration sequences (default: one context)")
     parser.add_argument("--eval-tokens", type=int, default=4096,
                         help="evaluation tokens, cut to whole windows (default: %(default)s)")
     parser.add_argument("--calib-tokens", type=int, default=8192,
@@ -445,6 +609,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_contexts(text: str) -> list[int]:
+    """``"1024,2048"`` -> ``[1024, 2048]``, sorted; a named error for anything else."""
+    try:
+        contexts = sorted({int(c) for c in text.split(",")})
+    except ValueError:
+        raise OscarError(f"--contexts must be comma-separated token counts, e.g. 1024,2048,4096, got {text!r}") from None
+    if contexts[0] < 2:
+        raise OscarError(f"--contexts must be at least 2 tokens each, got {text!r}")
+    return contexts
+
+
 @cli
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
@@ -454,8 +629,12 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise OscarError(f"unknown methods {unknown}; choose from {', '.join(METHODS_BY_NAME)}")
     methods = [METHODS_BY_NAME[n] for n in args.methods.split(",")]
-    if args.eval_tokens < args.context:
+    contexts = parse_contexts(args.contexts) if args.contexts else None
+    if contexts is None and args.eval_tokens < args.context:
         raise OscarError(f"--eval-tokens {args.eval_tokens} is less than one window of --context {args.context}")
+    if contexts is not None and curve_tokens(args.eval_tokens, contexts) == 0:
+        raise OscarError(f"--eval-tokens {args.eval_tokens} makes no whole windows of every context of --contexts "
+                         f"{args.contexts} (at least {math.lcm(*contexts)} are needed)")
     if args.rotations is not None and not args.rotations.is_dir():
         load_rotations(args.rotations)  # says why (missing, not a folder) before the model loads
     t0 = time.time()
@@ -493,6 +672,25 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.calib_tokens} tokens for the rotations, {args.heldout_tokens} more for the clip fit, "
             f"from {corpus.CALIBRATION_NAME}"
         )
+    if contexts is not None:
+        curves = evaluate_contexts(loaded, eval_ids, contexts, methods, rotations, args.sink, args.recent,
+                                   args.prefill_chunk)
+        meta = {
+            **environment(),
+            "model": loaded.name,
+            "eval_tokens": curve_tokens(args.eval_tokens, contexts),
+            "eval_corpus": corpus.EVALUATION_NAME,
+            "contexts": contexts,
+            "sink": args.sink,
+            "recent": args.recent,
+            "prefill_chunk": args.prefill_chunk,
+            "calibration": calibration,
+            "seconds": round(time.time() - t0),
+        }
+        out = write_curve_report(curves, meta, args.output_dir)
+        print(curve_markdown(curves))
+        logger.info("wrote %s/curve.{md,json,png} in %.0f s", out, time.time() - t0)
+        return
     results = evaluate(loaded, eval_ids, args.context, methods, rotations, args.sink, args.recent,
                        args.prefill_chunk)
     meta = {

@@ -175,6 +175,11 @@ class LayerErrorMeasure:
             weights=w / w.mean(dim=0, keepdim=True).clamp(min=1e-12),
         )
 
+    def head(self, h: int) -> "LayerErrorMeasure":
+        """The same measure restricted to KV head ``h`` (the layer's error is the sum over heads)."""
+        return LayerErrorMeasure(self.keys[:, h:h + 1], self.values[:, h:h + 1], self.query_moment[h:h + 1],
+                                 self.weights[:, h:h + 1])
+
     def key_error(self, delta: torch.Tensor) -> float:
         d = delta.double().transpose(0, 1)  # [Hkv, T, d]
         return ((d @ self.query_moment) * d).sum().item() / delta.shape[0]
@@ -198,27 +203,35 @@ def fit_clip_ratios(
     value_weights: str = "proxy",
     group_size: int | None = None,
     param_dtype: torch.dtype = torch.float16,
-) -> tuple[list[float], list[float], dict]:
-    """Per-layer clip ratios minimizing :class:`LayerErrorMeasure` on held-out tokens.
+    per_head: bool = False,
+    key_group_size: int | None = None,
+) -> tuple[list, list, dict]:
+    """Clip ratios minimizing :class:`LayerErrorMeasure` on held-out tokens: one per layer, or with
+    ``per_head`` one per KV head of every layer (a list per layer). ``key_group_size``: the keys'
+    quantization group where it differs from ``group_size``.
 
     Returns ``(ratios_k, ratios_v, report)``; the report compares with the reference ratios.
     """
+    key_group_size = group_size if key_group_size is None else key_group_size
     ratios_k, ratios_v = [], []
     gain_k, gain_v = [], []
     for layer_id in key.layer_ids:
         em = LayerErrorMeasure.build(heldout[layer_id], key.rotations[layer_id], value.rotations[layer_id], value_weights)
-        best_k, err_k = _best_ratio(em.keys, em.key_error, group_size, param_dtype)
-        best_v, err_v = _best_ratio(em.values, em.value_error, group_size, param_dtype)
-        ref_k, ref_v = em.errors(REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V, group_size, param_dtype)
-        ratios_k.append(best_k)
-        ratios_v.append(best_v)
-        gain_k.append(err_k / ref_k)
-        gain_v.append(err_v / ref_v)
+        parts = [em.head(h) for h in range(em.keys.shape[1])] if per_head else [em]
+        fits_k = [_best_ratio(m.keys, m.key_error, key_group_size, param_dtype) for m in parts]
+        fits_v = [_best_ratio(m.values, m.value_error, group_size, param_dtype) for m in parts]
+        ref_k = em.key_error(fake_quantize_int2(em.keys, REFERENCE_CLIP_RATIO_K, key_group_size, param_dtype) - em.keys)
+        ref_v = em.value_error(fake_quantize_int2(em.values, REFERENCE_CLIP_RATIO_V, group_size, param_dtype) - em.values)
+        ratios_k.append([r for r, _ in fits_k] if per_head else fits_k[0][0])
+        ratios_v.append([r for r, _ in fits_v] if per_head else fits_v[0][0])
+        gain_k.append(sum(e for _, e in fits_k) / ref_k)
+        gain_v.append(sum(e for _, e in fits_v) / ref_v)
     d = key.head_dim
     report = {
         "objective": "held-out logit error (keys), score-weighted value error (values)",
         "heldout_tokens": next(iter(heldout.values())).num_tokens,
         "search": f"sorted-|x| index {clip_index(clip_candidates(d)[0], d)}..{d - 1} of {d}",
+        "per": "kv_head" if per_head else "layer",
         "error_vs_reference_key": sum(gain_k) / len(gain_k),
         "error_vs_reference_value": sum(gain_v) / len(gain_v),
     }

@@ -159,9 +159,10 @@ class CaptureHook:
 class MixedCacheHook:
     """Attention over the simulated mixed-precision cache of one layer; with ``prefill_chunk``,
     as a server prefills the sequence in chunks of that many tokens, with ``chunk_starts``
-    (``[T]``, one per position) in the chunks given (see ``mixed_cache``)."""
+    (``[T]``, one per position) in the chunks given (see ``mixed_cache``). ``recent``: the recent
+    window, or one per position ``[T]`` (a window that grows with the sequence)."""
 
-    def __init__(self, spec: LayerCacheSpec, sink: int, recent: int, prefill_chunk: int = 0,
+    def __init__(self, spec: LayerCacheSpec, sink: int, recent: "int | torch.Tensor", prefill_chunk: int = 0,
                  chunk_starts: torch.Tensor | None = None):
         if prefill_chunk and chunk_starts is not None:
             raise ValueError("give prefill_chunk or chunk_starts, not both")
@@ -175,7 +176,8 @@ class MixedCacheHook:
             starts = pos // self.prefill_chunk * self.prefill_chunk
         elif self.chunk_starts is not None:
             starts = self.chunk_starts[pos]
-        return mixed_cache_attention(q, k, v, self.spec, self.sink, self.recent, scaling, chunk_starts=starts)
+        recent = self.recent[pos] if isinstance(self.recent, torch.Tensor) else self.recent
+        return mixed_cache_attention(q, k, v, self.spec, self.sink, recent, scaling, chunk_starts=starts)
 
 
 def attention_modules(model: PreTrainedModel) -> dict[int, torch.nn.Module]:

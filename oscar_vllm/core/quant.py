@@ -22,6 +22,7 @@ loses absolute precision and overflows to inf for near-constant rows (``zero`` ~
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,13 +48,26 @@ def clip_index(clip_ratio: float, head_dim: int) -> int:
     return min(max(int(clip_ratio * head_dim), 0), head_dim - 1)
 
 
-def clip_rows(x: torch.Tensor, clip_ratio: float) -> torch.Tensor:
-    """Clamp each row to +-(the ``clip_index``-th smallest |x| of that row)."""
-    idx = clip_index(clip_ratio, x.shape[-1])
-    if idx < 0:
-        return x
-    # kthvalue is 1-based: the (idx+1)-th smallest is sort(|x|)[idx].
-    thr = torch.kthvalue(x.abs(), idx + 1, dim=-1, keepdim=True).values
+def clip_rows(x: torch.Tensor, clip_ratio: "float | Sequence[float]") -> torch.Tensor:
+    """Clamp each row to +-(the ``clip_index``-th smallest |x| of that row).
+
+    ``clip_ratio``: one ratio for every row, or one per head for rows ``[..., H, d]`` (a sequence
+    of ``H`` ratios: KV heads fitted each to its own distribution).
+    """
+    d = x.shape[-1]
+    if isinstance(clip_ratio, (int, float)):
+        idx = clip_index(clip_ratio, d)
+        if idx < 0:
+            return x
+        # kthvalue is 1-based: the (idx+1)-th smallest is sort(|x|)[idx].
+        thr = torch.kthvalue(x.abs(), idx + 1, dim=-1, keepdim=True).values
+        return torch.minimum(torch.maximum(x, -thr), thr)
+    ratios = [float(r) for r in clip_ratio]
+    if x.dim() < 2 or len(ratios) != x.shape[-2]:
+        raise ValueError(f"{len(ratios)} per-head clip ratios for rows of shape {tuple(x.shape)} ([..., heads, d])")
+    idx = torch.tensor([clip_index(r, d) for r in ratios], device=x.device)
+    thr = x.abs().sort(dim=-1).values.gather(-1, idx.clamp(min=0)[:, None].expand(*x.shape[:-1], 1))
+    thr = torch.where(idx[:, None] < 0, torch.inf, thr)  # a head with clipping off
     return torch.minimum(torch.maximum(x, -thr), thr)
 
 
@@ -125,11 +139,12 @@ class Int2Rows:
 
 def quantize_int2(
     x: torch.Tensor,
-    clip_ratio: float,
+    clip_ratio: "float | Sequence[float]",
     group_size: int | None = None,
     param_dtype: torch.dtype = torch.float16,
 ) -> Int2Rows:
-    """OSCAR INT2: per-row clip, per-group asymmetric min-max, quartered packing."""
+    """OSCAR INT2: per-row clip (one ratio, or one per head), per-group asymmetric min-max,
+    quartered packing."""
     codes, scale, bias = minmax_quantize(clip_rows(x.float(), clip_ratio), 2, group_size)
     return Int2Rows(pack_int2(codes), scale.to(param_dtype), bias.to(param_dtype))
 
@@ -140,7 +155,7 @@ def dequantize_int2(q: Int2Rows) -> torch.Tensor:
 
 def fake_quantize_int2(
     x: torch.Tensor,
-    clip_ratio: float,
+    clip_ratio: "float | Sequence[float]",
     group_size: int | None = None,
     param_dtype: torch.dtype = torch.float16,
 ) -> torch.Tensor:

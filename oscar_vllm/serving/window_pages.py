@@ -19,6 +19,13 @@ Prefix-cache hits keep both windows in BF16, as a run without caching has them:
 * **The recent window is recomputed.** A hit ends at least ``recent`` tokens before the end of
   the request's tokens, so the request computes its own recent window (as the OSCAR reference
   caps prefix matches).
+* **So is the ring before the first new token.** A hit also stops ``recent`` tokens (whole
+  blocks) short of the cached blocks it could take, and the request computes those again: the
+  chunk that computes its first uncached token then finds the ``recent - 1`` tokens before it in
+  BF16 (its own chunk, or its ring), as a chunk of an uncached prefill does, instead of reading
+  the cached middle of the prefix in 2-bit right up to itself. A hit costs one ring of prefill
+  more (the window's tokens again) and gives the prompt's tail the reads of an uncached prefill
+  that had a chunk boundary where the cached prefix ends.
 * **A hit covers only blocks an earlier step wrote.** vLLM caches a block when it schedules
   it, so a request could hit blocks another request of the same step fills, and sink pages
   written in the same step; the hit ends before the first such block instead.
@@ -77,6 +84,9 @@ class WindowPageAllocator:
         self.requests = requests
         # The block whose hash names the sink: the last one the sink touches.
         self.sink_block = -(-sink // block_size) - 1
+        # Cached blocks a hit leaves to be computed again, so that the first uncached token's
+        # chunk reads the recent - 1 tokens before it in BF16 (its ring) and not 2-bit.
+        self.ring_blocks = -(-recent // block_size)
         self.held: dict[str, RequestPages] = {}
         # Requests that write their own sink, not cached yet (in admission order: the first
         # to have its sink block cached provides the prefix's cached sink).
@@ -109,9 +119,11 @@ class WindowPageAllocator:
 
     def hit_blocks(self, hit: list, num_tokens: int, block_hashes) -> int:
         """How many of a prefix-cache hit's blocks (``hit``, vLLM's longest hit for a request of
-        ``num_tokens`` tokens) the request may use."""
+        ``num_tokens`` tokens) the request may use: none the current step fills, none of its last
+        ``recent`` tokens, and ``ring_blocks`` fewer than that (see the module's docstring)."""
         n = min(len(hit), max(0, num_tokens - self.recent) // self.block_size)
         n = next((i for i, b in enumerate(hit[:n]) if b.block_id in self.fresh), n)
+        n = max(0, n - self.ring_blocks)
         if self.sink_pages and n > 0 and (n <= self.sink_block or self.cached_sink(block_hashes) is None):
             n = 0
         return n

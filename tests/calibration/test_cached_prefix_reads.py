@@ -64,7 +64,8 @@ def plain_nll(loaded: LoadedModel, ws: list[list[int]], after: bool) -> list[flo
 def test_bf16_read_scores_the_tokens_at_and_after_each_cut(tiny):
     ws = windows()
     nll = cached_prefix_reads(tiny, ws, PREFIX, specs("int2"), sink=4, recent=8, cuts=CUTS)
-    assert set(nll) == {"bf16", "one_chunk", "chunked", "hit", "hit_chunked", "decode"}
+    assert set(nll) == {"bf16", "one_chunk", "chunked", "hit", "hit_chunked", "deep_hit", "deep_hit_ring",
+                        "deep_hit_ring_chunked", "decode"}
     for name, after in (("cut", False), ("after", True)):
         assert len(nll["bf16"][name]) == len(ws) * len(CUTS)
         torch.testing.assert_close(torch.tensor(nll["bf16"][name]), torch.tensor(plain_nll(tiny, ws, after)),
@@ -73,7 +74,8 @@ def test_bf16_read_scores_the_tokens_at_and_after_each_cut(tiny):
 
 def test_lossless_rows_make_every_read_the_same(tiny):
     nll = cached_prefix_reads(tiny, windows(), PREFIX, specs("bf16"), sink=4, recent=8, cuts=CUTS)
-    for read in ("one_chunk", "chunked", "hit", "hit_chunked", "decode"):
+    for read in ("one_chunk", "chunked", "hit", "hit_chunked", "deep_hit", "deep_hit_ring", "deep_hit_ring_chunked",
+                 "decode"):
         for name in ("cut", "after"):
             torch.testing.assert_close(torch.tensor(nll[read][name]), torch.tensor(nll["bf16"][name]),
                                        atol=2e-2, rtol=0)
@@ -125,3 +127,23 @@ def test_chunk_starts_on_a_grid_are_prefill_chunks(tiny):
     assert not torch.equal(logits(chunk_starts=grid), logits())
     with pytest.raises(ValueError, match="not both"):
         MixedCacheHook(spec[0], 4, 8, prefill_chunk=16, chunk_starts=grid)
+
+
+def test_a_deep_hit_reads_2_bit_up_to_itself_and_the_trimmed_hit_its_ring_in_bf16(tiny):
+    """Cuts of a 64-token window after a 24-token prefix, in blocks of 8 and a window of 8: the
+    deepest hit of a prompt ending at e is (e - 8) // 8 * 8, never under the prefix; the trimmed
+    hit a block shorter, which moves what the prompt's last position reads. With a sink over the
+    whole window every read is the one-chunk read."""
+    ws, kw = windows(), dict(sink=4, recent=8, cuts=CUTS, block=8)
+    part = cached_prefix_reads(tiny, ws, PREFIX, specs("int2"), chunk=LENGTH, **kw)
+    for read in ("deep_hit", "deep_hit_ring"):
+        gap = (torch.tensor(part[read]["cut"]) - torch.tensor(part["one_chunk"]["cut"])).abs().max()
+        assert gap > 1e-3, read  # 2-bit keys between the sink and the hit
+    assert part["deep_hit_ring"]["cut"] != part["deep_hit"]["cut"]
+    # One chunk after the trimmed hit: its ring is its own chunk, so chunking in chunks longer
+    # than the rest of the window changes nothing.
+    assert part["deep_hit_ring_chunked"] == part["deep_hit_ring"]
+    # A sink over the whole window: every read is the one-chunk read.
+    whole = cached_prefix_reads(tiny, ws, PREFIX, specs("int2"), chunk=LENGTH, sink=LENGTH, recent=8, cuts=CUTS,
+                                block=8)
+    assert whole["deep_hit"]["cut"] == whole["deep_hit_ring"]["cut"] == whole["one_chunk"]["cut"]

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from oscar_vllm.calibration.calibrate import capture_stats, rotations_from_stats, split_sequences
 from oscar_vllm.calibration.fit import (
+    LayerErrorMeasure,
     LayerStats,
     build_rotation_sets,
     causal_score_weights,
@@ -82,6 +83,29 @@ def test_clip_fit_beats_or_ties_reference_on_held_out():
     assert report["heldout_tokens"] == 256
     # every candidate maps back to its own sorted index
     assert [clip_index(r, 32) for r in clip_candidates(32)] == list(range(24, 32))
+
+
+def test_clip_fit_per_kv_head_is_each_head_fitted_alone():
+    """Per head: a ratio per KV head per layer, each the one its head's error alone picks; the layer's
+    error (the sum over heads) is then no larger than with one ratio for the layer."""
+    key, value = build_rotation_sets(synthetic_stats(seed=0))
+    heldout = synthetic_stats(seed=1)
+    per_layer_k, per_layer_v, layer_report = fit_clip_ratios(key, value, heldout)
+    ratios_k, ratios_v, report = fit_clip_ratios(key, value, heldout, per_head=True)
+    assert report["per"] == "kv_head" and layer_report["per"] == "layer"
+    assert all(len(r) == 2 for r in ratios_k + ratios_v)  # synthetic_stats: 2 KV heads
+    assert report["error_vs_reference_key"] <= layer_report["error_vs_reference_key"]
+    assert report["error_vs_reference_value"] <= layer_report["error_vs_reference_value"]
+    measure = LayerErrorMeasure.build(heldout[1], key.rotations[1], value.rotations[1])
+    for h in range(2):
+        head = measure.head(h)
+        errors = {r: head.errors(r, ratios_v[1][h])[0] for r in clip_candidates(32)}
+        assert errors[ratios_k[1][h]] <= min(errors.values()) * (1 + 1e-9)
+    # Keys in groups of half a head: fitted with the groups they are stored in.
+    grouped_k, _, grouped = fit_clip_ratios(key, value, heldout, key_group_size=16)
+    errors = {r: measure.errors(r, 0.9, group_size=16)[0] for r in clip_candidates(32)}
+    assert errors[grouped_k[1]] <= min(errors.values()) * (1 + 1e-9)
+    assert grouped["error_vs_reference_key"] <= 1.0
 
 
 # ---------------------------------------------------------------------------- capture on real architectures

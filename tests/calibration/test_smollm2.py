@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from oscar_vllm.calibration import corpus
+from oscar_vllm import evaluate as evaluate_module
 from oscar_vllm.calibration.calibrate import main as calibrate_main
-from oscar_vllm.calibration.evaluate import METHODS_BY_NAME, evaluate, rotation_variants, write_report
+from oscar_vllm.calibration.evaluate import METHODS_BY_NAME, curve_tokens, evaluate, rotation_variants, write_report
 from oscar_vllm.calibration.evaluate import main as evaluate_main
 from oscar_vllm.core.rotation_io import METADATA_FILE, load_rotations
 
@@ -88,3 +89,24 @@ def test_report_files(slice_results, tmp_path):
     assert "| oscar-int2-fit | oscar | int2 | fitted | fp16 | yes |" in table
     assert json.loads((tmp_path / "fidelity.json").read_text())["results"]["bf16"]["tokens"] == 1023
     assert (tmp_path / "fidelity.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_curve_scores_every_method_at_each_context_on_the_same_tokens(tmp_path, smollm2, monkeypatch):
+    monkeypatch.setattr(evaluate_module, "load_model", lambda *args: smollm2)
+    out = tmp_path / "curve"
+    evaluate_main(["--rotations", "results/smollm2_rotations", "--methods", "bf16,oscar-int2-fit",
+                   "--contexts", "512,256", "--eval-tokens", "1100", "--sink", "16", "--recent", "64",
+                   "--output-dir", str(out)])
+    report = json.loads((out / "curve.json").read_text())
+    assert report["meta"]["contexts"] == [256, 512] and report["meta"]["eval_tokens"] == 1024
+    curves = report["contexts"]
+    assert list(curves) == ["256", "512"] and all(list(c) == ["bf16", "oscar-int2-fit"] for c in curves.values())
+    # The same 1,024 tokens cut into 4 and 2 windows: one target fewer per window than tokens.
+    assert curves["256"]["oscar-int2-fit"]["tokens"] == 4 * 255 and curves["512"]["oscar-int2-fit"]["tokens"] == 2 * 511
+    assert curves["256"]["bf16"]["kl"] == 0 and curves["512"]["bf16"]["delta_ppl_pct"] == 0
+    assert 0 < curves["256"]["oscar-int2-fit"]["kl"] < 0.5 and 0 < curves["512"]["oscar-int2-fit"]["kl"] < 0.5
+    table = (out / "curve.md").read_text()
+    assert "| method | 256 | 512 |" in table and "| oscar-int2-fit | +" in table
+    assert (out / "curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (out / "fidelity.json").exists()
+    assert curve_tokens(1100, [256, 512]) == 1024 and curve_tokens(9000, [3000, 4096]) == 0

@@ -152,3 +152,94 @@ def test_bad_shapes():
         mixed_cache_attention(torch.randn(4, 3, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8), spec, 0, 0)
     with pytest.raises(ValueError, match="quantizer kind"):
         RowQuantizer("int3")
+
+
+def one_masked_softmax(q, k, v, spec, sink, recent, chunk_starts=None, logit_bias=None):
+    """All keys at once: every query's BF16/quantized choice as one mask, one softmax;
+    ``logit_bias`` ``[Hkv, g, Tq, Tk]`` added to the quantized keys' logits."""
+    tq, hq, d = q.shape
+    tk, hkv, _ = k.shape
+    g = hq // hkv
+    kr, vr = apply_rotation(k, spec.key_rotation), apply_rotation(v, spec.value_rotation)
+    qr = apply_rotation(q, spec.key_rotation).reshape(tq, hkv, g, d).permute(1, 2, 0, 3)
+    k_hi, v_hi = (x.to(torch.bfloat16).float().transpose(0, 1)[:, None] for x in (kr, vr))
+    k_lo, v_lo = spec.key_quant(kr).transpose(0, 1)[:, None], spec.value_quant(vr).transpose(0, 1)[:, None]
+    pos = torch.arange(tk)
+    hi = high_precision_mask(pos[tk - tq:], pos, sink, recent, chunk_starts)
+    s_lo = qr @ k_lo.transpose(-1, -2) / math.sqrt(d) + (0 if logit_bias is None else logit_bias)
+    s = torch.where(hi, qr @ k_hi.transpose(-1, -2) / math.sqrt(d), s_lo)
+    p = torch.softmax(s.masked_fill(pos[None, :] > pos[tk - tq:, None], float("-inf")), dim=-1)
+    out = (p * hi) @ v_hi + (p * ~hi) @ v_lo
+    return apply_rotation(out.permute(2, 0, 1, 3).reshape(tq, hq, d), spec.value_rotation.transpose(-1, -2))
+
+
+@pytest.mark.parametrize("tq,tk,sink,recent,block_q,chunk", [
+    (300, 300, 4, 16, 64, 0),  # long context: most keys in the far part, several query blocks
+    (100, 300, 0, 8, 32, 0),  # a late chunk, no sink
+    (300, 300, 8, 16, 64, 48),  # prefill chunks of 48 tokens
+    (300, 300, 8, 0, 64, 48),  # chunks without a ring
+])
+def test_far_keys_split_matches_one_masked_softmax(tq, tk, sink, recent, block_q, chunk):
+    torch.manual_seed(tq + sink + chunk)
+    d, hkv = 32, 2
+    q, k, v = torch.randn(tq, 6, d), torch.randn(tk, hkv, d) * 2, torch.randn(tk, hkv, d)
+    spec = int2_spec(d, hkv, per_head=False)
+    pos = torch.arange(tk - tq, tk)
+    starts = pos // chunk * chunk if chunk else None
+    out = mixed_cache_attention(q, k, v, spec, sink, recent, block_q=block_q, chunk_starts=starts)
+    torch.testing.assert_close(out, one_masked_softmax(q, k, v, spec, sink, recent, starts), atol=2e-5, rtol=1e-4)
+
+
+def test_a_window_per_query_is_each_query_with_its_own_window():
+    torch.manual_seed(5)
+    d, hkv = 32, 2
+    q, k, v = torch.randn(120, 4, d), torch.randn(120, hkv, d), torch.randn(120, hkv, d)
+    spec = int2_spec(d, hkv, per_head=False)
+    recent = torch.arange(120) // 4 + 3  # grows with the position
+    out = mixed_cache_attention(q, k, v, spec, 4, recent, block_q=32)
+    for t in (0, 37, 119):
+        want = mixed_cache_attention(q[t:t + 1], k[:t + 1], v[:t + 1], spec, 4, int(recent[t]))
+        torch.testing.assert_close(out[t:t + 1], want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out, one_masked_softmax(q, k, v, spec, 4, recent), atol=2e-5, rtol=1e-4)
+
+
+def test_logit_correction_is_the_rounding_variance_taken_off_each_quantized_logit():
+    torch.manual_seed(6)
+    d, hkv, tk = 32, 2, 200
+    q, k, v = torch.randn(tk, 4, d), torch.randn(tk, hkv, d) * 2, torch.randn(tk, hkv, d)
+    for group in (None, 16):
+        base = int2_spec(d, hkv, per_head=False)
+        quant = RowQuantizer("int2", 0.96, group)
+        plain = LayerCacheSpec(base.key_rotation, base.value_rotation, quant, base.value_quant)
+        corrected = LayerCacheSpec(base.key_rotation, base.value_rotation, quant, base.value_quant, logit_correction=1.5)
+        kr = apply_rotation(k, base.key_rotation)
+        var = quant.rounding_variance(kr)  # [Tk, Hkv, G]
+        assert var.shape == (tk, hkv, d // (group or d))
+        qr = apply_rotation(q, base.key_rotation).reshape(tk, hkv, 2, 1, var.shape[-1], d // var.shape[-1])
+        # The logit of query t for key s, as a dot product of the query with the dequantized key and
+        # its variance: what the kernels would compute from the stored scales.
+        norms = qr.square().sum(-1)[:, :, :, 0]  # [T, Hkv, g, G]: each query group's squared norm
+        bias = torch.einsum("thgn,shn->hgts", norms, var)
+        want = one_masked_softmax(q, k, v, plain, 4, 16, logit_bias=-0.75 * bias / d)
+        got = mixed_cache_attention(q, k, v, corrected, 4, 16, block_q=64)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(mixed_cache_attention(q, k, v, plain, 4, 16, block_q=64),
+                                   one_masked_softmax(q, k, v, plain, 4, 16), atol=2e-5, rtol=1e-4)
+
+
+def test_logit_correction_takes_back_the_attention_that_rounding_noise_adds():
+    """The quantized part of a long context draws more attention than the exact keys would
+    (exp of a noisy logit is larger on average); the correction brings it back."""
+    torch.manual_seed(7)
+    d, tk, recent = 64, 2000, 1000  # as many exact keys as quantized ones: half the attention each
+    q, k = torch.randn(1, 128, d), torch.randn(tk, 1, d)
+    v = torch.zeros(tk, 1, d)
+    v[: tk - recent, 0, 0] = 1  # output dim 0: the attention the quantized keys get
+    exact = RowQuantizer("bf16")
+    keys = {"exact": exact, "int2": RowQuantizer("int2", 0.96)}
+    mass = {}
+    for name, lam in (("exact", 0.0), ("int2", 0.0), ("corrected", 1.0)):
+        spec = LayerCacheSpec(None, None, keys.get(name, keys["int2"]), exact, logit_correction=lam)
+        mass[name] = mixed_cache_attention(q, k, v, spec, 0, recent, scale=0.25, window_dtype=torch.float32)[0, :, 0]
+    over, left = ((mass[name] - mass["exact"]).mean() for name in ("int2", "corrected"))
+    assert over > 0.02 and left.abs() < 0.5 * over, (over, left)  # a bias, not the per-query noise

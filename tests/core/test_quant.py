@@ -61,6 +61,18 @@ def test_clip_index_and_threshold():
     assert torch.equal(clip_rows(x, 0.0), x)
 
 
+def test_per_head_clip_ratios_clip_each_head_as_its_own_ratio():
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 16) * torch.tensor([1.0, 4.0, 0.5])[:, None]  # [T, heads, d]
+    ratios = (0.8, 0.95, 0.0)
+    clipped = clip_rows(x, ratios)
+    for h, r in enumerate(ratios):
+        assert torch.equal(clipped[:, h], clip_rows(x[:, h], r))
+    assert torch.equal(fake_quantize_int2(x, ratios)[:, 1], fake_quantize_int2(x[:, 1], 0.95))
+    with pytest.raises(ValueError, match="2 per-head clip ratios for rows of shape"):
+        clip_rows(x, (0.9, 0.9))
+
+
 def test_quartered_layout():
     codes = torch.tensor([[0, 1, 2, 3, 3, 2, 1, 0]], dtype=torch.uint8)  # d = 8: bytes hold dims j, j+2, j+4, j+6
     packed = pack_int2(codes)

@@ -25,6 +25,7 @@ from oscar_vllm.serving.vllm_hooks import oscar_kv_cache_spec, window_pages_of_g
 
 BLOCK = 64
 SINK, RECENT = 64, 100  # tokens: the sink is block 0, a hit leaves the last 100 tokens to compute
+RING_BLOCKS = 2  # and the 100 before where it ends, in whole blocks: the first new chunk's ring
 SINK_PAGES, RECENT_PAGES = 1, 2  # small, so that the pool's arithmetic is easy to follow
 PAGES = SINK_PAGES + RECENT_PAGES
 
@@ -129,7 +130,7 @@ def test_pages_never_alias_cached_blocks_of_a_prefix_hit():
     kv.free(a)  # its blocks stay cached (evictable), its recent pages are free, its sink page cached
     b = request("b", list(range(5 * BLOCK)) + [7])
     blocks, hit = admit(kv, b, alloc)
-    assert blocks is not None and hit == 3 * BLOCK, "the last 100 tokens are left to compute"
+    assert blocks is not None and hit == (3 - RING_BLOCKS) * BLOCK, "the last 100 tokens and a ring are left"
     pages = alloc.page_ids("b")
     assert not set(pages) & set(kv.get_block_ids("b")[0])
 
@@ -148,9 +149,10 @@ def test_a_hit_shares_the_cached_sink_and_recomputes_its_recent_window():
         r = request(rid, prompt + extra)
         blocks, hit = admit(kv, r, alloc)
         assert blocks is not None
-        # The hit ends where the last RECENT tokens start (block-aligned), so the request writes
-        # its own recent window; it reads the sink from a's pages, which it never writes.
-        assert hit == (len(prompt) + len(extra) - RECENT) // BLOCK * BLOCK
+        # The hit ends a ring before where the last RECENT tokens start (block-aligned), so the
+        # request writes its own recent window, and the ring before its first new token; it reads
+        # the sink from a's pages, which it never writes.
+        assert hit == ((len(prompt) + len(extra) - RECENT) // BLOCK - RING_BLOCKS) * BLOCK
         assert alloc.page_ids(rid)[0] == sink_page and alloc.sink_shared(rid)
         assert not set(alloc.page_ids(rid)[1:]) & set(alloc.page_ids("a")[1:])
     assert kv.block_pool.blocks[sink_page].ref_cnt == 3
@@ -178,15 +180,15 @@ def cached_prefix(prompt_blocks: int):
 
 
 def test_a_shared_sink_counts_only_what_it_takes_from_the_free_blocks():
-    kv, alloc, prompt, a = cached_prefix(4)
+    kv, alloc, prompt, a = cached_prefix(6)
     free = kv.block_pool.get_num_free_blocks()
-    admit(kv, request("b", prompt + [1]), alloc)  # 5 blocks, 2 of them hit; a holds them and the sink page
-    assert kv.block_pool.get_num_free_blocks() == free - 3 - RECENT_PAGES
+    admit(kv, request("b", prompt + [1]), alloc)  # 7 blocks, 2 of them hit; a holds them and the sink page
+    assert kv.block_pool.get_num_free_blocks() == free - 5 - RECENT_PAGES
     kv.free(a)
     kv.free(alloc.requests["b"])
     free = kv.block_pool.get_num_free_blocks()
     admit(kv, request("c", prompt + [1]), alloc)  # the sink page and the hit blocks come off the free list
-    assert kv.block_pool.get_num_free_blocks() == free - 5 - PAGES
+    assert kv.block_pool.get_num_free_blocks() == free - 7 - PAGES
 
 
 def test_a_hit_ends_before_blocks_the_same_step_fills():
@@ -200,11 +202,27 @@ def test_a_hit_ends_before_blocks_the_same_step_fills():
     end_step(kv, alloc)
     a.num_computed_tokens = 4 * BLOCK
     kv.allocate_slots(a, 4 * BLOCK)  # step 2: the rest of a
-    assert admit(kv, request("c", prompt + [1]), alloc)[1] == 4 * BLOCK, "what step 1 wrote, not step 2"
+    assert admit(kv, request("c", prompt + [1]), alloc)[1] == (4 - RING_BLOCKS) * BLOCK, "what step 1 wrote"
     end_step(kv, alloc)
-    assert admit(kv, request("d", prompt + [1]), alloc)[1] == (len(prompt) + 1 - RECENT) // BLOCK * BLOCK
+    assert admit(kv, request("d", prompt + [1]), alloc)[1] == ((len(prompt) + 1 - RECENT) // BLOCK - RING_BLOCKS) * BLOCK
     assert alloc.page_ids("b")[0] != alloc.page_ids("a")[0], "b wrote a sink of its own"
     assert alloc.page_ids("c")[0] == alloc.page_ids("d")[0] == alloc.page_ids("a")[0]
+
+
+def test_a_hit_leaves_the_ring_before_the_first_new_token_to_compute():
+    """Where the cached prefix, not the request's end, bounds the hit, the request still computes
+    the RECENT tokens before the first token nothing cached: that token's chunk reads them in BF16,
+    as an uncached prefill's chunk reads its ring, not 2-bit from the cache."""
+    kv, alloc, prompt, a = cached_prefix(6)
+    b = request("b", prompt + [1] * 600)
+    assert admit(kv, b, alloc)[1] == (6 - RING_BLOCKS) * BLOCK <= len(prompt) - RECENT
+    assert alloc.sink_shared("b")
+    # A cached prefix one block longer than the ring gives a hit on the sink block alone; one no
+    # longer than the ring, nothing.
+    for blocks, hit in ((1 + RING_BLOCKS, BLOCK), (RING_BLOCKS, 0)):
+        kv, alloc, short, _ = cached_prefix(blocks)
+        c = request("c", short + [1] * 600)
+        assert admit(kv, c, alloc)[1] == hit and alloc.sink_shared("c") == (hit > 0)
 
 
 def test_a_hit_whose_sink_pages_were_evicted_is_no_hit():
