@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from oscar_vllm.calibration import corpus
-from oscar_vllm import evaluate as evaluate_module
+from oscar_vllm.calibration import evaluate as evaluate_module
 from oscar_vllm.calibration.calibrate import main as calibrate_main
 from oscar_vllm.calibration.evaluate import METHODS_BY_NAME, curve_tokens, evaluate, rotation_variants, write_report
 from oscar_vllm.calibration.evaluate import main as evaluate_main
