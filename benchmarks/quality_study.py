@@ -231,6 +231,17 @@ ROWS = [
         recent_fraction=1 / 8, logit_correction=1.0),
     Row("debiased-int4-2layers", "debiased, with INT4 for the 2 most sensitive layers", calibration=None,
         int4_layers=2, logit_correction=1.0),
+    Row("debiased-quarter", "the correction at a quarter strength (λ = 0.25)", calibration=None, logit_correction=0.25),
+    Row("debiased-3quarters", "the correction at λ = 0.75", calibration=None, logit_correction=0.75),
+    Row("half-recent-grows", "λ = 0.5, with the recent window max(256, position/8)", calibration=None,
+        recent_fraction=1 / 8, logit_correction=0.5),
+    Row("half-recent512", "λ = 0.5, with the recent window 512", calibration=None, recent=512, logit_correction=0.5),
+    Row("half-int4-2layers", "λ = 0.5, with INT4 for the 2 most sensitive layers", calibration=None,
+        int4_layers=2, logit_correction=0.5),
+    Row("half-int4-4layers", "λ = 0.5, with INT4 for the 4 most sensitive layers", calibration=None,
+        int4_layers=4, logit_correction=0.5),
+    Row("half-int4-2layers-recent-grows", "λ = 0.5, INT4 for 2 layers, the recent window max(256, position/8)",
+        calibration=None, int4_layers=2, recent_fraction=1 / 8, logit_correction=0.5),
 ]
 ROWS_BY_NAME = {r.name: r for r in ROWS}
 

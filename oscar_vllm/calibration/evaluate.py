@@ -94,6 +94,7 @@ METHODS = [
 # variance, which the serving kernels do not do yet (docs/quality.md).
 EXTRA_METHODS = [
     Method("oscar-int2-fit-debiased", "oscar", "int2", clip="fitted", logit_correction=1.0),
+    Method("oscar-int2-fit-debiased-half", "oscar", "int2", clip="fitted", logit_correction=0.5),
 ]
 METHODS_BY_NAME = {m.name: m for m in METHODS + EXTRA_METHODS}
 

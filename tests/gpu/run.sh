@@ -146,7 +146,7 @@ for stage in $stages; do
         python3 benchmarks/quality_study.py --windows ${OSCAR_STUDY_WINDOWS:-8} --device cuda --out "$out/quality" \
           --cache "${OSCAR_STUDY_CACHE:-$out/quality/cache}" &&
         python3 -m oscar_vllm.calibration.evaluate --contexts 1024,2048,4096,8192 --eval-tokens 65536 --device cuda \
-          --methods bf16,int4,hadamard-int2-fit,oscar-int2,oscar-int2-fit,oscar-int2-fit-debiased \
+          --methods bf16,int4,hadamard-int2-fit,oscar-int2,oscar-int2-fit,oscar-int2-fit-debiased,oscar-int2-fit-debiased-half \
           --output-dir "$out/quality/curve" &&
         python3 benchmarks/cached_prefix_reads.py --device cuda --out "$out/quality/cached_prefix_reads"
       } 2>&1 | grep -v $'\r' | tee "$out/quality.log" || status=1 ;;
