@@ -4,7 +4,8 @@
 #           kernels run here only)
 #   kernels the kernel benchmarks (decode, prefill, write) against vLLM's FA3 and Triton
 #           attention, with the copy bandwidth of the same run; instruction mix of the kernels
-#   sweep   the decode/prefill launch sweep that fills csrc_triton/oscar_attention.py's table
+#   sweep   the launch sweeps behind the launch tables: the Gluon decode kernel's (oscar_decode.py),
+#           then the Triton kernels' (oscar_attention.py)
 #   ab      benchmarks/ab_throughput.py: OSCAR against vLLM's KV caches, one engine each
 #   profile where a decode step's time goes inside vLLM, OSCAR and FLASH_ATTN (profile_decode.py)
 #   suite   the whole test suite on the GPU
@@ -65,7 +66,10 @@ for stage in $stages; do
          python3 oscar_dense_kv.py --out "$out/kernels" &&
          python3 sass_histogram.py _oscar_attention_kernel); } 2>&1 | tee "$out/kernels.log" || status=1 ;;
     sweep)
-      (cd benchmarks/kernels && python3 oscar_attention.py sweep --out "$out/sweep" --batches 1 8 32 \
+      (cd benchmarks/kernels &&
+       python3 oscar_decode.py sweep --out "$out/sweep" --shapes qwen3-8b --batches 1 8 32 64 \
+         --contexts 8192 32768 131072 &&
+       python3 oscar_attention.py sweep --out "$out/sweep" --batches 1 8 32 \
          --contexts 8192 32768 131072) 2>&1 | grep --line-buffered -v '^{' | tee "$out/sweep.log" || status=1 ;;
     profile)
       { python3 benchmarks/profile_decode.py --backend OSCAR ${OSCAR_PROFILE_ARGS:-} &&
