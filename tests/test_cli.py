@@ -100,7 +100,7 @@ def test_serve_errors_are_one_line(capsys):
 
 
 def test_serve_help_lists_every_oscar_flag_without_starting_vllm():
-    probe = ("import sys\nfrom oscar_vllm import serve\ntry:\n    serve.main(['serve', '--help'])\n"
+    probe = ("import sys\nfrom oscar_vllm.serving import serve\ntry:\n    serve.main(['serve', '--help'])\n"
              "except SystemExit as e:\n    code = e.code\n"
              "print('exit', code, 'vllm' in sys.modules, 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
