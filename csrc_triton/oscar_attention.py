@@ -8,7 +8,9 @@ request's cached prefix ``[0, ctx)``, one kernel block (64 tokens) per step:
 * INT2 blocks are read packed and never dequantized: the codes become exact small numbers
   (``_codes``: a few bit operations, no int-to-float conversion) that go straight into the
   matrix products, and the per-token scale and min are applied outside them,
-  ``score = s_k·(q·c) + m_k·Σq`` and ``out += (p·s_v)·C + Σ p·m_v``.
+  ``score = s_k·(q·c) + m_k·Σq`` and ``out += (p·s_v)·C + Σ p·m_v``. The score of an INT2 key
+  also loses the logit correction ``coef·‖q‖²·s_k²`` (``paged_layout.logit_coef``: λ/2 times
+  its expected rounding variance); BF16 ring keys and the step's own keys never do.
 * Blocks that touch the sink or some query's recent window also read the request's BF16 ring
   and use it where it holds the position (scores and values alike); all other blocks take a
   loop with no ring logic at all.
@@ -16,7 +18,8 @@ request's cached prefix ``[0, ctx)``, one kernel block (64 tokens) per step:
   FlashAttention pass run before this kernel, whose output and log-sum-exp are merged in.
 * Where the backend can run FlashAttention, prefill chunks over a cached prefix skip this
   kernel: ``oscar_dense_prefill_attention`` dequantizes the prefix (``oscar_dense_kv``) and
-  runs one causal FlashAttention pass over prefix and chunk, at FlashAttention's speed.
+  runs one causal FlashAttention pass over prefix and chunk, at FlashAttention's speed. That
+  pass takes no per-key, per-query bias: it has no logit correction, whatever λ is.
 
 Queries are in the key-rotated basis (``q_rot``) against the cache; ``q·k == (qR)·(kR)``
 lets the step's own keys use the unrotated ``q``. Values stay in the folded value basis.
@@ -39,6 +42,7 @@ from csrc_triton.paged_layout import (
     check_int2_cache,
     find_request,
     launch_bucket,
+    logit_coef,
     param_view,
     window_args,
     window_index,
@@ -173,7 +177,7 @@ def _ring_lookup(window_pos_ptr, ring, kp, k_ok, SINK: tl.constexpr, RECENT: tl.
 @triton.jit
 def _attend_int2_block(
     m_i, l_i, acc0, acc1, acc2, acc3, acc_min,
-    qs0, qs1, qs2, qs3, q_sum, row_ok,
+    qs0, qs1, qs2, qs3, q_sum, q_corr, row_ok,
     blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring,
     window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page, qk_scale,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, SINK: tl.constexpr,
@@ -184,6 +188,7 @@ def _attend_int2_block(
 
     ``qs_i`` are query quarters times ``4^-i``, so that ``sum_i qs_i @ codes_i = 2^-24 (q·c)``;
     ``acc_i`` hold values times ``4^i·2^-24`` (``UNIT_i``), as the INT2 products leave them.
+    ``q_corr`` ``[rows]``: ``coef·‖q‖²``, each row's logit correction per unit of ``s_k²``.
     With ``WINDOW`` the BF16 ring replaces a key wherever it holds it and the key is in the
     sink or the ``RECENT`` keys before ``ctx`` (the window as the step found it, the same for
     every query of a prefill chunk; a partial last block is masked); without, the block is
@@ -202,7 +207,9 @@ def _attend_int2_block(
     v_codes = tl.load(codes_ptr + base + BLOCK_SIZE * Q + j[None, :] * BLOCK_SIZE + col[:, None])  # [BS, Q]
     p_ptr = params_ptr + (base + 2 * BLOCK_SIZE * Q) // 2 + tok
     # Scales and mins per key, with the softmax scale (and 2^24 for the codes) folded in.
-    k_scale = tl.load(p_ptr).to(tl.float32) * (qk_scale * 16777216.0)
+    k_scale = tl.load(p_ptr).to(tl.float32)
+    k_var = k_scale * k_scale
+    k_scale = k_scale * (qk_scale * 16777216.0)
     k_min = tl.load(p_ptr + BLOCK_SIZE).to(tl.float32) * qk_scale
     v_scale = tl.load(p_ptr + 2 * BLOCK_SIZE).to(tl.float32)
     v_min = tl.load(p_ptr + 3 * BLOCK_SIZE).to(tl.float32)
@@ -211,7 +218,8 @@ def _attend_int2_block(
     s = tl.dot(qs1, _codes(k_codes, 1, DOT_DT, USE_ASM), s, input_precision=PRECISION)
     s = tl.dot(qs2, _codes(k_codes, 2, DOT_DT, USE_ASM), s, input_precision=PRECISION)
     s = tl.dot(qs3, _codes(k_codes, 3, DOT_DT, USE_ASM), s, input_precision=PRECISION)
-    s = s * k_scale[None, :] + q_sum[:, None] * k_min[None, :]
+    # The min term, and the logit correction (exactly nothing at λ = 0); ring keys replace both.
+    s = s * k_scale[None, :] + q_sum[:, None] * k_min[None, :] - q_corr[:, None] * k_var[None, :]
     if WINDOW:
         k_ok = kp < ctx
         # Zeroed past ctx, where the bytes are whatever the allocator left (NaN would poison p·s_v).
@@ -329,6 +337,7 @@ def _oscar_attention_kernel(
     num_reqs,
     num_splits,  # most programs a request's prefix is split over (SPLIT)
     qk_scale,  # softmax scale * log2(e)
+    logit_coef,  # INT2 keys' log2 logits lose logit_coef * |q|^2 * s_k^2 (paged_layout.logit_coef; 0: off)
     stride_qt, stride_qh, stride_rt, stride_rh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_bt, stride_lse_h,
     stride_cb,  # bytes from one cache block to the next
@@ -383,6 +392,9 @@ def _oscar_attention_kernel(
     # Σq of the very numbers that enter the products, for the min term of the scores.
     q_sum = (tl.sum(qs0.to(tl.float32), axis=1) + 4.0 * tl.sum(qs1.to(tl.float32), axis=1)
              + 16.0 * tl.sum(qs2.to(tl.float32), axis=1) + 64.0 * tl.sum(qs3.to(tl.float32), axis=1))
+    # The logit correction per unit of s_k², from the whole head's ‖q‖².
+    q_corr = (tl.sum(qr0 * qr0, axis=1) + tl.sum(qr1 * qr1, axis=1) + tl.sum(qr2 * qr2, axis=1)
+              + tl.sum(qr3 * qr3, axis=1)) * logit_coef
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -411,19 +423,19 @@ def _oscar_attention_kernel(
     recent_start = tl.maximum(sink_end, tl.minimum(ctx // BLOCK_SIZE, tl.maximum(ctx - RECENT + 1, 0) // BLOCK_SIZE))
     for blk in range(b_lo, tl.minimum(b_hi, sink_end)):
         m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
-            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, row_ok,
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, q_corr, row_ok,
             blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pages_ptr,
             window_pos_ptr, stride_wp, stride_page, qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, WIN_E,
             True, DOT_DT, USE_ASM, PRECISION)
     for blk in range(tl.maximum(b_lo, sink_end), tl.minimum(b_hi, recent_start)):
         m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
-            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, row_ok,
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, q_corr, row_ok,
             blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pages_ptr,
             window_pos_ptr, stride_wp, stride_page, qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, WIN_E,
             False, DOT_DT, USE_ASM, PRECISION)
     for blk in range(tl.maximum(b_lo, recent_start), b_hi):
         m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
-            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, row_ok,
+            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, q_corr, row_ok,
             blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pages_ptr,
             window_pos_ptr, stride_wp, stride_page, qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, WIN_E,
             True, DOT_DT, USE_ASM, PRECISION)
@@ -569,13 +581,15 @@ def oscar_decode_attention(
     part_lse: torch.Tensor | None = None,
     launch: tuple[int, int] | None = None,
     use_asm: bool | None = None,
+    logit_correction: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention: every request has at most one query token (``q`` ``[T, Hq, d]``).
 
     Writes ``out`` ``[T, Hq, d]``. With ``num_splits > 1`` the prefix is split over up to
     that many programs per (request, KV head), which needs fp32 scratch ``part_out``
     ``[>= T * Hq * num_splits * d]`` and ``part_lse`` ``[>= T * Hq * num_splits]``.
-    ``launch``: ``(num_warps, num_stages)``, else from ``DECODE_LAUNCH``.
+    ``launch``: ``(num_warps, num_stages)``, else from ``DECODE_LAUNCH``. ``logit_correction``:
+    λ, INT2 keys' logits lowered by λ/2 times their expected rounding variance (``logit_coef``).
     """
     t = q.shape[0]
     if t == 0 or num_reqs == 0:
@@ -592,7 +606,8 @@ def oscar_decode_attention(
         part_lse_ptr=part_lse if split else out, **_tensor_args(q, q_rot, k, v, cache, params, windows, window_pages,
                                                                  window_pos, block_table, seq_lens, cu_q, ring_slots, out,
                                                                  sink, recent),
-        num_reqs=num_reqs, num_splits=num_splits, qk_scale=scale * LOG2E, stride_lse_h=0,
+        num_reqs=num_reqs, num_splits=num_splits, qk_scale=scale * LOG2E,
+        logit_coef=logit_coef(logit_correction, scale), stride_lse_h=0,
         SINK=sink, RECENT=recent, BLOCK_M=block_m, BLOCK_Q=1, SPLIT=split,
         DECODE=True, NEW_KEYS=True, MERGE_SELF=False, BLOCK_N_NEW=16,
         num_warps=num_warps, num_stages=num_stages, **consts,
@@ -627,6 +642,7 @@ def oscar_prefill_attention(
     self_lse: torch.Tensor | None = None,
     launch: tuple[int, int, int] | None = None,
     use_asm: bool | None = None,
+    logit_correction: float = 0.0,
 ) -> torch.Tensor:
     """Attention of prefill chunks (any query lengths) over the mixed cache.
 
@@ -634,6 +650,7 @@ def oscar_prefill_attention(
     (causal). With it, ``out`` already holds the chunk's own-keys attention (FlashAttention's
     output) and ``self_lse`` fp32 ``[Hq, T]`` its natural-log LSE: the kernel adds the prefix.
     ``launch``: ``(BLOCK_M, num_warps, num_stages)``, else ``PREFILL_LAUNCH``.
+    ``logit_correction``: λ, as for ``oscar_decode_attention`` (prefix INT2 keys only).
     """
     t = q.shape[0]
     if t == 0 or num_reqs == 0:
@@ -650,7 +667,8 @@ def oscar_prefill_attention(
         out_ptr=out, self_lse_ptr=self_lse if merge else out, part_out_ptr=out, part_lse_ptr=out,
         **_tensor_args(q, q_rot, k, v, cache, params, windows, window_pages, window_pos, block_table, seq_lens, cu_q,
                        ring_slots, out, sink, recent),
-        num_reqs=num_reqs, num_splits=1, qk_scale=scale * LOG2E, stride_lse_h=self_lse.stride(0) if merge else 0,
+        num_reqs=num_reqs, num_splits=1, qk_scale=scale * LOG2E, logit_coef=logit_coef(logit_correction, scale),
+        stride_lse_h=self_lse.stride(0) if merge else 0,
         SINK=sink, RECENT=recent, BLOCK_M=block_m, BLOCK_Q=block_q, SPLIT=False,
         DECODE=False, NEW_KEYS=not merge, MERGE_SELF=merge, BLOCK_N_NEW=32,
         num_warps=num_warps, num_stages=num_stages, **consts,
@@ -692,7 +710,8 @@ def oscar_dense_prefill_attention(
     param_dtype: torch.dtype = torch.float16,
 ) -> torch.Tensor:
     """Prefill chunks as the OSCAR reference runs them: the cached prefix dequantized into
-    ``dense``'s buffers beside the chunk's own keys, then one causal attention over both."""
+    ``dense``'s buffers beside the chunk's own keys, then one causal attention over both. Plain
+    attention over dequantized keys: no logit correction (it needs a per-key, per-query bias)."""
     cu_k = torch.zeros(num_reqs + 1, dtype=torch.int32, device=seq_lens.device)
     torch.cumsum(seq_lens[:num_reqs], 0, dtype=torch.int32, out=cu_k[1:])
     oscar_dense_kv(dense.k_buf, dense.v_buf, dense.k_rot, v, cache, windows, window_pages, window_pos, block_table,
@@ -728,6 +747,7 @@ def oscar_attention(
     own_keys_attention=None,
     prefill_has_prefix: bool = True,
     dense: DensePrefill | None = None,
+    logit_correction: float = 0.0,
 ) -> torch.Tensor:
     """A batch as vLLM orders it: ``num_decodes`` requests of one query token, then prefills.
 
@@ -738,6 +758,7 @@ def oscar_attention(
     ``prefill_has_prefix=False`` (no prefill request has cached tokens) skips the prefix kernel
     when ``own_keys_attention`` already did all there is. With ``dense``, prefill chunks over a
     cached prefix take the dense path (``oscar_dense_prefill_attention``) instead.
+    ``logit_correction``: λ for the INT2 kernels (``logit_coef``); the dense path takes none.
     """
     d = num_decodes  # decode requests come first and hold one token each
     if d:
@@ -745,10 +766,11 @@ def oscar_attention(
         oscar_decode_attention(
             out[dec], q[dec], q_rot[dec], k[dec], v[dec], cache, windows, window_pages, window_pos, block_table,
             seq_lens, cu_q, ring_slots, d, scale, sink, recent, param_dtype, decode_splits, part_out, part_lse,
+            logit_correction=logit_correction,
         )
     oscar_prefill_batch(out, q, q_rot, k, v, cache, windows, window_pages, window_pos, block_table, seq_lens, cu_q,
                         ring_slots, d, num_reqs, max_query_len, scale, sink, recent, param_dtype, own_keys_attention,
-                        prefill_has_prefix, dense)
+                        prefill_has_prefix, dense, logit_correction)
     return out
 
 
@@ -776,9 +798,11 @@ def oscar_prefill_batch(
     own_keys_attention=None,
     prefill_has_prefix: bool = True,
     dense: DensePrefill | None = None,
+    logit_correction: float = 0.0,
 ) -> torch.Tensor:
     """The prefill requests of a batch, ``[num_decodes, num_reqs)`` (tensors indexed as the whole
-    batch's), as :func:`oscar_attention` runs them."""
+    batch's), as :func:`oscar_attention` runs them. ``logit_correction``: λ for the INT2 prefill
+    kernel; chunks that take the dense path get none (FlashAttention takes no per-key bias)."""
     d = num_decodes
     if d < num_reqs:
         pre = slice(d, None)
@@ -798,6 +822,6 @@ def oscar_prefill_batch(
         oscar_prefill_attention(
             out_p, q_p, q_rot[pre], k_p, v_p, cache, windows, window_pages, window_pos, block_table[d:num_reqs],
             seq_lens[d:num_reqs], cu, ring_slots[d:num_reqs], num_reqs - d, scale, sink, recent, param_dtype,
-            self_lse=lse,
+            self_lse=lse, logit_correction=logit_correction,
         )
     return out

@@ -9,7 +9,9 @@ instead of the 4x padded products of heads-on-M (``oscar_attention``'s decode pa
 * ``S[key, head] = K·Qᵀ``: the INT2 codes of quarter ``i`` (dims ``[iQ, (i+1)Q)``) go into the
   A fragment as they are: a byte permute and a mask make each code ``c`` the fp16 subnormal
   ``c·4^i·2^-24`` (exact), and the queries carry ``4^-i``; per-key scale and min are applied
-  outside the product, ``s_k·(q·c) + m_k·Σq``.
+  outside the product, ``s_k·(q·c) + m_k·Σq``, less the logit correction ``coef·‖q‖²·s_k²``
+  (``paged_layout.logit_coef``: λ/2 times the key's expected rounding variance; BF16 ring keys
+  never take it).
 * ``Oᵀ[dim, head] += Vᵀ·Pᵀ``, per quarter, with ``P·s_v`` as the B fragment and ``Σ P·m_v``
   added once at the end.
 
@@ -39,6 +41,7 @@ from csrc_triton.paged_layout import (
     WINDOW_ENTRIES as _WINDOW_ENTRIES,
     check_int2_cache,
     launch_bucket,
+    logit_coef,
     param_view,
     window_args,
 )
@@ -180,7 +183,8 @@ def _v_words_layout(Q):
 @gluon.jit
 def _query_operand(q_base, stride_qh, I: gl.constexpr, G: gl.constexpr, N: gl.constexpr, D: gl.constexpr):
     """Dims ``[I·KQ, (I+1)·KQ)`` of the G queries as fp16 ``[KQ, N]``, each dim times ``4^-quarter``
-    (KQ = max(D/4, 32)), and its Σ over dims in the codes' unit, ``[N]``."""
+    (KQ = max(D/4, 32)), its Σ over dims in the codes' unit, ``[N]``, and its Σ of squares
+    (true units, fp32), ``[N]``."""
     Q: gl.constexpr = D // 4
     KQ: gl.constexpr = Q if Q > 32 else 32
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -191,24 +195,27 @@ def _query_operand(q_base, stride_qh, I: gl.constexpr, G: gl.constexpr, N: gl.co
     unit = gl.exp2(2.0 * (dim // Q).to(gl.float32))  # 4^quarter, exact
     qs = (q / unit[:, None]).to(gl.float16)
     q_sum = gl.convert_layout(gl.sum(qs.to(gl.float32) * unit[:, None], axis=0), gl.SliceLayout(0, ACC))
-    return qs, q_sum
+    q_sq = gl.convert_layout(gl.sum(q * q, axis=0), gl.SliceLayout(0, ACC))
+    return qs, q_sum, q_sq
 
 
 @gluon.jit
 def _query_operands(q_base, stride_qh, G: gl.constexpr, N: gl.constexpr, D: gl.constexpr):
     """The K products' query operands (``_query_operand``; at head_dim 64 there are two, the
-    last two repeat them unused) and Σq."""
-    qs0, q_sum = _query_operand(q_base, stride_qh, 0, G, N, D)
-    qs1, sum1 = _query_operand(q_base, stride_qh, 1, G, N, D)
+    last two repeat them unused), Σq and ‖q‖²."""
+    qs0, q_sum, q_sq = _query_operand(q_base, stride_qh, 0, G, N, D)
+    qs1, sum1, sq1 = _query_operand(q_base, stride_qh, 1, G, N, D)
     q_sum = q_sum + sum1
+    q_sq = q_sq + sq1
     if D // 4 == 16:
         qs2 = qs0
         qs3 = qs1
     else:
-        qs2, sum2 = _query_operand(q_base, stride_qh, 2, G, N, D)
-        qs3, sum3 = _query_operand(q_base, stride_qh, 3, G, N, D)
+        qs2, sum2, sq2 = _query_operand(q_base, stride_qh, 2, G, N, D)
+        qs3, sum3, sq3 = _query_operand(q_base, stride_qh, 3, G, N, D)
         q_sum = q_sum + sum2 + sum3
-    return qs0, qs1, qs2, qs3, q_sum
+        q_sq = q_sq + sq2 + sq3
+    return qs0, qs1, qs2, qs3, q_sum, q_sq
 
 
 @gluon.jit
@@ -231,13 +238,25 @@ def _load_int2_block(codes_ptr, params_ptr, bt_ptr, blk, h, stride_cb, Q: gl.con
 
 
 @gluon.jit
+def _load_v_params(params_ptr, bt_ptr, blk, h, stride_cb, Q: gl.constexpr):
+    """The V scales and mins of logical block ``blk`` of KV head ``h`` (``_load_int2_block``'s last two)."""
+    P_TOK: gl.constexpr = _rows_by_token_layout()
+    REGION: gl.constexpr = TILE * (2 * Q + 8)
+    base = gl.load(bt_ptr + blk).to(gl.int64) * stride_cb + h * REGION
+    p = params_ptr + (base + 2 * TILE * Q) // 2 + gl.arange(0, TILE, layout=P_TOK)
+    return gl.load(p + 2 * TILE), gl.load(p + 3 * TILE)
+
+
+@gluon.jit
 def _attend_int2_block(
-    m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum,
+    m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr,
     k_codes, v_codes, k_scale, k_min, v_scale, v_min, use, qk_scale,
     Q: gl.constexpr, N: gl.constexpr, MASKED: gl.constexpr,
 ):
     """One INT2 block: scores from the codes, probabilities into the quarter accumulators (in
-    INT2 units). ``MASKED``: only rows ``use`` count (the block meets the window or ``seq_len``)."""
+    INT2 units). ``MASKED``: only rows ``use`` count (the block meets the window or ``seq_len``).
+    ``q_corr`` ``[N]``: ``coef·‖q‖²`` of each head over ``(qk_scale·2^24)²``, the logit correction
+    per unit of the squared scale as the scores apply it."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
     A_V: gl.constexpr = gl.DotOperandLayout(0, ACC, 2)
@@ -259,8 +278,11 @@ def _attend_int2_block(
         s = mma_v2(gl.convert_layout(c1, A_K, assert_trivial=True), qs1, s)
         s = mma_v2(gl.convert_layout(c2, A_K, assert_trivial=True), qs2, s)
         s = mma_v2(gl.convert_layout(c3, A_K, assert_trivial=True), qs3, s)
-    # Scale and min with the softmax scale folded in (and 2^24 for the codes' unit).
-    s = s * (k_scale * (qk_scale * 16777216.0))[:, None] + (k_min * qk_scale)[:, None] * q_sum[None, :]
+    # Scale and min with the softmax scale folded in (and 2^24 for the codes' unit); first the
+    # logit correction, coef·‖q‖²·s_k², as the scale times (scale · q_corr): one FMA a score and
+    # no other per-key vector held (exactly nothing at λ = 0).
+    k_scale = k_scale * (qk_scale * 16777216.0)
+    s = (s - k_scale[:, None] * q_corr[None, :]) * k_scale[:, None] + (k_min * qk_scale)[:, None] * q_sum[None, :]
     if MASKED:
         s = gl.where(use[:, None], s, float("-inf"))
         # Unwritten or window rows may hold anything: zero what multiplies their zero probability.
@@ -293,7 +315,7 @@ def _held_rows(window_pos_ptr, ring, blk, seq_len, last, SINK: gl.constexpr, REC
 
 @gluon.jit
 def _attend_window_block(
-    m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, blk, seq_len, last, ring, h, qk_scale,
+    m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr, blk, seq_len, last, ring, h, qk_scale,
     codes_ptr, params_ptr, bt_ptr, window_pos_ptr, stride_cb,
     Q: gl.constexpr, N: gl.constexpr, SINK: gl.constexpr, RECENT: gl.constexpr,
 ):
@@ -303,7 +325,7 @@ def _attend_window_block(
     if gl.max(use.to(gl.int32), axis=0) > 0:
         kc, vc, ks, km, vs, vm = _load_int2_block(codes_ptr, params_ptr, bt_ptr, blk, h, stride_cb, Q, N)
         m_i, l_i, a_min, o0, o1, o2, o3 = _attend_int2_block(
-            m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, kc, vc, ks, km, vs, vm, use,
+            m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr, kc, vc, ks, km, vs, vm, use,
             qk_scale, Q, N, True)
     return m_i, l_i, a_min, o0, o1, o2, o3
 
@@ -432,6 +454,7 @@ def _oscar_decode_kernel(
     ring_slot_ptr,  # int32 [R]
     num_splits,  # most programs a request's keys are split over (SPLIT)
     qk_scale,  # softmax scale * log2(e)
+    logit_coef,  # INT2 keys' log2 logits lose logit_coef * |q|^2 * s_k^2 (paged_layout.logit_coef; 0: off)
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb,  # bytes from one cache block to the next
     stride_wp,  # window_pages row stride
@@ -473,8 +496,10 @@ def _oscar_decode_kernel(
     q_base = q_rot_ptr + r.to(gl.int64) * stride_qt + (h * G) * stride_qh
 
     # Queries of quarter i times 4^-i, in the unit of the codes, as the K operands take them
-    # (one quarter each, or two at head_dim 64); Σq of those very numbers.
-    qs0, qs1, qs2, qs3, q_sum = _query_operands(q_base, stride_qh, G, N, D)
+    # (one quarter each, or two at head_dim 64); Σq of those very numbers; the logit correction
+    # per unit of s_k², once per head, in the unit of the code products (_attend_int2_block).
+    qs0, qs1, qs2, qs3, q_sum, q_sq = _query_operands(q_base, stride_qh, G, N, D)
+    q_corr = q_sq * (logit_coef / ((qk_scale * 16777216.0) * (qk_scale * 16777216.0)))
 
     m_i = gl.full([N], float("-inf"), gl.float32, layout=COLS)
     l_i = gl.zeros([N], gl.float32, layout=COLS)
@@ -503,24 +528,28 @@ def _oscar_decode_kernel(
     recent_start = gl.maximum(SINK_BLOCKS, gl.minimum(n_blocks, window_start // TILE))
     for blk in range(b_lo, gl.minimum(b_hi, SINK_BLOCKS)):
         m_i, l_i, a_min, o0, o1, o2, o3 = _attend_window_block(
-            m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, blk, seq_len, last, ring, h, qk_scale,
-            codes_ptr, params_ptr, bt_ptr, window_pos_ptr, stride_cb, Q, N, SINK, RECENT)
+            m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr, blk, seq_len, last, ring, h,
+            qk_scale, codes_ptr, params_ptr, bt_ptr, window_pos_ptr, stride_cb, Q, N, SINK, RECENT)
     p_lo = gl.maximum(b_lo, SINK_BLOCKS)
     p_hi = gl.minimum(b_hi, recent_start)
     if p_lo < p_hi:
-        # One block in flight ahead of the one in the tensor cores.
-        kc, vc, ks, km, vs, vm = _load_int2_block(codes_ptr, params_ptr, bt_ptr, p_lo, h, stride_cb, Q, N)
+        # One block in flight ahead of the one in the tensor cores. A block's V scales and mins,
+        # needed only after its scores and softmax, are loaded at the start of its own step (beside
+        # the next block's codes), not carried: that leaves the registers q_corr takes, and the
+        # 168-register launch does not spill in this loop.
+        kc, vc, ks, km, _, _ = _load_int2_block(codes_ptr, params_ptr, bt_ptr, p_lo, h, stride_cb, Q, N)
         for blk in range(p_lo, p_hi):
-            kc2, vc2, ks2, km2, vs2, vm2 = _load_int2_block(codes_ptr, params_ptr, bt_ptr,
-                                                            gl.minimum(blk + 1, p_hi - 1), h, stride_cb, Q, N)
+            vs, vm = _load_v_params(params_ptr, bt_ptr, blk, h, stride_cb, Q)
+            kc2, vc2, ks2, km2, _, _ = _load_int2_block(codes_ptr, params_ptr, bt_ptr,
+                                                        gl.minimum(blk + 1, p_hi - 1), h, stride_cb, Q, N)
             m_i, l_i, a_min, o0, o1, o2, o3 = _attend_int2_block(
-                m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, kc, vc, ks, km, vs, vm, None,
+                m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr, kc, vc, ks, km, vs, vm, None,
                 qk_scale, Q, N, False)
-            kc, vc, ks, km, vs, vm = kc2, vc2, ks2, km2, vs2, vm2
+            kc, vc, ks, km = kc2, vc2, ks2, km2
     for blk in range(gl.maximum(b_lo, recent_start), b_hi):
         m_i, l_i, a_min, o0, o1, o2, o3 = _attend_window_block(
-            m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, blk, seq_len, last, ring, h, qk_scale,
-            codes_ptr, params_ptr, bt_ptr, window_pos_ptr, stride_cb, Q, N, SINK, RECENT)
+            m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr, blk, seq_len, last, ring, h,
+            qk_scale, codes_ptr, params_ptr, bt_ptr, window_pos_ptr, stride_cb, Q, N, SINK, RECENT)
 
     # Back from INT2 units; the min term adds the same amount to every dim of a head.
     d = gl.arange(0, Q, layout=gl.SliceLayout(1, ACC))
@@ -584,6 +613,7 @@ def oscar_decode(
     part_out: torch.Tensor | None = None,
     part_lse: torch.Tensor | None = None,
     maxnreg: int | None = -1,
+    logit_correction: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention of ``num_reqs`` requests, one query each (row r of ``q_rot``
     ``[>= num_reqs, Hq, d]``, key-rotated basis), over positions ``[0, seq_lens[r])`` of the
@@ -592,7 +622,8 @@ def oscar_decode(
     With ``num_splits > 1`` a request's keys are split over up to that many programs, which
     needs fp32 scratch ``part_out`` ``[>= num_reqs * Hq * num_splits * d]`` and ``part_lse``
     ``[>= num_reqs * Hq * num_splits]``, merged by ``_merge_splits_kernel``. ``maxnreg``:
-    registers per thread (None: no cap), else from ``DECODE_LAUNCH``.
+    registers per thread (None: no cap), else from ``DECODE_LAUNCH``. ``logit_correction``: λ,
+    INT2 keys' logits lowered by λ/2 times their expected rounding variance (``logit_coef``).
     """
     if num_reqs == 0:
         return out
@@ -602,6 +633,7 @@ def oscar_decode(
         raise ValueError(f"oscar_decode does not serve {hq}/{hkv} heads of {d} in {q_rot.dtype}, sink {sink}, "
                          f"{num_splits} splits (see supports())")
     check_int2_cache(cache, d)
+    coef = logit_coef(logit_correction, scale)
     g = hq // hkv
     win = window_args(windows, window_pages, window_pos, hkv, d, sink, recent)
     if win.pop("WIN_E") != _WINDOW_ENTRIES:
@@ -616,7 +648,7 @@ def oscar_decode(
     _oscar_decode_kernel[(num_reqs, hkv, num_splits)](
         out, part_out if split else out, part_lse if split else out, q_rot, cache, param_view(cache, param_dtype),
         win["window_k_ptr"], win["window_v_ptr"], window_pages, window_pos, block_table, seq_lens, ring_slots,
-        num_splits, scale * LOG2E,
+        num_splits, scale * LOG2E, coef,
         q_rot.stride(0), q_rot.stride(1), out.stride(0), out.stride(1), block_table.stride(0), cache.stride(0),
         win["stride_wp"], win["stride_page"],
         HKV=hkv, G=g, N=n_pad, D=d, SINK=sink, RECENT=recent, SPLIT=split, num_warps=1,

@@ -11,7 +11,12 @@ runs plain causal attention over ``[prefix ; chunk]``. Request ``r`` owns rows
   keys and values the INT2 attention kernel reads for the chunk;
 * ``ctx <= p < seq_len``: the chunk's own keys and values as given (keys already rotated).
 
-Everything stays in the rotated basis, so the queries that go with it are ``q_rot``. Reference:
+Everything stays in the rotated basis, so the queries that go with it are ``q_rot``.
+
+No logit correction on this path: the INT2 kernels lower an INT2 key's logit by
+``λ/2·scale²·‖q‖²·s_k²/12`` (``paged_layout.logit_coef``), a bias that depends on both the query
+and the key, and a FlashAttention pass over dense keys takes none. Chunks that take it attend
+as with λ = 0, whatever λ the backend serves with. Reference:
 :func:`oscar_vllm.reference.oscar_dense_kv.oscar_dense_kv_reference`.
 """
 import torch

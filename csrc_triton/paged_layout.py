@@ -149,6 +149,17 @@ def launch_bucket(table: dict, n: int):
     return table[max([k for k in keys if k <= n] or keys[:1])]
 
 
+def logit_coef(logit_correction: float, scale: float) -> float:
+    """What the attention kernels take for the logit correction λ
+    (``oscar_vllm.core.mixed_cache.LayerCacheSpec.logit_correction``): an INT2 key's logit, in
+    log2 units, loses ``coef · ‖q‖² · s_k²``, the natural-log ``λ/2 · scale² · ‖q‖² · s_k²/12``
+    (``s_k`` its stored scale, ``q`` the whole head's rotated query) times log2 e."""
+    lam = float(logit_correction)
+    if not lam >= 0.0 or lam == float("inf"):
+        raise ValueError(f"logit_correction must be a finite number >= 0, got {logit_correction!r}")
+    return lam / 24.0 * scale * scale * 1.4426950408889634
+
+
 @triton.jit
 def find_request(cu_q_ptr, num_reqs, target, BLOCK_Q: tl.constexpr, Q_BLOCK_MODE: tl.constexpr):
     """The request holding token ``target`` (or q-block ``target`` in q-block mode).

@@ -7,7 +7,8 @@ Qwen3-8B shape's 10 took 34.1-45.2 s on the H200), and the prefill-side variants
 vLLM's own warm-up or graph capture (a prefix-cache hit over many requests is the first to need
 the INT2 prefill kernel). The kernels leave the sizes that change per step unspecialized
 (``do_not_specialize``), so these launches on scratch tensors of one block compile exactly what
-serving launches.
+serving launches. The logit correction λ is a runtime float (Triton specializes no float): the
+launches here, at λ = 0, compile what serving runs at any λ.
 
 Nothing here writes to the cache or the windows: the attention kernels only read them, and
 the write kernel is given padding slots (``-1``), which it skips.

@@ -97,6 +97,8 @@ def test_serve_errors_are_one_line(capsys):
     assert "oscar-vllm runs `serve` only" in err
     err = one_line_error(capsys, serve.main, ["serve", "m", "--oscar-recent-size", "0"])
     assert err == "error: recent_size must be >= 1, got 0\n"
+    err = one_line_error(capsys, serve.main, ["serve", "m", "--oscar-logit-correction", "-0.5"])
+    assert err == "error: logit_correction must be a finite number >= 0 (0 turns it off), got -0.5\n"
 
 
 def test_serve_help_lists_every_oscar_flag_without_starting_vllm():

@@ -3,6 +3,7 @@ environment variables (the JSON wins where both are given). Plain Python, so the
 the CLI and every vLLM process parse them the same way."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
@@ -24,6 +25,9 @@ HOW_TO_GET_ROTATIONS = (
 )
 
 
+FLOATS = ("logit_correction",)  # float settings besides the clip ratios
+
+
 class OscarSettingsError(OscarError, ValueError):
     """A setting that is missing, unknown or out of range; the message names it."""
 
@@ -36,6 +40,10 @@ class OscarSettings:
     clip_ratio_k: float | None = None  # None: the rotation file's per-layer ratios (reference: 0.96)
     clip_ratio_v: float | None = None  # None: per layer from the file (reference: 0.92)
     scale_dtype: str = "fp16"
+    # λ: an INT2 key's attention logit is lowered by λ/2 times its expected rounding variance
+    # (oscar_vllm.core.mixed_cache.LayerCacheSpec.logit_correction); 0 turns it off. 0.5: the best
+    # of 0.25-1 in the quality study (docs/quality.md).
+    logit_correction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.sink_size < 0:
@@ -48,6 +56,9 @@ class OscarSettings:
                 raise OscarSettingsError(f"{name} must be in (0, 1], got {ratio}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise OscarSettingsError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
+        if not (math.isfinite(self.logit_correction) and self.logit_correction >= 0):
+            raise OscarSettingsError(f"logit_correction must be a finite number >= 0 (0 turns it off), "
+                                     f"got {self.logit_correction}")
 
     @property
     def is_hadamard(self) -> bool:
@@ -90,7 +101,7 @@ class OscarSettings:
 
 
 def _convert(name: str, raw: Any, default: Any) -> Any:
-    kind = int if name.endswith("_size") else float if name.startswith("clip_ratio") else str
+    kind = int if name.endswith("_size") else float if name.startswith("clip_ratio") or name in FLOATS else str
     if kind is str:
         return str(raw)
     if isinstance(raw, bool) or (kind is int and isinstance(raw, float)):

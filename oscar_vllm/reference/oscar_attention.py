@@ -21,6 +21,24 @@ def read_int2_slots(cache: torch.Tensor, slots: torch.Tensor, head_dim: int,
     return k.cpu(), v.cpu()
 
 
+def read_int2_key_scales(cache: torch.Tensor, slots: torch.Tensor, head_dim: int,
+                         param_dtype: torch.dtype) -> torch.Tensor:
+    """The stored K scale (one group per head) of cache slots ``slots`` ``[N]``: fp32 ``[N, Hkv]``."""
+    _, _, params = layout_views(cache, head_dim, param_dtype)
+    bs = params.shape[-1]
+    slots = slots.long().to(cache.device)
+    return params[slots // bs, :, 0, slots % bs].float().cpu()
+
+
+def logit_correction_bias(q: torch.Tensor, k_scale: torch.Tensor, logit_correction: float, scale: float
+                          ) -> torch.Tensor:
+    """What the logit correction subtracts from natural-log logits against INT2 keys:
+    ``λ/2 · scale² · ‖q‖² · s_k²/12``, ``[Hq, Tq, N]`` for queries ``q`` ``[Hq, Tq, d]`` and key
+    scales ``k_scale`` ``[N, Hq]`` (per query head)."""
+    q_sq = q.float().square().sum(-1)  # [Hq, Tq]
+    return (0.5 * logit_correction * scale * scale / 12) * q_sq[..., None] * k_scale.float().square().T[:, None, :]
+
+
 def oscar_attention_reference(
     q: torch.Tensor,
     q_rot: torch.Tensor,
@@ -39,8 +57,10 @@ def oscar_attention_reference(
     sink: int,
     recent: int,
     param_dtype: torch.dtype = torch.float16,
+    logit_correction: float = 0.0,
 ) -> torch.Tensor:
-    """fp32 ``[T, Hq, d]``: what :func:`csrc_triton.oscar_attention.oscar_attention` writes."""
+    """fp32 ``[T, Hq, d]``: what :func:`csrc_triton.oscar_attention.oscar_attention` writes, its
+    INT2 kernels (the prefix's INT2 keys' logits lowered by ``logit_correction_bias``)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -66,11 +86,15 @@ def oscar_attention_reference(
 
         qr = q_rot[q0:q1].float().cpu().transpose(0, 1)  # [Hq, Tq, d]
         qq = q[q0:q1].float().cpu().transpose(0, 1)
-        s_prefix = torch.where(hi, qr @ heads(k_hi).transpose(1, 2), qr @ heads(k_lo).transpose(1, 2))
-        s_new = qq @ heads(k[q0:q1]).transpose(1, 2)
+        s_lo = (qr @ heads(k_lo).transpose(1, 2)) * scale
+        if logit_correction:
+            k_scale = read_int2_key_scales(cache, slots, d, param_dtype).repeat_interleave(g, dim=1)
+            s_lo = s_lo - logit_correction_bias(qr, k_scale, logit_correction, scale)
+        s_prefix = torch.where(hi, (qr @ heads(k_hi).transpose(1, 2)) * scale, s_lo)
+        s_new = (qq @ heads(k[q0:q1]).transpose(1, 2)) * scale
         causal = torch.arange(q1 - q0)[None, :] <= torch.arange(q1 - q0)[:, None]
         s_new = s_new.masked_fill(~causal, float("-inf"))
-        p = torch.softmax(torch.cat([s_prefix, s_new], dim=-1) * scale, dim=-1)
+        p = torch.softmax(torch.cat([s_prefix, s_new], dim=-1), dim=-1)
         p_pre, p_new = p[..., :ctx], p[..., ctx:]
         # Chosen, not masked by a product: ring entries nobody wrote may hold anything (NaN).
         v_pre = torch.where(hi[0][:, None, None], v_hi.float().cpu(), v_lo.float().cpu())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_vllm.reference.oscar_attention import read_int2_slots
+from oscar_vllm.reference.oscar_attention import logit_correction_bias, read_int2_key_scales, read_int2_slots
 from oscar_vllm.reference.oscar_write import window_index
 from oscar_vllm.reference.paged import block_size_of, read_ring
 
@@ -23,10 +23,12 @@ def oscar_decode_reference(
     sink: int,
     recent: int,
     param_dtype: torch.dtype = torch.float16,
+    logit_correction: float = 0.0,
 ) -> torch.Tensor:
     """fp32 ``[num_reqs, Hq, d]``: request ``r``'s query ``q_rot[r]`` (key-rotated basis) over
     positions ``[0, seq_lens[r])``: the BF16 ring's copy where the ring holds a position of the
-    window (the sink and the last ``recent`` positions), the INT2 copy elsewhere."""
+    window (the sink and the last ``recent`` positions), the INT2 copy elsewhere, whose logits
+    lose ``logit_correction_bias`` (λ = ``logit_correction``)."""
     _, hq, d = q_rot.shape
     hkv = cache.shape[1]
     g = hq // hkv
@@ -46,6 +48,10 @@ def oscar_decode_reference(
         k = torch.where(hi[:, None, None], k_hi, k_lo).repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, n, d]
         v = torch.where(hi[:, None, None], v_hi, v_lo).repeat_interleave(g, dim=1).transpose(0, 1)
         q = q_rot[r].float().cpu()[:, None, :]  # [Hq, 1, d]
-        p = torch.softmax((q @ k.transpose(1, 2)) * scale, dim=-1)
+        s = (q @ k.transpose(1, 2)) * scale
+        if logit_correction:
+            k_scale = read_int2_key_scales(cache, slots, d, param_dtype).repeat_interleave(g, dim=1)
+            s = s - torch.where(hi, 0.0, logit_correction_bias(q, k_scale, logit_correction, scale))
+        p = torch.softmax(s, dim=-1)
         out[r] = (p @ v)[:, 0]
     return out

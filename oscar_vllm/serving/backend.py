@@ -284,6 +284,9 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         self.sink = self.settings.sink_size
         self.recent = self.settings.recent_size
         self.param_dtype = PARAM_DTYPES[self.settings.scale_dtype]
+        # λ for the INT2 kernels (decode, and prefill chunks over a cached prefix that take the
+        # INT2 kernel); chunks on the dense FlashAttention path take none (oscar_dense_kv).
+        self.logit_correction = self.settings.logit_correction
         # Set by vllm_hooks.prepare_model once the model's weights are loaded.
         self.layer_id: int | None = None
         self.rot_k: torch.Tensor | None = None
@@ -378,6 +381,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
             md.block_table, md.seq_lens, md.query_start_loc, md.ring_slots, md.num_decodes, md.num_reqs,
             md.max_query_len, self.scale, self.sink, self.recent, self.param_dtype, md.decode_splits,
             md.part_out, md.part_lse, self.own_keys_attention, md.prefill_has_prefix, self.dense_prefill(md, k),
+            self.logit_correction,
         )
         oscar_write(k, v, self.rot_k, md.slot_mapping[:n], md.query_start_loc, md.seq_lens, md.ring_slots, md.num_reqs,
                     kv_cache, windows, md.window_pages, self.window_pos, self.clip_idx_k, self.clip_idx_v, self.sink,
@@ -397,13 +401,14 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
                                self.clip_idx_k, self.clip_idx_v, self.sink, self.recent, self.param_dtype)
             oscar_decode(out[:nd], q_rot[:nd], kv_cache, windows, md.window_pages, self.window_pos, md.block_table,
                          md.seq_lens, md.ring_slots, nd, self.scale, self.sink, self.recent, self.param_dtype,
-                         md.decode_splits, md.part_out, md.part_lse)
+                         md.decode_splits, md.part_out, md.part_lse, logit_correction=self.logit_correction)
         if nd < num_reqs:
             q_rot[nd:] = self.rotate(q[nd:])
             oscar_prefill_batch(
                 out, q, q_rot, k, v, kv_cache, windows, md.window_pages, self.window_pos, md.block_table, md.seq_lens,
                 md.query_start_loc, md.ring_slots, nd, num_reqs, md.max_query_len, self.scale, self.sink, self.recent,
-                self.param_dtype, self.own_keys_attention, md.prefill_has_prefix, self.dense_prefill(md, k))
+                self.param_dtype, self.own_keys_attention, md.prefill_has_prefix, self.dense_prefill(md, k),
+                self.logit_correction)
             cu_q = md.query_start_loc[nd:num_reqs + 1] - nd
             oscar_write(k[nd:n], v[nd:n], self.rot_k, md.slot_mapping[nd:n], cu_q, md.seq_lens[nd:num_reqs],
                         md.ring_slots[nd:num_reqs], num_reqs - nd, kv_cache, windows, md.window_pages, self.window_pos,

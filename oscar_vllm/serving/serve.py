@@ -27,6 +27,9 @@ FLAGS = {
     "--oscar-clip-ratio-v": ("clip_ratio_v", float, "R",
                              "INT2 value clip ratio (default: the rotation file's, else 0.92)"),
     "--oscar-scale-dtype": ("scale_dtype", str, "{fp16,bf16}", "INT2 scale and min dtype (default: fp16)"),
+    "--oscar-logit-correction": ("logit_correction", float, "L",
+                                 "INT2 keys' logits lowered by L/2 times their rounding variance; 0: off "
+                                 "(default: 0.5)"),
 }
 HELP_FLAGS = ("-h", "--help")
 USAGE = (f"oscar-vllm serve MODEL {' '.join(f'[{flag} {metavar}]' for flag, (_, _, metavar, _) in FLAGS.items())} "

@@ -10,6 +10,14 @@ from oscar_vllm.serving.serve import build_vllm_argv
 def test_defaults():
     s = OscarSettings.from_sources({}, environ={})
     assert (s.rotation_path, s.sink_size, s.recent_size, s.clip_ratio_k, s.scale_dtype) == (None, 64, 256, None, "fp16")
+    assert s.logit_correction == 0.5  # on by default: it costs no bytes
+
+
+def test_logit_correction_from_either_source():
+    assert OscarSettings.from_sources({}, environ={"OSCAR_LOGIT_CORRECTION": "0.5"}).logit_correction == 0.5
+    assert OscarSettings.from_sources({"oscar": {"logit_correction": 0}}, environ={}).logit_correction == 0.0
+    s = OscarSettings.from_sources({"oscar": {"logit_correction": 2}}, environ={"OSCAR_LOGIT_CORRECTION": "0"})
+    assert s.logit_correction == 2.0 and isinstance(s.logit_correction, float)
 
 
 def test_additional_config_wins_over_environment():
@@ -26,6 +34,11 @@ def test_additional_config_wins_over_environment():
     ({"clip_ratio_k": 1.5}, r"clip_ratio_k must be in \(0, 1\]"),
     ({"scale_dtype": "fp32"}, "scale_dtype must be one of"),
     ({"sink_size": "many"}, "sink_size must be int"),
+    ({"logit_correction": -1}, r"logit_correction must be a finite number >= 0 \(0 turns it off\), got -1.0"),
+    ({"logit_correction": float("nan")}, "logit_correction must be a finite number >= 0 .*got nan"),
+    ({"logit_correction": "inf"}, "logit_correction must be a finite number >= 0 .*got inf"),
+    ({"logit_correction": "strong"}, "logit_correction must be float, got 'strong'"),
+    ({"logit_correction": True}, "logit_correction must be float, got True"),
 ])
 def test_bad_settings_are_named(given, message):
     with pytest.raises(OscarSettingsError, match=message):
@@ -69,12 +82,15 @@ def test_serve_refuses_conflicts(argv, message):
 
 def test_serve_passes_every_setting_as_a_flag():
     argv = build_vllm_argv(["serve", "m", "--oscar-rotation-path", "hadamard", "--oscar-clip-ratio-k", "0.9",
-                            "--oscar-clip-ratio-v", "0.8", "--oscar-scale-dtype", "bf16"])
+                            "--oscar-clip-ratio-v", "0.8", "--oscar-scale-dtype", "bf16",
+                            "--oscar-logit-correction", "0.5"])
     extra = json.loads(argv[argv.index("--additional-config") + 1])
     assert extra == {"oscar": {"rotation_path": "hadamard", "clip_ratio_k": 0.9, "clip_ratio_v": 0.8,
-                               "scale_dtype": "bf16"}}
+                               "scale_dtype": "bf16", "logit_correction": 0.5}}
 
 
 def test_serve_validates_before_starting_vllm():
     with pytest.raises(OscarSettingsError, match="recent_size"):
         build_vllm_argv(["serve", "m", "--oscar-recent-size", "0"])
+    with pytest.raises(OscarSettingsError, match="logit_correction must be a finite number >= 0"):
+        build_vllm_argv(["serve", "m", "--oscar-logit-correction", "nan"])

@@ -28,6 +28,8 @@ from paged_sim import PagedCache
 
 # The kernels feed fp16 (or fp32) into tl.dot, never bf16, so bf16 models run on the CPU too.
 DTYPES = [torch.float32, torch.bfloat16]
+# The logit correction λ: off, and the serving default.
+LAMBDAS = [0.0, 1.0]
 
 
 def own_keys_twin(scale):
@@ -39,10 +41,11 @@ def own_keys_twin(scale):
     return run
 
 
+@pytest.mark.parametrize("lam", LAMBDAS, ids=lambda x: f"lambda{x:g}")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("own_keys", ["kernel", "merged"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_prefill_kernel_matches_reference(case, own_keys, dtype):
+def test_prefill_kernel_matches_reference(case, own_keys, dtype, lam):
     d, hkv, g, sink, recent, prefix, new = case
     pc, step, q, q_rot, k, v = prepare(*case, dtype)
     scale = 1 / math.sqrt(d)
@@ -51,15 +54,18 @@ def test_prefill_kernel_matches_reference(case, own_keys, dtype):
     lse = None
     if own_keys == "merged":
         lse = own_keys_twin(scale)(q, k, v, step.cu_q, step.max_query_len, out)
-    oscar_prefill_attention(out, q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent, self_lse=lse)
-    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent)
+    oscar_prefill_attention(out, q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent, self_lse=lse,
+                            logit_correction=lam)
+    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
+                                      logit_correction=lam)
     assert_close_to_reference(out, want, dtype)
 
 
+@pytest.mark.parametrize("lam", LAMBDAS, ids=lambda x: f"lambda{x:g}")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [1, 4, MAX_DECODE_SPLITS])
 @pytest.mark.parametrize("case", [c for c in CASES if max(c[6]) == 1], ids=case_id)
-def test_decode_kernel_matches_reference(case, splits, dtype):
+def test_decode_kernel_matches_reference(case, splits, dtype, lam):
     d, hkv, g, sink, recent, prefix, new = case
     pc, step, q, q_rot, k, v = prepare(*case, dtype)
     t, hq, n, scale = q.shape[0], hkv * g, len(new), 1 / math.sqrt(d)
@@ -67,13 +73,16 @@ def test_decode_kernel_matches_reference(case, splits, dtype):
     part_out = torch.full((t * hq * splits * d,), float("nan"), device=DEVICE)
     part_lse = torch.full((t * hq * splits,), float("nan"), device=DEVICE)
     oscar_decode_attention(out, q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
-                           num_splits=splits, part_out=part_out, part_lse=part_lse)
-    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent)
+                           num_splits=splits, part_out=part_out, part_lse=part_lse, logit_correction=lam)
+    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
+                                      logit_correction=lam)
     assert_close_to_reference(out, want, dtype)
 
 
-def test_mixed_batch_splits_decodes_from_prefills():
-    """vLLM's order, decodes first: each part through its own kernel, own keys merged."""
+@pytest.mark.parametrize("lam", LAMBDAS, ids=lambda x: f"lambda{x:g}")
+def test_mixed_batch_splits_decodes_from_prefills(lam):
+    """vLLM's order, decodes first: each part through its own kernel, own keys merged, λ
+    reaching both."""
     case = (64, 2, 2, 4, 8, [90, 150, 0, 70], [1, 1, 33, 5])
     d, hkv, g, sink, recent, prefix, new = case
     pc, step, q, q_rot, k, v = prepare(*case, torch.bfloat16)
@@ -83,8 +92,10 @@ def test_mixed_batch_splits_decodes_from_prefills():
     part_out = torch.full((2 * hq * splits * d,), float("nan"), device=DEVICE)
     part_lse = torch.full((2 * hq * splits,), float("nan"), device=DEVICE)
     oscar_attention(out, q, q_rot, k, v, *cache_args(pc, step), 2, n, step.max_query_len, scale, sink, recent,
-                    decode_splits=splits, part_out=part_out, part_lse=part_lse, own_keys_attention=own_keys_twin(scale))
-    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent)
+                    decode_splits=splits, part_out=part_out, part_lse=part_lse, own_keys_attention=own_keys_twin(scale),
+                    logit_correction=lam)
+    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
+                                      logit_correction=lam)
     assert_close_to_reference(out, want, torch.bfloat16)
 
 
@@ -170,9 +181,9 @@ if ON_GPU:
     PIPELINES += [(64, 3, 3, 64, 256, [2048, 1500, 700], 256), (128, 8, 4, 64, 256, [1300], 256)]
 
 
-def run_batch(out, q, q_rot, k, v, pc, step, scale, sink, recent, dense_k_rot=None):
+def run_batch(out, q, q_rot, k, v, pc, step, scale, sink, recent, dense_k_rot=None, lam=0.0):
     """The backend's dispatch: decodes first (vLLM orders them so), split decode kernel; with
-    ``dense_k_rot`` (the step's keys, rotated) prefills take the dense path."""
+    ``dense_k_rot`` (the step's keys, rotated) prefills take the dense path. ``lam``: λ."""
     q_lens = (step.cu_q[1:] - step.cu_q[:-1]).tolist()
     num_decodes = next((i for i, n in enumerate(q_lens) if n > 1), len(q_lens))
     assert all(n > 1 for n in q_lens[num_decodes:]), "decodes must come first"
@@ -186,14 +197,18 @@ def run_batch(out, q, q_rot, k, v, pc, step, scale, sink, recent, dense_k_rot=No
                              torch.full((rows, *k.shape[1:]), float("nan"), device=q.device),
                              int(step.seq_lens.max()), dense_twin(scale))
     oscar_attention(out, q, q_rot, k, v, *cache_args(pc, step), num_decodes, len(q_lens), step.max_query_len,
-                    scale, sink, recent, decode_splits=4, part_out=part_out, part_lse=part_lse, dense=dense)
+                    scale, sink, recent, decode_splits=4, part_out=part_out, part_lse=part_lse, dense=dense,
+                    logit_correction=lam)
 
 
-@pytest.mark.parametrize("prefill", ["int2-kernel", "dense"])
+# The dense path has no logit correction (FlashAttention takes no per-key bias): λ with the INT2 kernels only.
+@pytest.mark.parametrize("prefill,lam", [("int2-kernel", 0.0), ("dense", 0.0), ("int2-kernel", 1.0)],
+                         ids=["int2-kernel", "dense", "int2-kernel-lambda1"])
 @pytest.mark.parametrize("case", PIPELINES, ids=lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-s{c[3]}-r{c[4]}-c{c[6]}")
-def test_pipeline_matches_mixed_cache_reference(case, prefill):
+def test_pipeline_matches_mixed_cache_reference(case, prefill, lam):
     """Chunked prefill then decode, through the kernels, equals ``mixed_cache_attention``
-    told where each chunk starts (own keys BF16, the prefix's window as the chunk found it)."""
+    told where each chunk starts (own keys BF16, the prefix's window as the chunk found it),
+    with the same logit correction λ."""
     d, hkv, g, sink, recent, prompts, chunk = case
     decode_steps = 5
     lens = [p + decode_steps for p in prompts]
@@ -216,14 +231,15 @@ def test_pipeline_matches_mixed_cache_reference(case, prefill):
         cat = lambda xs: torch.cat([xs[r][starts[r]: starts[r] + new[r]] for r in new])  # noqa: E731
         q, k, v = cat(qs), cat(ks), cat(vs)
         out = torch.full_like(q, float("nan"))
-        run_batch(out, q, q @ rot, k, v, pc, step, scale, sink, recent, k @ rot if prefill == "dense" else None)
+        run_batch(out, q, q @ rot, k, v, pc, step, scale, sink, recent, k @ rot if prefill == "dense" else None, lam)
         oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(new),
                     pc.cache, pc.windows, pc.window_pages, pc.window_pos,
                     clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent)
         for i, r in enumerate(new):
             a, b = int(step.cu_q[i]), int(step.cu_q[i + 1])
             outs[r][starts[r]: starts[r] + new[r]] = out[a:b].cpu()
-    spec = LayerCacheSpec(rot.cpu(), None, RowQuantizer("int2", CLIP_K), RowQuantizer("int2", CLIP_V))
+    spec = LayerCacheSpec(rot.cpu(), None, RowQuantizer("int2", CLIP_K), RowQuantizer("int2", CLIP_V),
+                          logit_correction=lam)
     for r in range(n):
         pos = torch.arange(lens[r])
         starts = torch.where(pos // chunk * chunk < prompts[r], pos // chunk * chunk, pos)

@@ -7,11 +7,16 @@ import pytest
 import torch
 
 from csrc_triton.oscar_decode import MAX_SPLITS, decode_splits, supports
+from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
 from oscar_vllm.core.quant import clip_index
 from oscar_vllm.reference.oscar_attention import oscar_attention_reference
 from oscar_vllm.reference.oscar_decode import oscar_decode_reference
 from oscar_vllm.reference.oscar_write import oscar_write_reference
-from kernel_cases import CASES, CLIP_K, CLIP_V, ON_GPU, assert_close_to_reference, cache_args, case_id, prepare, random_rotation
+from kernel_cases import (
+    CASES, CLIP_K, CLIP_V, DEVICE, ON_GPU, assert_close_to_reference, cache_args, case_id, prepare, random_rotation,
+    random_rows,
+)
+from paged_sim import PagedCache
 
 # head_dim, kv heads, query heads per kv head, sink, recent, cached tokens per request
 GPU_CASES = [
@@ -39,10 +44,11 @@ def decode_step(case, dtype, write):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
+@pytest.mark.parametrize("lam", [0.0, 1.0], ids=lambda x: f"lambda{x:g}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("splits", [1, 4, MAX_SPLITS])
 @pytest.mark.parametrize("case", GPU_CASES, ids=gpu_case_id)
-def test_decode_kernel_matches_reference(case, splits, dtype):
+def test_decode_kernel_matches_reference(case, splits, dtype, lam):
     from csrc_triton.oscar_decode import oscar_decode
     from csrc_triton.oscar_write import oscar_write
 
@@ -61,14 +67,16 @@ def test_decode_kernel_matches_reference(case, splits, dtype):
     part_out = torch.full((n * hq * splits * d,), float("nan"), device=q.device)
     part_lse = torch.full((n * hq * splits,), float("nan"), device=q.device)
     oscar_decode(out, q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table, step.seq_lens,
-                 step.ring_slots, n, scale, sink, recent, num_splits=splits, part_out=part_out, part_lse=part_lse)
+                 step.ring_slots, n, scale, sink, recent, num_splits=splits, part_out=part_out, part_lse=part_lse,
+                 logit_correction=lam)
     want = oscar_decode_reference(q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
-                                  step.seq_lens, step.ring_slots, n, scale, sink, recent)
+                                  step.seq_lens, step.ring_slots, n, scale, sink, recent, logit_correction=lam)
     assert_close_to_reference(out, want, torch.bfloat16)
 
 
+@pytest.mark.parametrize("lam", [0.0, 1.0], ids=lambda x: f"lambda{x:g}")
 @pytest.mark.parametrize("case", [c for c in CASES if max(c[6]) == 1], ids=case_id)
-def test_reference_reads_the_written_token_as_attention_reads_it_unwritten(case):
+def test_reference_reads_the_written_token_as_attention_reads_it_unwritten(case, lam):
     """Writing the decode token first and reading it from the ring (this kernel) gives what the
     attention reference gives with the token in hand (the prefill path's order): they differ
     only by the BF16 rounding of the token's rotated key."""
@@ -77,15 +85,90 @@ def test_reference_reads_the_written_token_as_attention_reads_it_unwritten(case)
     # Gentle queries, so that no key's weight rounds to zero (the token's included).
     q, q_rot = q * 0.05, q_rot * 0.05
     n, scale = len(prefix), 1 / math.sqrt(d)
-    before = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent)
+    before = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
+                                       logit_correction=lam)
     rot = random_rotation(d, seed=0).to(q.device)
     oscar_write_reference(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, n, pc.cache,
                           pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
     after = oscar_decode_reference(q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
-                                   step.seq_lens, step.ring_slots, n, scale, sink, recent)
+                                   step.seq_lens, step.ring_slots, n, scale, sink, recent, logit_correction=lam)
     assert_close_to_reference(after, before, torch.bfloat16)
     # Not the same function: the token's key is rounded to BF16 in the ring.
     assert not torch.equal(after, before)
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.5, 1.0], ids=lambda x: f"lambda{x:g}")
+def test_references_correct_logits_as_the_mixed_cache_reference(lam):
+    """The paged twins' λ is ``LayerCacheSpec.logit_correction`` (the core reference is the ground
+    truth): a decode step over a prefix written as serving writes it equals
+    ``mixed_cache_attention`` with the same λ at the step's position, the twin of
+    ``oscar_decode`` (token written first) and of ``oscar_attention`` (token in hand) alike."""
+    d, hkv, g, sink, recent, lens = 64, 2, 2, 4, 8, [100, 37]
+    pc = PagedCache(len(lens), max(lens), hkv, d, sink, recent, DEVICE)
+    rot = random_rotation(d).to(DEVICE)
+    ks = [random_rows((n, hkv, d), torch.float32, 20 + r) for r, n in enumerate(lens)]
+    vs = [random_rows((n, hkv, d), torch.float32, 30 + r) for r, n in enumerate(lens)]
+    qs = [random_rows((n, hkv * g, d), torch.float32, 40 + r) for r, n in enumerate(lens)]
+    prefill = pc.schedule({r: n - 1 for r, n in enumerate(lens)})
+    oscar_write_reference(torch.cat([k[:-1] for k in ks]), torch.cat([v[:-1] for v in vs]), rot, prefill.slot_mapping,
+                          prefill.cu_q, prefill.seq_lens, prefill.ring_slots, len(lens), pc.cache, pc.windows,
+                          pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
+    step = pc.schedule({r: 1 for r in range(len(lens))})
+    q, k, v = (torch.cat([x[-1:] for x in xs]) for xs in (qs, ks, vs))
+    n, scale = len(lens), 1 / math.sqrt(d)
+    spec = LayerCacheSpec(rot.cpu(), None, RowQuantizer("int2", CLIP_K), RowQuantizer("int2", CLIP_V),
+                          logit_correction=lam)
+    want = torch.cat([mixed_cache_attention(qs[r].cpu()[-1:], ks[r].cpu(), vs[r].cpu(), spec, sink, recent, scale)
+                      for r in range(n)])
+    in_hand = oscar_attention_reference(q, q @ rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
+                                        logit_correction=lam)
+    oscar_write_reference(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, n, pc.cache,
+                          pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
+    written = oscar_decode_reference(q @ rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
+                                     step.seq_lens, step.ring_slots, n, scale, sink, recent, logit_correction=lam)
+    # Both read the step's key in BF16 from the ring: the same numbers but for the order of sums.
+    torch.testing.assert_close(written, want, rtol=1e-4, atol=1e-4)
+    # The token in hand is exact here and BF16 in the core reference.
+    assert_close_to_reference(in_hand, want, torch.bfloat16)
+    if lam:
+        uncorrected = oscar_decode_reference(q @ rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
+                                             step.block_table, step.seq_lens, step.ring_slots, n, scale, sink, recent)
+        assert (uncorrected - want).abs().max() > 100 * 1e-4  # the correction is far above the tolerance
+
+
+@pytest.mark.parametrize("lam", [0.0, 1.0], ids=lambda x: f"lambda{x:g}")
+def test_logit_correction_reaches_the_kernel_as_a_runtime_float(monkeypatch, lam):
+    """Gluon has no interpreter: on the CPU the launch ``oscar_decode`` makes is recorded. λ
+    reaches the kernel as ``logit_coef`` (``paged_layout.logit_coef``), a runtime float, not a
+    constexpr, so that no λ compiles a variant of its own (warm-up covers them all)."""
+    from csrc_triton import oscar_decode as od
+    from csrc_triton.paged_layout import logit_coef
+
+    kernel = od._oscar_decode_kernel
+    names = [p.name for p in kernel.params]
+    assert "logit_coef" in names and "logit_coef" not in [p.name for p in kernel.params if p.is_constexpr]
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((args, kwargs))
+
+    monkeypatch.setattr(od, "_oscar_decode_kernel", Recorder())
+    d, hkv, g, sink, recent, prefix = 64, 2, 2, 8, 16, [100, 37]
+    pc, step, q, q_rot, _, _ = prepare(d, hkv, g, sink, recent, prefix, [1, 1], torch.bfloat16, entries_per_page=8)
+    scale = 1 / math.sqrt(d)
+    od.oscar_decode(torch.empty_like(q_rot), q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
+                    step.block_table, step.seq_lens, step.ring_slots, 2, scale, sink, recent, logit_correction=lam)
+    (args, kwargs), = launches
+    assert "logit_coef" not in kwargs
+    coef = args[names.index("logit_coef")]
+    assert isinstance(coef, float) and coef == logit_coef(lam, scale)
+    assert coef == pytest.approx(lam / 24 * scale * scale * math.log2(math.e))
+    for bad in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="logit_correction must be a finite number >= 0"):
+            od.oscar_decode(torch.empty_like(q_rot), q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
+                            step.block_table, step.seq_lens, step.ring_slots, 2, scale, sink, recent,
+                            logit_correction=bad)
 
 
 def test_supported_shapes():

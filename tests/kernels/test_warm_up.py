@@ -60,7 +60,8 @@ def _compiled() -> list[int]:
 def test_serving_after_warm_up_compiles_nothing(dtype):
     d, hkv, g, sink, recent = 128, 8, 4, 64, 256
     # Batches of the shapes a server meets: decodes of many sizes (1, 16, 33: Triton's ==1 and
-    # %16 size classes), prefills over a prefix with and without the dense path, mixed batches.
+    # %16 size classes), prefills over a prefix with and without the dense path, mixed batches;
+    # served with the logit correction on, warmed up without (a runtime float, no variant).
     batches = [([5000 if n < 16 else 300] * n, [1] * n) for n in (1, 2, 16, 33, 48)]
     batches += [([0, 700], [1000, 37]), ([900, 3000, 16], [1, 300, 2049]), ([4095, 64, 1], [1, 1, 17])]
     pcs = [prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=i) for i, (prefix, new) in enumerate(batches)]
@@ -91,7 +92,7 @@ def test_serving_after_warm_up_compiles_nothing(dtype):
             oscar_attention(out, q, q_rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
                             step.seq_lens, step.cu_q, step.ring_slots, num_decodes, num_reqs, max(new), scale, sink,
                             recent, torch.float16, decode_splits(num_decodes, hkv, num_sms), part_out, part_lse,
-                            own, True, dense)
+                            own, True, dense, logit_correction=1.0)
         t = int(step.cu_q[-1])
         oscar_write(random_rows((t, hkv, d), dtype, 1), random_rows((t, hkv, d), dtype, 2), rot,
                     step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, pc.cache, pc.windows,

@@ -102,7 +102,8 @@ def test_a_servable_engine_passes_and_its_settings_travel_in_its_config(engine_a
     # Every setting, from the JSON or the environment, in the config every process unpickles; the
     # folder absolute: a worker started elsewhere has another working directory and environment.
     assert config.additional_config["oscar"] == {"rotation_path": str(rotations), "sink_size": 64,
-                                                 "recent_size": 128, "scale_dtype": "fp16"}
+                                                 "recent_size": 128, "scale_dtype": "fp16",
+                                                 "logit_correction": 0.5}
     monkeypatch.delenv("OSCAR_RECENT_SIZE")
     assert OscarSettings.from_vllm_config(config).recent_size == 128
     assert build(engine_args, models / "qwen3", attention_backend="FLASH_ATTN").additional_config == {
@@ -412,6 +413,8 @@ def test_refuses_an_unknown_oscar_setting(engine_args, models):
     ({"clip_ratio_v": 1.5}, r"clip_ratio_v must be in \(0, 1\]"),
     ({"scale_dtype": "fp8"}, "scale_dtype must be one of"),
     ({"sink_size": "64 tokens"}, "sink_size must be int, got '64 tokens'"),
+    ({"logit_correction": -1.0}, r"logit_correction must be a finite number >= 0 \(0 turns it off\), got -1.0"),
+    ({"logit_correction": "nan"}, "logit_correction must be a finite number >= 0 .*got nan"),
 ])
 def test_refuses_a_setting_out_of_range(engine_args, models, given, match):
     refused(engine_args, models / "qwen3", match, OscarSettingsError, oscar={"rotation_path": "hadamard", **given})
