@@ -49,6 +49,13 @@ if ON_GPU:
 case_id = lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-s{c[3]}-r{c[4]}-n{len(c[5])}-{max(c[5])}"  # noqa: E731
 
 
+def fp32_atol(case) -> float:
+    """fp32 tolerance for a case: beyond 16K keys the kernel's and the reference's fp32 sums, in
+    other orders, drift apart by about 1e-4 (1.1e-4 seen at 32K on the H200, with and without the
+    logit correction's extra term)."""
+    return 2e-4 if max(case[5]) > 16384 else 1e-4
+
+
 def prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=0, entries_per_page=None):
     n = len(prefix)
     pc = PagedCache(n, max(prefix) + max(new) + 1, hkv, d, sink, recent, DEVICE, seed,
