@@ -1,6 +1,11 @@
 """Quantize-on-write: rotate K, clip, INT2-quantize and pack K and V into the paged cache,
 and keep BF16 copies of the sink and recent-window positions in the request's ring.
 
+Two kernels: ``oscar_write`` (Triton) writes prefill chunks after their attention, and decode
+steps where the Gluon decode kernel does not serve; ``oscar_write_decode`` (Gluon, at the end of
+this file) writes a decode step's tokens before its attention and rotates the step's queries in
+the same launch.
+
 Every token is written to the INT2 pages, window positions too: a token that leaves the
 recent window needs no demotion pass, its reader simply stops trusting the ring entry
 (``window_pos`` no longer names it) and reads the INT2 copy. The ring is written only for
@@ -35,8 +40,8 @@ from csrc_triton.paged_layout import (
 BLOCK_T = 16  # tokens per program (the smallest tile tl.dot takes)
 SEARCH_STEPS = 16  # bisection steps of the token -> request lookup: up to 65535 requests
 # Warps per program, by tokens per call (the largest key <= tokens). A program is one long
-# dependent chain (rotate, two 31-step clip searches, quantize): with few programs (decode) the
-# chain is the kernel's time and 16 warps shorten it (H200, Qwen3-8B: 0.024 ms against 0.052 at
+# dependent chain (rotate, two 31-step clip searches, quantize): with few programs (decode steps
+# where the Gluon decode write does not serve) the chain is the kernel's time and 16 warps shorten it (H200, Qwen3-8B: 0.024 ms against 0.052 at
 # 4 warps, 1-256 tokens); with many (prefill) 8 warps keep more programs resident (8K tokens:
 # 0.331 ms against 0.420 at 16). `benchmarks/kernels/oscar_write.py --num-warps 4 8 16`.
 WRITE_NUM_WARPS = {1: 16, 2048: 8}
