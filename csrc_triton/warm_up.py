@@ -4,8 +4,8 @@ Triton compiles a kernel the first time it meets a new set of compile-time choic
 launch table's warps and stages, split or not, merge or own keys, the split count of the
 merge). Left to first use, that happens while requests wait, seconds per variant (the
 Qwen3-8B shape's 15, the Gluon decode kernels' among them, took 32.9 s on the H200), and the
-prefill-side variants are not reached by vLLM's own warm-up or graph capture (a prefix-cache hit over many requests is the first to need
-the INT2 prefill kernel). The kernels leave the sizes that change per step unspecialized
+prefill-side variants are not reached by vLLM's own warm-up or graph capture (a prefix-cache
+hit over many requests is the first to need the INT2 prefill kernel). The kernels leave the sizes that change per step unspecialized
 (``do_not_specialize``), so these launches on scratch tensors of one block compile exactly what
 serving launches. The logit correction λ is a runtime float (Triton specializes no float): the
 launches here, at λ = 0, compile what serving runs at any λ.
