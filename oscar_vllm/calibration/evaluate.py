@@ -570,6 +570,25 @@ def rotation_variants(
     return variants
 
 
+def run_meta(loaded: LoadedModel, args: argparse.Namespace, calibration: str, t0: float, eval_tokens: int,
+             **contexts) -> dict:
+    """What a report says of its run: the environment, the model, the tokens, ``contexts`` (``context=``
+    or ``contexts=``), the windows, the dtype, the calibration and the seconds it took."""
+    return {
+        **environment(),
+        "model": loaded.name,
+        "eval_tokens": eval_tokens,
+        "eval_corpus": corpus.EVALUATION_NAME,
+        **contexts,
+        "sink": args.sink,
+        "recent": args.recent,
+        "prefill_chunk": args.prefill_chunk,
+        "dtype": args.dtype,
+        "calibration": calibration,
+        "seconds": round(time.time() - t0),
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oscar-evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -674,37 +693,15 @@ def main(argv: list[str] | None = None) -> None:
     if contexts is not None:
         curves = evaluate_contexts(loaded, eval_ids, contexts, methods, rotations, args.sink, args.recent,
                                    args.prefill_chunk)
-        meta = {
-            **environment(),
-            "model": loaded.name,
-            "eval_tokens": curve_tokens(args.eval_tokens, contexts),
-            "eval_corpus": corpus.EVALUATION_NAME,
-            "contexts": contexts,
-            "sink": args.sink,
-            "recent": args.recent,
-            "prefill_chunk": args.prefill_chunk,
-            "calibration": calibration,
-            "seconds": round(time.time() - t0),
-        }
+        meta = run_meta(loaded, args, calibration, t0, curve_tokens(args.eval_tokens, contexts), contexts=contexts)
         out = write_curve_report(curves, meta, args.output_dir)
         print(curve_markdown(curves))
         logger.info("wrote %s/curve.{md,json,png} in %.0f s", out, time.time() - t0)
         return
     results = evaluate(loaded, eval_ids, args.context, methods, rotations, args.sink, args.recent,
                        args.prefill_chunk)
-    meta = {
-        **environment(),
-        "model": loaded.name,
-        "eval_tokens": args.eval_tokens // args.context * args.context,
-        "eval_corpus": corpus.EVALUATION_NAME,
-        "context": args.context,
-        "sink": args.sink,
-        "recent": args.recent,
-        "prefill_chunk": args.prefill_chunk,
-        "dtype": args.dtype,
-        "calibration": calibration,
-        "seconds": round(time.time() - t0),
-    }
+    meta = run_meta(loaded, args, calibration, t0, args.eval_tokens // args.context * args.context,
+                    context=args.context)
     out = write_report(results, meta, args.output_dir)
     print(markdown_table(results))
     logger.info("wrote %s/fidelity.{md,json,png} in %.0f s", out, time.time() - t0)
