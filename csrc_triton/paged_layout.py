@@ -41,12 +41,6 @@ PARAM_BYTES = 8  # K scale, K min, V scale, V min, 16 bits each
 WINDOW_ENTRIES = 8  # ring entries per page at the default sink (what the decode kernel reads per page)
 
 
-def v_column_of(token):
-    """Column of ``token`` (0..63) in its block's rows of V codes: ``16a + 2c + b`` for token
-    ``16a + 8b + c``. Works on ints and integer tensors alike."""
-    return 16 * ((token >> 4) & 3) + 2 * (token & 7) + ((token >> 3) & 1)
-
-
 def int2_slot_bytes(head_dim: int) -> int:
     """Bytes of one (token, KV head): K and V codes plus four 16-bit parameters."""
     if head_dim % 4:
@@ -207,7 +201,8 @@ def window_index(pos, SINK: tl.constexpr, RECENT: tl.constexpr):
 
 @triton.jit
 def v_column(token):
-    """``v_column_of`` inside kernels."""
+    """Column of ``token`` (0..63) in its block's rows of V codes: ``16a + 2c + b`` for token
+    ``16a + 8b + c`` (twin: ``oscar_vllm.reference.paged.v_column``)."""
     return 16 * ((token >> 4) & 3) + 2 * (token & 7) + ((token >> 3) & 1)
 
 

@@ -39,7 +39,7 @@ def layout_views(cache: torch.Tensor, head_dim: int, param_dtype: torch.dtype
 
 
 def v_column(token: torch.Tensor) -> torch.Tensor:
-    """Column of each token (0..63) in its block's rows of V codes (``paged_layout.v_column_of``)."""
+    """Column of each token (0..63) in its block's rows of V codes (``csrc_triton.paged_layout.v_column``)."""
     return 16 * ((token >> 4) & 3) + 2 * (token & 7) + ((token >> 3) & 1)
 
 
