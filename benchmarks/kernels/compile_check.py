@@ -81,10 +81,10 @@ def gluon_decode_consts(args) -> dict:
 
 
 def write_decode_consts(args) -> dict:
-    tp = oscar_write.decode_write_tokens(args.g)
+    tiles = oscar_write.decode_write_tiles(args.g, args.d)
+    del tiles["num_warps"]
     return dict(ROT_HEAD_STRIDE=0, HKV=8, G=args.g, D=args.d, SINK=64, RECENT=256, WIN_E=WIN_E,
-                PARAM_BF16=args.bf16_params, TP=tp, QM=max(16, triton.next_power_of_2(tp * args.g)),
-                KM=max(16, triton.next_power_of_2(tp)), R_TERM=args.d * args.d)
+                PARAM_BF16=args.bf16_params, R_TERM=args.d * args.d, **tiles)
 
 
 def dense_kv_consts(args) -> dict:
@@ -117,7 +117,7 @@ def sass_loops(sass: str) -> list[tuple[int, int, collections.Counter]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("kernel", choices=["decode", "prefill", "write", "dense_kv", "gluon_decode", "write_decode"])
-    p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--num-warps", type=int, help="default: as the launch wrapper has it")
     p.add_argument("--num-stages", type=int, default=3)
     p.add_argument("--block-m", type=int, default=64)
     p.add_argument("--d", type=int, default=128)
@@ -136,7 +136,10 @@ def main() -> None:
         "gluon_decode": (oscar_decode._oscar_decode_kernel, gluon_decode_consts),
         "write_decode": (oscar_write._oscar_write_decode_kernel, write_decode_consts),
     }[args.kernel]
-    num_warps = {"gluon_decode": 1, "write_decode": 4 if args.d >= 128 else 2}.get(args.kernel, args.num_warps)
+    # As the launch wrappers choose, unless --num-warps says otherwise.
+    write_warps = oscar_write.decode_write_tiles(args.g, args.d)["num_warps"]
+    default_warps = {"gluon_decode": 1, "write_decode": write_warps}.get(args.kernel, 4)
+    num_warps = args.num_warps or default_warps
     k = compile_kernel(fn, consts(args), num_warps, args.num_stages, args.maxnreg)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])

@@ -70,7 +70,8 @@ def main() -> None:
                 if decodes:
                     row["oscar_ms"] = time_calls([lambda: oscar_write_decode(
                         k, v, q, q_rot, rot_t, slots, b.seq_lens, b.ring_slots, b.cache, b.windows,
-                        b.window_pages, b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT)])
+                        b.window_pages, b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT,
+                        num_warps=nw or None)])
                     row["split_path_ms"] = time_calls([lambda: (split(), rotate_queries())])
                 else:
                     row["oscar_ms"] = time_calls([split])

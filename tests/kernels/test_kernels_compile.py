@@ -3,6 +3,7 @@ interpreter the other CPU tests use accepts code that the real compiler refuses 
 are not constexpr, branches returning different types), and only the SASS shows whether the
 INT2 codes reach the tensor cores without int-to-float conversions."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,6 @@ def test_gluon_decode_write_has_no_barrier_per_search_step(tmp_path):
     assert text.count("BAR.SYNC") <= 4, text.count("BAR.SYNC")
     # Three bf16 terms of R, for the key rows and the query rows: six products, 192 MMAs.
     assert text.count("HMMA.16816.F32.BF16") >= 96
+    # One K or V row a warp, one clip search each (a 16-row tile's worth, 8,080 instructions, before).
+    instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", text, re.M))
+    assert instructions < 3000, instructions

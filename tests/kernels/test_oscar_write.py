@@ -87,22 +87,26 @@ def assert_same_cache(pc, ref, d, hkv, sink, param_dtype):
 
 
 DECODE_CASES = [
-    # head_dim, kv heads, query heads per kv head, per-head rotation, sink, recent, prefix lengths
-    (128, 8, 4, False, 64, 256, [1000, 0, 63, 64, 319, 320, 5000, 17, 1]),
-    (128, 4, 7, True, 64, 256, [300] * 37),
-    (64, 3, 3, False, 64, 256, [130, 2, 700]),
-    (128, 2, 16, False, 8, 56, [90, 30]),
-    (128, 1, 8, False, 0, 40, [77]),
+    # head_dim, kv heads, query heads per kv head, per-head rotation, sink, recent, prefix lengths,
+    # clip ratios (K, V; 0: no clip). Query heads per KV head 1-16: 16 down to 1 token a program.
+    (128, 8, 4, False, 64, 256, [1000, 0, 63, 64, 319, 320, 5000, 17, 1], (0.96, 0.92)),
+    (128, 4, 7, True, 64, 256, [300] * 37, (0.96, 0.92)),
+    (64, 3, 3, False, 64, 256, [130, 2, 700], (0.96, 0.92)),
+    (128, 2, 16, False, 8, 56, [90, 30], (0.96, 0.92)),
+    (128, 1, 8, False, 0, 40, [77], (0.96, 0.92)),
+    (128, 2, 1, False, 64, 256, [200 + 7 * i for i in range(21)], (0.96, 0.0)),
+    (64, 4, 2, True, 64, 256, [65, 321, 9, 1000, 64, 320, 3, 4, 5], (0.0, 0.92)),
+    (128, 8, 4, False, 64, 256, [500, 10, 70], (0.0, 0.0)),
 ]
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
 @pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-s{c[4]}-r{c[5]}-n{len(c[6])}")
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-s{c[4]}-r{c[5]}-n{len(c[6])}-clip{c[7][0]}/{c[7][1]}")
 def test_decode_write_matches_reference(case, param_dtype):
     from csrc_triton.oscar_write import decode_rotation, oscar_write_decode
 
-    d, hkv, g, per_head, sink, recent, prefix = case
+    d, hkv, g, per_head, sink, recent, prefix, (clip_k, clip_v) = case
     n = len(prefix)
     pc = PagedCache(n, max(prefix) + 2, hkv, d, sink, recent, DEVICE, entries_per_page=8)
     rot = random_rotation(d, hkv if per_head else None).to(DEVICE)
@@ -117,10 +121,10 @@ def test_decode_write_matches_reference(case, param_dtype):
     q = random_rows((n, hkv * g, d), torch.bfloat16, 5)
     q_rot = torch.full_like(q, float("nan"))
     oscar_write_decode(k, v, q, q_rot, decode_rotation(rot), step.slot_mapping, step.seq_lens, step.ring_slots,
-                       pc.cache, pc.windows, pc.window_pages, pc.window_pos, clip_index(0.96, d), clip_index(0.92, d),
-                       sink, recent, param_dtype)
+                       pc.cache, pc.windows, pc.window_pages, pc.window_pos, clip_index(clip_k, d),
+                       clip_index(clip_v, d), sink, recent, param_dtype)
     want = oscar_write_decode_reference(k, v, q, rot, step.slot_mapping, step.seq_lens, step.ring_slots, ref.cache,
-                                        ref.windows, ref.window_pages, ref.window_pos, 0.96, 0.92, sink, recent,
+                                        ref.windows, ref.window_pages, ref.window_pos, clip_k, clip_v, sink, recent,
                                         param_dtype)
     assert_same_cache(pc, ref, d, hkv, sink, param_dtype)
     # The queries: bf16 operands in the tensor cores, as bf16 as the model's queries.
