@@ -12,9 +12,9 @@ recent window needs no demotion pass, its reader simply stops trusting the ring 
 positions a later step can still need: the sink and the last ``recent`` positions of the
 sequence after this step.
 
-A program owns ``BLOCK_T`` tokens of one KV head, so the key rotation ``[d, d]`` is read once
-per tile and applied as one fp32 matrix product. Values arrive already rotated (the value
-rotation is folded into the model's weights). Reference:
+A program owns ``BLOCK_T`` tokens of one KV head (``WRITE_LAUNCH``), so the key rotation
+``[d, d]`` is read once per tile and applied as one fp32 matrix product. Values arrive already
+rotated (the value rotation is folded into the model's weights). Reference:
 :func:`oscar_vllm.reference.oscar_write.oscar_write_reference`.
 """
 import torch
@@ -37,14 +37,16 @@ from csrc_triton.paged_layout import (
     window_page,
 )
 
-BLOCK_T = 16  # tokens per program (the smallest tile tl.dot takes)
 SEARCH_STEPS = 16  # bisection steps of the token -> request lookup: up to 65535 requests
-# Warps per program, by tokens per call (the largest key <= tokens). A program is one long
+# (tokens a program, warps) by tokens per call (the largest key <= tokens). A program is one long
 # dependent chain (rotate, two 31-step clip searches, quantize): with few programs (decode steps
-# where the Gluon decode write does not serve) the chain is the kernel's time and 16 warps shorten it (H200, Qwen3-8B: 0.024 ms against 0.052 at
-# 4 warps, 1-256 tokens); with many (prefill) 8 warps keep more programs resident (8K tokens:
-# 0.331 ms against 0.420 at 16). `benchmarks/kernels/oscar_write.py --num-warps 4 8 16`.
-WRITE_NUM_WARPS = {1: 16, 2048: 8}
+# where the Gluon decode write does not serve) the chain is the kernel's time and 16 warps on 16
+# tokens shorten it (H200, Qwen3-8B: 0.024 ms against 0.052 at 4 warps, 1-256 tokens). With many
+# (prefill) the instructions a token count: at 32 tokens and 8 warps each row's search stays in
+# one warp (tl.dot's layout gives a warp whole rows from 32 rows on), 16 barriers in all instead
+# of 122 and 26% fewer instructions a token than 16 tokens on 8 warps (sm_90, compile_check).
+# `benchmarks/kernels/oscar_write.py --launch 16x8 32x8 ...`.
+WRITE_LAUNCH = {1: (16, 16), 2048: (32, 8)}
 
 
 @triton.jit
@@ -226,7 +228,7 @@ def oscar_write(
     recent: int,
     param_dtype: torch.dtype = torch.float16,
     num_decodes: int = 0,
-    num_warps: int | None = None,
+    launch: tuple[int, int] | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[T, Hkv, d]`` into the INT2 ``cache`` and the BF16 windows.
 
@@ -234,7 +236,7 @@ def oscar_write(
     arguments as documented on the kernel; ``clip_idx_*`` as ``oscar_vllm.core.quant.clip_index``
     gives them. Tokens whose slot is negative are skipped. ``num_decodes``: the batch's first
     requests have one token each (a hint that skips the token -> request search; 0 is always right).
-    ``num_warps``: else from ``WRITE_NUM_WARPS``.
+    ``launch``: (tokens a program, warps), else from ``WRITE_LAUNCH``.
     """
     t, hkv, d = key.shape
     if t == 0:
@@ -242,7 +244,8 @@ def oscar_write(
     check_int2_cache(cache, d)
     if num_reqs >= 2**SEARCH_STEPS:
         raise ValueError(f"at most {2**SEARCH_STEPS - 1} requests per batch, got {num_reqs}")
-    _oscar_write_kernel[(triton.cdiv(t, BLOCK_T), hkv)](
+    block_t, num_warps = launch or launch_bucket(WRITE_LAUNCH, t)
+    _oscar_write_kernel[(triton.cdiv(t, block_t), hkv)](
         key_ptr=key, value_ptr=value, rot_k_ptr=rot_k.contiguous(), slot_mapping_ptr=slot_mapping, cu_q_ptr=cu_q,
         seq_lens_ptr=seq_lens, ring_slot_ptr=ring_slots, codes_ptr=cache, params_ptr=param_view(cache, param_dtype),
         **window_args(windows, window_pages, window_pos, hkv, d, sink, recent),
@@ -251,8 +254,8 @@ def oscar_write(
         stride_cb=cache.stride(0),
         ROT_HEAD_STRIDE=d * d if rot_k.dim() == 3 else 0,
         HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, SINK=sink, RECENT=recent,
-        PARAM_BF16=param_dtype == torch.bfloat16, BLOCK_T=BLOCK_T, SEARCH_STEPS=SEARCH_STEPS,
-        num_warps=num_warps or launch_bucket(WRITE_NUM_WARPS, t),
+        PARAM_BF16=param_dtype == torch.bfloat16, BLOCK_T=block_t, SEARCH_STEPS=SEARCH_STEPS,
+        num_warps=num_warps,
     )
 
 

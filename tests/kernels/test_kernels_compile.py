@@ -56,6 +56,16 @@ def test_write_compiles_at_every_head_dim(head_dim, params):
     assert "REG:" in compile_check("write", "--d", head_dim, *params)
 
 
+def test_prefill_write_searches_rows_without_barriers(tmp_path):
+    """The Triton write at its prefill launch (WRITE_LAUNCH's largest calls): tl.dot's layout gives
+    each warp whole rows, so the clip searches' reductions stay in a warp (16 tokens a program
+    split rows over warps: 122 barriers, two per search step)."""
+    sass = tmp_path / "write.sass"
+    report = compile_check("write", "--d", "128", "--dump", str(sass))
+    assert "LOCAL:0" in report, report
+    assert sass.read_text().count("BAR.SYNC") <= 20
+
+
 @pytest.mark.parametrize("head_dim", ["64", "128", "256"])
 def test_dense_kv_compiles_without_spills(head_dim):
     report = compile_check("dense_kv", "--d", head_dim)

@@ -29,8 +29,8 @@ if ON_GPU:
     ]
 
 
-def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype):
-    """Both through ``schedule``."""
+def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, launch=None):
+    """Both through ``schedule`` (the kernel at ``launch``: tokens a program and warps)."""
     pc = PagedCache(max(max(s) for s in schedule) + 1, 2048, hkv, d, sink, recent, DEVICE)
     ref = pc.clone()
     rot = random_rotation(d, hkv if per_head else None).to(DEVICE)
@@ -43,7 +43,7 @@ def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype):
         common = (step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(step.reqs))
         num_decodes = next((i for i, n in enumerate(new.values()) if n > 1), len(new))
         oscar_write(k, v, rot, *common, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                    clip_index(0.96, d), clip_index(0.92, d), sink, recent, param_dtype, num_decodes)
+                    clip_index(0.96, d), clip_index(0.92, d), sink, recent, param_dtype, num_decodes, launch)
         oscar_write_reference(k, v, rot, *common, ref.cache, ref.windows, ref.window_pages, ref.window_pos,
                               0.96, 0.92, sink, recent, param_dtype)
     return pc, ref
@@ -52,10 +52,13 @@ def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c[0]}-h{c[1]}-s{c[3]}-r{c[4]}")
-def test_write_matches_reference(case, dtype, param_dtype):
+@pytest.mark.parametrize("launch", [None, (32, 8)], ids=["table", "32x8"])
+def test_write_matches_reference(case, dtype, param_dtype, launch):
     if param_dtype == torch.bfloat16 and case is not CASES[0] and not ON_GPU:
         pytest.skip("bf16 scales: one case is enough under the (slow) interpreter")
-    pc, ref = run_both(*case, dtype, param_dtype)
+    if launch and not ON_GPU and (param_dtype == torch.bfloat16 or case not in (CASES[0], CASES[3])):
+        pytest.skip("the prefill launch: two cases are enough under the (slow) interpreter")
+    pc, ref = run_both(*case, dtype, param_dtype, launch)
     d = case[0]
     got, want = layout_views(pc.cache.cpu(), d, param_dtype), layout_views(ref.cache.cpu(), d, param_dtype)
     for codes_got, codes_want in zip(got[:2], want[:2]):
