@@ -12,9 +12,9 @@ recent window needs no demotion pass, its reader simply stops trusting the ring 
 positions a later step can still need: the sink and the last ``recent`` positions of the
 sequence after this step.
 
-A program owns ``BLOCK_T`` tokens of one KV head, so the key rotation ``[d, d]`` is read once
-per tile and applied as one fp32 matrix product. Values arrive already rotated (the value
-rotation is folded into the model's weights). Reference:
+A program owns ``BLOCK_T`` tokens of one KV head (``WRITE_LAUNCH``), so the key rotation
+``[d, d]`` is read once per tile and applied as one fp32 matrix product. Values arrive already
+rotated (the value rotation is folded into the model's weights). Reference:
 :func:`oscar_vllm.reference.oscar_write.oscar_write_reference`.
 """
 import torch
@@ -37,14 +37,16 @@ from csrc_triton.paged_layout import (
     window_page,
 )
 
-BLOCK_T = 16  # tokens per program (the smallest tile tl.dot takes)
 SEARCH_STEPS = 16  # bisection steps of the token -> request lookup: up to 65535 requests
-# Warps per program, by tokens per call (the largest key <= tokens). A program is one long
+# (tokens a program, warps) by tokens per call (the largest key <= tokens). A program is one long
 # dependent chain (rotate, two 31-step clip searches, quantize): with few programs (decode steps
-# where the Gluon decode write does not serve) the chain is the kernel's time and 16 warps shorten it (H200, Qwen3-8B: 0.024 ms against 0.052 at
-# 4 warps, 1-256 tokens); with many (prefill) 8 warps keep more programs resident (8K tokens:
-# 0.331 ms against 0.420 at 16). `benchmarks/kernels/oscar_write.py --num-warps 4 8 16`.
-WRITE_NUM_WARPS = {1: 16, 2048: 8}
+# where the Gluon decode write does not serve) the chain is the kernel's time and 16 warps on 16
+# tokens shorten it (H200, Qwen3-8B: 0.024 ms against 0.052 at 4 warps, 1-256 tokens). With many
+# (prefill) the instructions a token count: at 32 tokens and 8 warps each row's search stays in
+# one warp (tl.dot's layout gives a warp whole rows from 32 rows on), 16 barriers in all instead
+# of 122 and 26% fewer instructions a token than 16 tokens on 8 warps (sm_90, compile_check).
+# `benchmarks/kernels/oscar_write.py --launch 16x8 32x8 ...`.
+WRITE_LAUNCH = {1: (16, 16), 2048: (32, 8)}
 
 
 @triton.jit
@@ -226,7 +228,7 @@ def oscar_write(
     recent: int,
     param_dtype: torch.dtype = torch.float16,
     num_decodes: int = 0,
-    num_warps: int | None = None,
+    launch: tuple[int, int] | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[T, Hkv, d]`` into the INT2 ``cache`` and the BF16 windows.
 
@@ -234,7 +236,7 @@ def oscar_write(
     arguments as documented on the kernel; ``clip_idx_*`` as ``oscar_vllm.core.quant.clip_index``
     gives them. Tokens whose slot is negative are skipped. ``num_decodes``: the batch's first
     requests have one token each (a hint that skips the token -> request search; 0 is always right).
-    ``num_warps``: else from ``WRITE_NUM_WARPS``.
+    ``launch``: (tokens a program, warps), else from ``WRITE_LAUNCH``.
     """
     t, hkv, d = key.shape
     if t == 0:
@@ -242,7 +244,8 @@ def oscar_write(
     check_int2_cache(cache, d)
     if num_reqs >= 2**SEARCH_STEPS:
         raise ValueError(f"at most {2**SEARCH_STEPS - 1} requests per batch, got {num_reqs}")
-    _oscar_write_kernel[(triton.cdiv(t, BLOCK_T), hkv)](
+    block_t, num_warps = launch or launch_bucket(WRITE_LAUNCH, t)
+    _oscar_write_kernel[(triton.cdiv(t, block_t), hkv)](
         key_ptr=key, value_ptr=value, rot_k_ptr=rot_k.contiguous(), slot_mapping_ptr=slot_mapping, cu_q_ptr=cu_q,
         seq_lens_ptr=seq_lens, ring_slot_ptr=ring_slots, codes_ptr=cache, params_ptr=param_view(cache, param_dtype),
         **window_args(windows, window_pages, window_pos, hkv, d, sink, recent),
@@ -251,8 +254,8 @@ def oscar_write(
         stride_cb=cache.stride(0),
         ROT_HEAD_STRIDE=d * d if rot_k.dim() == 3 else 0,
         HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, SINK=sink, RECENT=recent,
-        PARAM_BF16=param_dtype == torch.bfloat16, BLOCK_T=BLOCK_T, SEARCH_STEPS=SEARCH_STEPS,
-        num_warps=num_warps or launch_bucket(WRITE_NUM_WARPS, t),
+        PARAM_BF16=param_dtype == torch.bfloat16, BLOCK_T=block_t, SEARCH_STEPS=SEARCH_STEPS,
+        num_warps=num_warps,
     )
 
 
@@ -287,10 +290,11 @@ def _kth_smallest_abs_4ary(x, k):
 
 
 @gluon.jit
-def _quantize_rows_warp(x, clip_idx):
-    """``_quantize_rows`` for rows that each live in one warp: (codes, scale, min)."""
-    if clip_idx >= 0:
-        thr = _kth_smallest_abs_4ary(x, clip_idx)[:, None]
+def _quantize_rows_warp(x, clip_idx, any_clip):
+    """``_quantize_rows`` for rows that each live in one warp, each row its own ``clip_idx``
+    (``[R]``, -1 = no clip; ``any_clip``: some row clips): (codes, scale, min)."""
+    if any_clip:
+        thr = gl.where(clip_idx >= 0, _kth_smallest_abs_4ary(x, clip_idx), float("inf"))[:, None]
         x = gl.minimum(gl.maximum(x, -thr), thr)
     lo = gl.min(x, axis=1)
     hi = gl.max(x, axis=1)
@@ -414,37 +418,43 @@ def _oscar_write_decode_kernel(
                 mask=k_ok[:, None], other=0.0)
     k_rot = _times_rotation(k, r_hi, r_mid, r_lo, gl.zeros([KM, D], gl.float32, layout=ACC))
 
-    # Clip, quantize, pack: a row per warp, lane l holding dims l, l+Q, l+2Q, l+3Q (the byte of
-    # the quartered packing it writes).
+    # Clip, quantize, pack: one set of rows, the TP keys (rotated) then the TP values, a row per
+    # warp, lane l holding dims l, l+Q, l+2Q, l+3Q (the byte of the quartered packing it writes).
+    # The keys' MMA rows from TP on are exact zeros, so the values are loaded into rows TP..2TP-1
+    # and the remaining zero rows summed away: each warp runs one clip search (most of the
+    # kernel's instructions) over a row of its own, for K and V alike.
     QL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])
-    # KM rows, the first TP of them this program's tokens.
-    k_rot = gl.convert_layout(k_rot, QL)
-    tq = gl.arange(0, KM, layout=gl.SliceLayout(1, QL))
+    XM: gl.constexpr = 2 * TP
+    xr = gl.arange(0, KM, layout=gl.SliceLayout(1, QL))
     dq = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
-    t_ok = (tq < TP) & (t0 + tq < num_tokens)
-    tok = (t0 + tq).to(gl.int64)
-    v = gl.load(value_ptr + tok[:, None] * stride_vt + h * stride_vh + dq[None, :], mask=t_ok[:, None],
+    vt = t0 + xr - TP
+    v_ok = (xr >= TP) & (xr < XM) & (vt < num_tokens)
+    v = gl.load(value_ptr + vt.to(gl.int64)[:, None] * stride_vt + h * stride_vh + dq[None, :], mask=v_ok[:, None],
                 other=0.0).to(gl.float32)
+    x = gl.convert_layout(k_rot, QL) + v
+    if KM > XM:
+        x = gl.convert_layout(gl.sum(gl.reshape(x, [KM // XM, XM, D]), axis=0), QL)
+    r = gl.arange(0, XM, layout=gl.SliceLayout(1, QL))
+    is_k = r < TP
+    t_ok = t0 + r % TP < num_tokens
+    tok = (t0 + r % TP).to(gl.int64)
     slot = gl.load(slot_mapping_ptr + tok, mask=t_ok, other=-1)
     live = slot >= 0
-    codes_k, scale_k, min_k = _quantize_rows_warp(k_rot, clip_idx_k)
-    codes_v, scale_v, min_v = _quantize_rows_warp(v, clip_idx_v)
+    codes, scale, x_min = _quantize_rows_warp(x, gl.where(is_k, clip_idx_k, clip_idx_v),
+                                              (clip_idx_k >= 0) | (clip_idx_v >= 0))
     base = (slot // 64) * stride_cb + h * REGION
     blk_tok = (slot % 64).to(gl.int32)
     shift = 2 * (dq // Q)
-    packed_k = gl.sum(gl.reshape(codes_k << shift[None, :], [KM, 4, Q]), axis=1).to(gl.uint8)
-    packed_v = gl.sum(gl.reshape(codes_v << shift[None, :], [KM, 4, Q]), axis=1).to(gl.uint8)
-    packed_k = gl.convert_layout(packed_k, QL)
-    packed_v = gl.convert_layout(packed_v, QL)
+    packed = gl.convert_layout(gl.sum(gl.reshape(codes << shift[None, :], [XM, 4, Q]), axis=1).to(gl.uint8), QL)
     jb = gl.arange(0, Q, layout=gl.SliceLayout(0, QL))
-    gl.store(codes_ptr + base[:, None] + blk_tok[:, None] * Q + jb[None, :], packed_k, mask=live[:, None])
+    # K codes: a token's Q bytes in a row; V codes: Q rows of 64 tokens, in v_column's order.
     v_col = 16 * ((blk_tok >> 4) & 3) + 2 * (blk_tok & 7) + ((blk_tok >> 3) & 1)
-    gl.store(codes_ptr + base[:, None] + 64 * Q + jb[None, :] * 64 + v_col[:, None], packed_v, mask=live[:, None])
-    p = params_ptr + (base + 128 * Q) // 2 + blk_tok
-    gl.store(p, _gl_to_param(scale_k, PARAM_BF16), mask=live)
-    gl.store(p + 64, _gl_to_param(min_k, PARAM_BF16), mask=live)
-    gl.store(p + 128, _gl_to_param(scale_v, PARAM_BF16), mask=live)
-    gl.store(p + 192, _gl_to_param(min_v, PARAM_BF16), mask=live)
+    code_at = gl.where(is_k[:, None], blk_tok[:, None] * Q + jb[None, :], 64 * Q + jb[None, :] * 64 + v_col[:, None])
+    gl.store(codes_ptr + base[:, None] + code_at, packed, mask=live[:, None])
+    # Scales then mins, K's 64 tokens then V's.
+    p = params_ptr + (base + 128 * Q) // 2 + blk_tok + gl.where(is_k, 0, 128)
+    gl.store(p, _gl_to_param(scale, PARAM_BF16), mask=live)
+    gl.store(p + 64, _gl_to_param(x_min, PARAM_BF16), mask=live)
 
     # The ring: a decode token is the newest position, always in the recent window (and in the
     # sink while the sequence is shorter than it).
@@ -455,16 +465,21 @@ def _oscar_write_decode_kernel(
     entry = gl.where(pos < SINK, pos, SINK + (pos - SINK) % gl.maximum(RECENT, 1))
     page = gl.load(window_pages_ptr + ring * stride_wp + entry // WIN_E, mask=keep, other=0).to(gl.int64) * stride_page
     wslot = (entry % WIN_E).to(gl.int64)
-    gl.store(window_k_ptr + (page + wslot * (HKV * D) + h * D)[:, None] + dq[None, :],
-             _gl_bf16_bits_rne(k_rot).to(gl.bfloat16, bitcast=True), mask=keep[:, None])
-    gl.store(window_v_ptr + (page + h * D * WIN_E + wslot)[:, None] + dq[None, :] * WIN_E,
-             _gl_bf16_bits_rne(v).to(gl.bfloat16, bitcast=True), mask=keep[:, None])
-    gl.store(window_pos_ptr + ring * (SINK + RECENT) + entry, pos, mask=keep & (h == 0))
+    # Keys as rows of the page, values transposed (the unclipped rows, as the reference keeps).
+    w_ptr = gl.where(is_k[:, None], window_k_ptr + (page + wslot * (HKV * D) + h * D)[:, None] + dq[None, :],
+                     window_v_ptr + (page + h * D * WIN_E + wslot)[:, None] + dq[None, :] * WIN_E)
+    gl.store(w_ptr, _gl_bf16_bits_rne(x).to(gl.bfloat16, bitcast=True), mask=keep[:, None])
+    gl.store(window_pos_ptr + ring * (SINK + RECENT) + entry, pos, mask=keep & is_k & (h == 0))
 
 
-def decode_write_tokens(g: int) -> int:
-    """Decode tokens a write program takes: as many as keep its query rows one 16-row MMA tile."""
-    return max(1, 16 // triton.next_power_of_2(g))
+def decode_write_tiles(g: int, d: int) -> dict:
+    """A decode write program's tiling for ``g`` query heads a KV head: ``TP`` tokens (as many as
+    keep its query rows one 16-row MMA tile), ``QM``/``KM`` the queries' and keys' MMA rows (the
+    keys' with room for the values' rows after them), and ``num_warps``, a warp per K or V row
+    (at most one per 8 dims: the MMA tiles' width)."""
+    tp = max(1, 16 // triton.next_power_of_2(g))
+    return dict(TP=tp, QM=max(16, triton.next_power_of_2(tp * g)), KM=max(16, 2 * tp),
+                num_warps=min(max(4, 2 * tp), 16, d // 8))
 
 
 def oscar_write_decode(
@@ -485,6 +500,7 @@ def oscar_write_decode(
     sink: int,
     recent: int,
     param_dtype: torch.dtype = torch.float16,
+    num_warps: int | None = None,
 ) -> None:
     """A decode batch's write, before its attention: token ``t`` (request ``t``) of ``key``/
     ``value`` ``[T, Hkv, d]`` into the INT2 pages and its ring (as ``oscar_write``), and its
@@ -496,17 +512,16 @@ def oscar_write_decode(
     check_int2_cache(cache, d)
     g = query.shape[1] // hkv
     win = window_args(windows, window_pages, window_pos, hkv, d, sink, recent)
-    tp = decode_write_tokens(g)
-    num_warps = 4 if d >= 128 else 2
-    _oscar_write_decode_kernel[(triton.cdiv(t, tp), hkv)](
+    tiles = decode_write_tiles(g, d)
+    if num_warps:
+        tiles["num_warps"] = num_warps
+    _oscar_write_decode_kernel[(triton.cdiv(t, tiles["TP"]), hkv)](
         key, value, query, q_rot, rot_t, slot_mapping, seq_lens, ring_slots, cache, param_view(cache, param_dtype),
         win["window_k_ptr"], win["window_v_ptr"], window_pages, window_pos, t, clip_idx_k, clip_idx_v,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), query.stride(0), query.stride(1),
         q_rot.stride(0), q_rot.stride(1), cache.stride(0), win["stride_wp"], win["stride_page"],
         ROT_HEAD_STRIDE=d * d if rot_t.dim() == 4 else 0, HKV=hkv, G=g, D=d, SINK=sink, RECENT=recent,
-        WIN_E=win["WIN_E"], PARAM_BF16=param_dtype == torch.bfloat16, TP=tp,
-        QM=max(16, triton.next_power_of_2(tp * g)), KM=max(16, triton.next_power_of_2(tp)), R_TERM=rot_t[0].numel(),
-        num_warps=num_warps,
+        WIN_E=win["WIN_E"], PARAM_BF16=param_dtype == torch.bfloat16, R_TERM=rot_t[0].numel(), **tiles,
     )
 
 

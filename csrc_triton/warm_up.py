@@ -23,7 +23,7 @@ from csrc_triton.oscar_attention import (
 )
 from csrc_triton import oscar_decode as gluon_decode
 from csrc_triton.oscar_dense_kv import oscar_dense_kv
-from csrc_triton.oscar_write import WRITE_NUM_WARPS, decode_rotation, oscar_write, oscar_write_decode
+from csrc_triton.oscar_write import WRITE_LAUNCH, decode_rotation, oscar_write, oscar_write_decode
 from csrc_triton.paged_layout import launch_bucket
 
 
@@ -147,7 +147,7 @@ def _warm_up_prefill(cache, windows, window_pages, window_pos, rot_k, num_heads,
                        sink, recent, param_dtype)
         launches += 1
 
-    for t in sorted(k for k in WRITE_NUM_WARPS if k <= max(1, max_num_tokens)):
+    for t in sorted(k for k in WRITE_LAUNCH if k <= max(1, max_num_tokens)):
         padding = torch.full((t,), -1, dtype=torch.int64, device=dev)
         _, seq_lens, cu_q, ring_slots = batch(t, 1)
         oscar_write(rows(t, hkv), rows(t, hkv), rot_k, padding, cu_q, seq_lens, ring_slots, t, cache, windows,

@@ -8,6 +8,7 @@ the pointers a kernel lists in ``do_not_specialize_on_alignment``).
     python benchmarks/kernels/compile_check.py prefill --block-m 128 --num-warps 8 --dump /tmp/prefill.sass
     python benchmarks/kernels/compile_check.py gluon_decode --maxnreg 168
     python benchmarks/kernels/compile_check.py write_decode
+    python benchmarks/kernels/compile_check.py write --block-t 16 --num-warps 8
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 ALIGNED_INTS = {"stride_cb", "stride_qt", "stride_rt", "stride_kt", "stride_vt", "stride_ot", "stride_qh",
                 "stride_rh", "stride_oh", "stride_kh", "stride_vh", "stride_bt", "stride_nt", "stride_nh",
                 "stride_page", "stride_qt", "stride_ot"}
+PREFILL_WRITE = oscar_write.WRITE_LAUNCH[max(oscar_write.WRITE_LAUNCH)]  # (tokens, warps) of the largest calls
 WIN_E = 8  # window entries per page at 8 KV heads x head_dim 128, sink 64 (paged_layout.window_entries_per_page)
 TYPES = {
     "out_ptr": "*bf16", "self_lse_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
@@ -73,7 +75,8 @@ def prefill_consts(args) -> dict:
 
 def write_consts(args) -> dict:
     return dict(ROT_HEAD_STRIDE=0, HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E,
-                PARAM_BF16=args.bf16_params, BLOCK_T=oscar_write.BLOCK_T, SEARCH_STEPS=oscar_write.SEARCH_STEPS)
+                PARAM_BF16=args.bf16_params, BLOCK_T=args.block_t or PREFILL_WRITE[0],
+                SEARCH_STEPS=oscar_write.SEARCH_STEPS)
 
 
 def gluon_decode_consts(args) -> dict:
@@ -81,10 +84,10 @@ def gluon_decode_consts(args) -> dict:
 
 
 def write_decode_consts(args) -> dict:
-    tp = oscar_write.decode_write_tokens(args.g)
+    tiles = oscar_write.decode_write_tiles(args.g, args.d)
+    del tiles["num_warps"]
     return dict(ROT_HEAD_STRIDE=0, HKV=8, G=args.g, D=args.d, SINK=64, RECENT=256, WIN_E=WIN_E,
-                PARAM_BF16=args.bf16_params, TP=tp, QM=max(16, triton.next_power_of_2(tp * args.g)),
-                KM=max(16, triton.next_power_of_2(tp)), R_TERM=args.d * args.d)
+                PARAM_BF16=args.bf16_params, R_TERM=args.d * args.d, **tiles)
 
 
 def dense_kv_consts(args) -> dict:
@@ -117,9 +120,10 @@ def sass_loops(sass: str) -> list[tuple[int, int, collections.Counter]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("kernel", choices=["decode", "prefill", "write", "dense_kv", "gluon_decode", "write_decode"])
-    p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--num-warps", type=int, help="default: as the launch wrapper has it")
     p.add_argument("--num-stages", type=int, default=3)
     p.add_argument("--block-m", type=int, default=64)
+    p.add_argument("--block-t", type=int, help="write: tokens a program (default: WRITE_LAUNCH's for prefill)")
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--g", type=int, default=4)
     p.add_argument("--no-asm", action="store_true")
@@ -136,7 +140,10 @@ def main() -> None:
         "gluon_decode": (oscar_decode._oscar_decode_kernel, gluon_decode_consts),
         "write_decode": (oscar_write._oscar_write_decode_kernel, write_decode_consts),
     }[args.kernel]
-    num_warps = {"gluon_decode": 1, "write_decode": 4 if args.d >= 128 else 2}.get(args.kernel, args.num_warps)
+    # As the launch wrappers choose, unless --num-warps says otherwise.
+    write_warps = oscar_write.decode_write_tiles(args.g, args.d)["num_warps"]
+    default_warps = {"gluon_decode": 1, "write_decode": write_warps, "write": PREFILL_WRITE[1]}.get(args.kernel, 4)
+    num_warps = args.num_warps or default_warps
     k = compile_kernel(fn, consts(args), num_warps, args.num_stages, args.maxnreg)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])

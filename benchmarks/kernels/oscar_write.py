@@ -6,6 +6,11 @@ which also rotates the step's queries (``oscar_ms``); beside it the path it repl
 prefill-side kernel plus the queries' fp32 rotation through PyTorch (``split_path_ms``).
 
     python benchmarks/kernels/oscar_write.py --out results/kernels
+    python benchmarks/kernels/oscar_write.py --shapes qwen3-8b --launch table 16x8 32x8 64x16 x4 x8 x16
+
+``--launch``: the launch choices to time, ``table`` (the kernels' own), ``TxW`` for the prefill
+rows (the Triton write: T tokens a program on W warps), ``xW`` for the decode rows (the decode
+write on W warps).
 """
 from __future__ import annotations
 
@@ -22,14 +27,23 @@ from oscar_vllm.core.quant import clip_index
 SINK, RECENT = 64, 256
 
 
+def parse_launch(text: str) -> tuple[int | None, int | None]:
+    """``table`` -> (None, None); ``32x8`` -> (32, 8); ``x8`` -> (None, 8)."""
+    if text == "table":
+        return None, None
+    tokens, _, warps = text.partition("x")
+    if not warps.isdigit() or tokens and not tokens.isdigit():
+        raise SystemExit(f"--launch {text!r}: give table, TxW or xW")
+    return (int(tokens) if tokens else None), int(warps)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="results/kernels")
     p.add_argument("--shapes", nargs="+", default=["qwen3-8b", "smollm2"], choices=list(SHAPES))
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 32, 256, 8192, 16384],
                    help="new tokens per step; one request each below 256, else 256-token chunks of 16 requests")
-    p.add_argument("--num-warps", nargs="+", type=int, default=[0],
-                   help="launch choices to time (default: 0, the kernel's own table)")
+    p.add_argument("--launch", nargs="+", default=["table"], help="table, TxW or xW (see above)")
     args = p.parse_args()
     bw = copy_bandwidth_gbs()
     env = environment()
@@ -61,16 +75,20 @@ def main() -> None:
             def rotate_queries():
                 return (q.float() @ rot).to(q.dtype)
 
-            for nw in args.num_warps:
-                row = {"shape": s.name, "tokens": t, "requests": len(q_lens), "num_warps": nw}
-                split = lambda nw=nw: oscar_write(  # noqa: E731
+            for launch in args.launch:
+                block_t, warps = parse_launch(launch)
+                if block_t if decodes else (warps and not block_t):
+                    continue  # a choice for the other kernel
+                row = {"shape": s.name, "tokens": t, "requests": len(q_lens), "launch": launch}
+                split = lambda lc=(block_t, warps) if block_t else None: oscar_write(  # noqa: E731
                     k, v, rot, slots, b.cu_q, b.seq_lens, b.ring_slots, len(q_lens), b.cache, b.windows,
                     b.window_pages, b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT,
-                    num_decodes=decodes, num_warps=nw or None)
+                    num_decodes=decodes, launch=lc)
                 if decodes:
-                    row["oscar_ms"] = time_calls([lambda: oscar_write_decode(
+                    row["oscar_ms"] = time_calls([lambda w=warps: oscar_write_decode(
                         k, v, q, q_rot, rot_t, slots, b.seq_lens, b.ring_slots, b.cache, b.windows,
-                        b.window_pages, b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT)])
+                        b.window_pages, b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT,
+                        num_warps=w)])
                     row["split_path_ms"] = time_calls([lambda: (split(), rotate_queries())])
                 else:
                     row["oscar_ms"] = time_calls([split])
@@ -87,10 +105,11 @@ def main() -> None:
                 flat = torch.arange(t, device="cuda")
                 scale = torch.ones((), device="cuda")
                 base_ms = time_calls([lambda: ops.reshape_and_cache_flash(k, v, kc, vc, flat, "auto", scale, scale)])
-                for row in rows[-len(args.num_warps):]:
-                    row["vllm_bf16_ms"] = base_ms
+                for row in rows:
+                    if row["shape"] == s.name and row["tokens"] == t:
+                        row["vllm_bf16_ms"] = base_ms
     write_reports(Path(args.out), "write", rows, env, "Cache write: OSCAR quantize-on-write against vLLM BF16",
-                  ["shape", "tokens", "requests", "num_warps", "oscar_ms", "split_path_ms", "vllm_bf16_ms", "oscar_GBps",
+                  ["shape", "tokens", "requests", "launch", "oscar_ms", "split_path_ms", "vllm_bf16_ms", "oscar_GBps",
                    "oscar_pct_copy"],
                   [f"copy bandwidth in this run: {bw:,.0f} GB/s",
                    "OSCAR bytes: K and V read (bf16), INT2 slots and BF16 window rows written",

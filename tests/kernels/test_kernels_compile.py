@@ -3,6 +3,7 @@ interpreter the other CPU tests use accepts code that the real compiler refuses 
 are not constexpr, branches returning different types), and only the SASS shows whether the
 INT2 codes reach the tensor cores without int-to-float conversions."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,16 @@ def test_write_compiles_at_every_head_dim(head_dim, params):
     assert "REG:" in compile_check("write", "--d", head_dim, *params)
 
 
+def test_prefill_write_searches_rows_without_barriers(tmp_path):
+    """The Triton write at its prefill launch (WRITE_LAUNCH's largest calls): tl.dot's layout gives
+    each warp whole rows, so the clip searches' reductions stay in a warp (16 tokens a program
+    split rows over warps: 122 barriers, two per search step)."""
+    sass = tmp_path / "write.sass"
+    report = compile_check("write", "--d", "128", "--dump", str(sass))
+    assert "LOCAL:0" in report, report
+    assert sass.read_text().count("BAR.SYNC") <= 20
+
+
 @pytest.mark.parametrize("head_dim", ["64", "128", "256"])
 def test_dense_kv_compiles_without_spills(head_dim):
     report = compile_check("dense_kv", "--d", head_dim)
@@ -93,3 +104,6 @@ def test_gluon_decode_write_has_no_barrier_per_search_step(tmp_path):
     assert text.count("BAR.SYNC") <= 4, text.count("BAR.SYNC")
     # Three bf16 terms of R, for the key rows and the query rows: six products, 192 MMAs.
     assert text.count("HMMA.16816.F32.BF16") >= 96
+    # One K or V row a warp, one clip search each (a 16-row tile's worth, 8,080 instructions, before).
+    instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", text, re.M))
+    assert instructions < 3000, instructions

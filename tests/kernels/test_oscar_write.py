@@ -29,8 +29,8 @@ if ON_GPU:
     ]
 
 
-def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype):
-    """Both through ``schedule``."""
+def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, launch=None):
+    """Both through ``schedule`` (the kernel at ``launch``: tokens a program and warps)."""
     pc = PagedCache(max(max(s) for s in schedule) + 1, 2048, hkv, d, sink, recent, DEVICE)
     ref = pc.clone()
     rot = random_rotation(d, hkv if per_head else None).to(DEVICE)
@@ -43,7 +43,7 @@ def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype):
         common = (step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(step.reqs))
         num_decodes = next((i for i, n in enumerate(new.values()) if n > 1), len(new))
         oscar_write(k, v, rot, *common, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                    clip_index(0.96, d), clip_index(0.92, d), sink, recent, param_dtype, num_decodes)
+                    clip_index(0.96, d), clip_index(0.92, d), sink, recent, param_dtype, num_decodes, launch)
         oscar_write_reference(k, v, rot, *common, ref.cache, ref.windows, ref.window_pages, ref.window_pos,
                               0.96, 0.92, sink, recent, param_dtype)
     return pc, ref
@@ -52,10 +52,13 @@ def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c[0]}-h{c[1]}-s{c[3]}-r{c[4]}")
-def test_write_matches_reference(case, dtype, param_dtype):
+@pytest.mark.parametrize("launch", [None, (32, 8)], ids=["table", "32x8"])
+def test_write_matches_reference(case, dtype, param_dtype, launch):
     if param_dtype == torch.bfloat16 and case is not CASES[0] and not ON_GPU:
         pytest.skip("bf16 scales: one case is enough under the (slow) interpreter")
-    pc, ref = run_both(*case, dtype, param_dtype)
+    if launch and not ON_GPU and (param_dtype == torch.bfloat16 or case not in (CASES[0], CASES[3])):
+        pytest.skip("the prefill launch: two cases are enough under the (slow) interpreter")
+    pc, ref = run_both(*case, dtype, param_dtype, launch)
     d = case[0]
     got, want = layout_views(pc.cache.cpu(), d, param_dtype), layout_views(ref.cache.cpu(), d, param_dtype)
     for codes_got, codes_want in zip(got[:2], want[:2]):
@@ -87,22 +90,26 @@ def assert_same_cache(pc, ref, d, hkv, sink, param_dtype):
 
 
 DECODE_CASES = [
-    # head_dim, kv heads, query heads per kv head, per-head rotation, sink, recent, prefix lengths
-    (128, 8, 4, False, 64, 256, [1000, 0, 63, 64, 319, 320, 5000, 17, 1]),
-    (128, 4, 7, True, 64, 256, [300] * 37),
-    (64, 3, 3, False, 64, 256, [130, 2, 700]),
-    (128, 2, 16, False, 8, 56, [90, 30]),
-    (128, 1, 8, False, 0, 40, [77]),
+    # head_dim, kv heads, query heads per kv head, per-head rotation, sink, recent, prefix lengths,
+    # clip ratios (K, V; 0: no clip). Query heads per KV head 1-16: 16 down to 1 token a program.
+    (128, 8, 4, False, 64, 256, [1000, 0, 63, 64, 319, 320, 5000, 17, 1], (0.96, 0.92)),
+    (128, 4, 7, True, 64, 256, [300] * 37, (0.96, 0.92)),
+    (64, 3, 3, False, 64, 256, [130, 2, 700], (0.96, 0.92)),
+    (128, 2, 16, False, 8, 56, [90, 30], (0.96, 0.92)),
+    (128, 1, 8, False, 0, 40, [77], (0.96, 0.92)),
+    (128, 2, 1, False, 64, 256, [200 + 7 * i for i in range(21)], (0.96, 0.0)),
+    (64, 4, 2, True, 64, 256, [65, 321, 9, 1000, 64, 320, 3, 4, 5], (0.0, 0.92)),
+    (128, 8, 4, False, 64, 256, [500, 10, 70], (0.0, 0.0)),
 ]
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
 @pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-s{c[4]}-r{c[5]}-n{len(c[6])}")
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-s{c[4]}-r{c[5]}-n{len(c[6])}-clip{c[7][0]}/{c[7][1]}")
 def test_decode_write_matches_reference(case, param_dtype):
     from csrc_triton.oscar_write import decode_rotation, oscar_write_decode
 
-    d, hkv, g, per_head, sink, recent, prefix = case
+    d, hkv, g, per_head, sink, recent, prefix, (clip_k, clip_v) = case
     n = len(prefix)
     pc = PagedCache(n, max(prefix) + 2, hkv, d, sink, recent, DEVICE, entries_per_page=8)
     rot = random_rotation(d, hkv if per_head else None).to(DEVICE)
@@ -117,10 +124,10 @@ def test_decode_write_matches_reference(case, param_dtype):
     q = random_rows((n, hkv * g, d), torch.bfloat16, 5)
     q_rot = torch.full_like(q, float("nan"))
     oscar_write_decode(k, v, q, q_rot, decode_rotation(rot), step.slot_mapping, step.seq_lens, step.ring_slots,
-                       pc.cache, pc.windows, pc.window_pages, pc.window_pos, clip_index(0.96, d), clip_index(0.92, d),
-                       sink, recent, param_dtype)
+                       pc.cache, pc.windows, pc.window_pages, pc.window_pos, clip_index(clip_k, d),
+                       clip_index(clip_v, d), sink, recent, param_dtype)
     want = oscar_write_decode_reference(k, v, q, rot, step.slot_mapping, step.seq_lens, step.ring_slots, ref.cache,
-                                        ref.windows, ref.window_pages, ref.window_pos, 0.96, 0.92, sink, recent,
+                                        ref.windows, ref.window_pages, ref.window_pos, clip_k, clip_v, sink, recent,
                                         param_dtype)
     assert_same_cache(pc, ref, d, hkv, sink, param_dtype)
     # The queries: bf16 operands in the tensor cores, as bf16 as the model's queries.

@@ -13,7 +13,7 @@ from csrc_triton.oscar_attention import (
     oscar_attention,
 )
 from csrc_triton.oscar_dense_kv import _oscar_dense_kv_kernel
-from csrc_triton.oscar_write import WRITE_NUM_WARPS, _oscar_write_kernel, oscar_write
+from csrc_triton.oscar_write import WRITE_LAUNCH, _oscar_write_kernel, oscar_write
 from csrc_triton.paged_layout import launch_bucket
 from csrc_triton.warm_up import decode_variants, warm_up_kernels
 from kernel_cases import CLIP_K, CLIP_V, DEVICE, ON_GPU, dense_twin, prepare, random_rotation, random_rows
@@ -44,7 +44,7 @@ def test_warm_up_writes_nothing(dense):
     before = [t.clone() for t in (pc.cache, pc.windows, pc.window_pages, pc.window_pos)]
     n = warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, 4, torch.float32, 4, 8,
                         torch.float16, max_num_seqs=9, max_num_tokens=64, num_sms=4, merge_self=True, dense=dense)
-    # 64 tokens: one write bucket of WRITE_NUM_WARPS
+    # 64 tokens: one write bucket of WRITE_LAUNCH
     assert n == len(decode_variants(9, 2, 4)) + 1 + dense + 1
     for b, a in zip(before, (pc.cache, pc.windows, pc.window_pages, pc.window_pos)):
         assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))  # bitwise: unused window rows are NaN
@@ -99,4 +99,4 @@ def test_serving_after_warm_up_compiles_nothing(dtype):
                     pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent,
                     torch.float16, num_decodes)
     torch.cuda.synchronize()
-    assert _compiled() == compiled, f"compiled while serving: {compiled} -> {_compiled()} ({WRITE_NUM_WARPS=})"
+    assert _compiled() == compiled, f"compiled while serving: {compiled} -> {_compiled()} ({WRITE_LAUNCH=})"
