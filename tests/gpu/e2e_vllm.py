@@ -18,6 +18,8 @@ its GPU memory) and prints one JSON line with what it measured, prefixed ``RESUL
             the prompt's last position predicts, and of the one the decode step after it predicts)
   chunked   prompt logprobs through chunked prefill (chunks 256 and 8192), sent together and
             one request at a time, SmolLM2
+  startup   one engine started inside this process, one token: its start time, or, if it stalls,
+            every thread's stack (where a start hangs), SmolLM2
   report    the RESULT lines of prefix, preempt and chunked logs as a markdown table (no GPU)
 """
 from __future__ import annotations
@@ -105,6 +107,28 @@ def cmd_ppl(args) -> None:
     result(check="ppl", backend=args.backend, dtype=args.dtype, eager=args.eager, chunk=args.chunk,
            context=args.context, tokens_scored=n, ppl=math.exp(nll / n), seconds=round(time.time() - t0, 1),
            greedy_ids=greedy.token_ids, greedy_text=tok.decode(greedy.token_ids))
+
+
+def cmd_startup(args) -> None:
+    """One engine started in this process (no engine subprocess), one greedy token: how long the
+    start takes; if it stalls past --stall-s, every thread's stack goes to stderr and the process
+    exits, so a hung start says where it hangs."""
+    import faulthandler
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    faulthandler.dump_traceback_later(args.stall_s, exit=True)
+    from vllm import LLM, SamplingParams
+
+    kw = dict(additional_config=oscar_config(args.rotations)) if args.backend == "OSCAR" else {}
+    t0 = time.time()
+    llm = LLM(args.model, attention_backend=args.backend, enforce_eager=args.eager, max_model_len=4096,
+              gpu_memory_utilization=0.5, seed=0, **kw)
+    start_s = time.time() - t0
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=1, temperature=0),
+                       use_tqdm=False)[0].outputs[0]
+    faulthandler.cancel_dump_traceback_later()
+    result(check="startup", backend=args.backend, eager=args.eager, start_s=round(start_s, 1),
+           kv_tokens=engine_kv_tokens(llm), token=out.token_ids[0])
 
 
 def engine_kv_tokens(llm) -> int | None:
@@ -472,7 +496,7 @@ def main() -> None:
     s = sub.add_parser("report")
     s.add_argument("logs", nargs="+")
     s.add_argument("--out", required=True)
-    for name in ("ppl", "qwen3", "decode", "serve", "prefix", "preempt", "chunked"):
+    for name in ("ppl", "qwen3", "decode", "serve", "prefix", "preempt", "chunked", "startup"):
         s = sub.add_parser(name)
         s.add_argument("--model", required=True)
         s.add_argument("--rotations", default="")
@@ -495,6 +519,8 @@ def main() -> None:
     sx.add_argument("--chunk", type=int, default=8192)
     sx.add_argument("--caching", choices=("on", "off"), help="run one engine and write --out (internal)")
     sx.add_argument("--out")
+    sub.choices["startup"].add_argument("--stall-s", type=int, default=240,
+                                        help="dump every thread's stack and exit if not done by then")
     sc = sub.choices["chunked"]
     sc.add_argument("--chunk", type=int, default=256)
     sc.add_argument("--out", help="run one engine with --chunk and write here (internal)")
