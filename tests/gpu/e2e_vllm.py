@@ -109,14 +109,27 @@ def cmd_ppl(args) -> None:
            greedy_ids=greedy.token_ids, greedy_text=tok.decode(greedy.token_ids))
 
 
-def cmd_startup(args) -> None:
-    """One engine started in this process (no engine subprocess), one greedy token: how long the
-    start takes; if it stalls past --stall-s, every thread's stack goes to stderr and the process
-    exits, so a hung start says where it hangs."""
-    import faulthandler
+STALL_DUMP = """import faulthandler, os, sys
+faulthandler.dump_traceback_later(int(os.environ["OSCAR_STALL_DUMP_S"]), exit=True, file=sys.stderr)
+"""
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    faulthandler.dump_traceback_later(args.stall_s, exit=True)
+
+def cmd_startup(args) -> None:
+    """One engine and one greedy token: how long the start takes. If it stalls past --stall-s,
+    every thread's stack goes to stderr and the process exits, so a hung start says where it
+    hangs: the engine in this process, or with --multiprocess in its own engine process as vLLM
+    runs it by default (a ``sitecustomize`` on PYTHONPATH arms the dump in every Python process)."""
+    import faulthandler
+    import tempfile
+
+    if args.multiprocess:
+        hook = Path(tempfile.mkdtemp(prefix="oscar-stall-"))
+        (hook / "sitecustomize.py").write_text(STALL_DUMP)
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])
+        os.environ["OSCAR_STALL_DUMP_S"] = str(args.stall_s)
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    faulthandler.dump_traceback_later(args.stall_s + 30 * args.multiprocess, exit=True)
     from vllm import LLM, SamplingParams
 
     kw = dict(additional_config=oscar_config(args.rotations)) if args.backend == "OSCAR" else {}
@@ -127,8 +140,8 @@ def cmd_startup(args) -> None:
     out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=1, temperature=0),
                        use_tqdm=False)[0].outputs[0]
     faulthandler.cancel_dump_traceback_later()
-    result(check="startup", backend=args.backend, eager=args.eager, start_s=round(start_s, 1),
-           kv_tokens=engine_kv_tokens(llm), token=out.token_ids[0])
+    result(check="startup", backend=args.backend, eager=args.eager, multiprocess=args.multiprocess,
+           start_s=round(start_s, 1), kv_tokens=engine_kv_tokens(llm), token=out.token_ids[0])
 
 
 def engine_kv_tokens(llm) -> int | None:
@@ -519,8 +532,9 @@ def main() -> None:
     sx.add_argument("--chunk", type=int, default=8192)
     sx.add_argument("--caching", choices=("on", "off"), help="run one engine and write --out (internal)")
     sx.add_argument("--out")
-    sub.choices["startup"].add_argument("--stall-s", type=int, default=240,
-                                        help="dump every thread's stack and exit if not done by then")
+    st = sub.choices["startup"]
+    st.add_argument("--stall-s", type=int, default=150, help="dump every thread's stack and exit if not done by then")
+    st.add_argument("--multiprocess", action="store_true", help="the engine in its own process, as vLLM's default")
     sc = sub.choices["chunked"]
     sc.add_argument("--chunk", type=int, default=256)
     sc.add_argument("--out", help="run one engine with --chunk and write here (internal)")

@@ -20,8 +20,8 @@
 #           cache, every block and page back at the end
 #   chunked prompt logprobs through chunked prefill (chunks 256 and 8192, SmolLM2): no NaN, and a
 #           request's chunks alone in a step give what they give in a batch
-#   startup an engine started in-process, FLASH_ATTN then OSCAR (SmolLM2, eager and with CUDA graphs):
-#           start seconds, or the stacks of a start that stalls
+#   startup an engine's start, FLASH_ATTN then OSCAR (SmolLM2; in-process and eager, then OSCAR as
+#           vLLM runs it by default): start seconds, or the stacks of a start that stalls
 #   decode  decode tokens/s, OSCAR vs FLASH_ATTN, batch 1/32, context 8K/32K
 #   refuse  bad input refused by name in one process (SmolLM2), GPU memory back to its baseline
 #   load    `vllm serve` under load, FLASH_ATTN and OSCAR through the same test (SmolLM2): replies
@@ -104,7 +104,7 @@ for stage in $stages; do
         [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
         $e2e startup --model "$work/smollm2" --backend FLASH_ATTN --eager
         $e2e startup --model "$work/smollm2" --rotations "$smol_rot" --eager
-        $e2e startup --model "$work/smollm2" --rotations "$smol_rot"
+        $e2e startup --model "$work/smollm2" --rotations "$smol_rot" --multiprocess
       } 2>&1 | tee "$out/startup.log" || status=1 ;;
     prefix)
       {
