@@ -152,7 +152,8 @@ def main() -> None:
         sass = subprocess.run([BIN / "cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
     if args.dump:
         Path(args.dump).write_text(sass)
-    print(re.search(r"REG:.*", usage).group(0), f"| triton shared {k.metadata.shared} B")
+    print(re.search(r"REG:.*", usage).group(0), f"| triton shared {k.metadata.shared} B",
+          f"| {len(sass_instructions(sass))} instructions")
     for start, end, ops in sass_loops(sass):
         print(f"loop {start:#x}-{end:#x}, {sum(ops.values())} instructions:")
         print("   " + ", ".join(f"{op} {n}" for op, n in ops.most_common(args.top)))
