@@ -18,6 +18,7 @@ and rank when it cannot (``rotation_source.rotations_in_process``).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 
@@ -151,8 +152,26 @@ def check_engine_config(vllm_config, rotations: bool = True) -> OscarSettings | 
     if rotations:
         from oscar_vllm.serving.rotation_source import rotations_in_process
 
-        rotations_in_process(settings, model_shape(vllm_config))
+        with torch_single_threaded():
+            rotations_in_process(settings, model_shape(vllm_config))
     return settings
+
+
+@contextmanager
+def torch_single_threaded():
+    """Run torch's CPU ops on this thread only, leaving no OpenMP thread pool behind.
+
+    vLLM forks its engine process from the one that builds the config (unless CUDA is initialized
+    there). torch's OpenMP pool does not survive a fork: the child's first parallel CPU op waits
+    forever for threads that are not there (tests/serving/test_preflight.py). Validating a model's rotations takes milliseconds on one thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def check_in_worker(vllm_config) -> None:
