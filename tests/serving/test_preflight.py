@@ -41,6 +41,7 @@ def test_the_engine_process_forked_after_the_check_can_run_torch(tmp_path):
         pid = os.fork()
         if pid == 0:
             torch.zeros(1 << 24).add_(1)
+            torch.ones(1024, 1024, dtype=torch.float64) @ torch.ones(1024, 1024, dtype=torch.float64)
             os._exit(0)
         deadline = time.monotonic() + {CHILD_SECONDS}
         while time.monotonic() < deadline:
