@@ -163,7 +163,8 @@ def torch_single_threaded():
 
     vLLM forks its engine process from the one that builds the config (unless CUDA is initialized
     there). torch's OpenMP pool does not survive a fork: the child's first parallel CPU op waits
-    forever for threads that are not there (tests/serving/test_preflight.py). Validating a model's rotations takes milliseconds on one thread."""
+    forever for threads that are not there (tests/serving/test_preflight.py). Rotations are small
+    enough that one thread loads and validates them at once."""
     import torch
 
     threads = torch.get_num_threads()
