@@ -54,6 +54,7 @@ def test_the_engine_process_forked_after_the_check_can_run_torch(tmp_path):
             os.kill(pid, signal.SIGKILL)
             print("child hung")
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
+    # Prepended, not replaced: on the GPU machine PYTHONPATH also carries the plugin's entry points.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.stdout.strip().splitlines()[-1:] == ["child exit 0"], proc.stdout[-1000:] + proc.stderr[-3000:]
