@@ -901,6 +901,8 @@ def _cell(col_run: dict, v, b, higher) -> tuple[str, float | None]:
     """A table cell (the value and its ratio to the baseline's ``b``) and that ratio."""
     if v is None:  # what it did not finish; the reason is under the table
         return "failed" if "error" in col_run else "", None
+    if v < 0:  # OSCAR's windows for max_num_seqs requests would take more than the whole pool
+        return f"{v:,} (windows over the pool)", None
     ratio = (v / b if higher else b / v) if higher is not None and b and v else None
     return f"{v:,}" + (f" ({ratio:.2f}x)" if ratio and col_run.get("config") != BASELINE else ""), ratio
 

@@ -290,6 +290,13 @@ DECODE_PPL_TOLERANCE = 1.01
 PROMPT_PPL_TOLERANCE = 1.01
 
 
+def paired_se(a: list[float], b: list[float]) -> float:
+    """The standard error of the mean of ``b - a`` (per-token NLLs of the same tokens)."""
+    d = [y - x for x, y in zip(a, b)]
+    mean = sum(d) / len(d)
+    return (sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
+
+
 def cmd_prefix(args) -> None:
     import math
 
@@ -312,20 +319,24 @@ def cmd_prefix(args) -> None:
                         "cached_tokens": sum(o["cached"] for o in on[name])}
     ppl = {k: math.exp(sum(r["nll"]) / len(r["nll"])) for k, r in runs.items()}
     ppl_after = {k: math.exp(sum(r["nll_after"]) / len(r["nll_after"])) for k, r in runs.items()}
+    # The gaps' standard errors, paired over the same tokens: how far a rerun may land by chance.
+    se = {key: paired_se(off[key], on[key]) for key in ("nll", "nll_after")}
     result(check="prefix", backend=args.backend, chunk=args.chunk, outputs=report, ppl_caching_off=ppl["off"],
            ppl_caching_on=ppl["on"], decode_ppl_caching_off=ppl_after["off"], decode_ppl_caching_on=ppl_after["on"],
+           gap_se=se["nll"], decode_gap_se=se["nll_after"],
            tokens_scored=len(on["nll"]), cached_tokens_on=on["cached_tokens"], cached_tokens_off=off["cached_tokens"])
     if report["again"]["cached_tokens"] == 0 or off["cached_tokens"]:
         raise SystemExit("prefix: the rerun hit no cached prefix, or caching off hit one")
     if not all(math.isfinite(p) for p in (*ppl.values(), *ppl_after.values())):
         raise SystemExit("prefix: NaN logprobs")
     failed = []
-    for what, got, limit in (("the prompt's last position", ppl, PROMPT_PPL_TOLERANCE),
-                             ("the decode step after it", ppl_after, DECODE_PPL_TOLERANCE)):
+    for what, got, limit, err in (("the prompt's last position", ppl, PROMPT_PPL_TOLERANCE, se["nll"]),
+                                  ("the decode step after it", ppl_after, DECODE_PPL_TOLERANCE, se["nll_after"])):
         gap = got["on"] / got["off"] - 1
         ok = got["on"] <= limit * got["off"]
         print(f"prefix, chunk {args.chunk}: {what}: perplexity {got['on']:.3f} with caching, {got['off']:.3f} "
-              f"without ({100 * gap:+.2f}%, limit +{100 * (limit - 1):.0f}%): {'ok' if ok else 'FAILED'}", flush=True)
+              f"without ({100 * gap:+.2f}% ± {100 * err:.2f}% SE, limit +{100 * (limit - 1):.0f}%): "
+              f"{'ok' if ok else 'FAILED'}", flush=True)
         if not ok:
             failed.append(f"{what} {100 * gap:+.2f}%")
     if failed:
@@ -487,6 +498,8 @@ def cmd_report(args) -> None:
                          f"on, {r['ppl_caching_off']:.3f} off" + (
                              f", at the decode step after it {r['decode_ppl_caching_on']:.3f} on, "
                              f"{r['decode_ppl_caching_off']:.3f} off" if "decode_ppl_caching_on" in r else "") +
+                         (f"; gaps' standard errors {100 * r['gap_se']:.2f}% and {100 * r['decode_gap_se']:.2f}%"
+                          if "gap_se" in r else "") +
                          f" ({r['tokens_scored']} tokens, {r['cached_tokens_on']:,} cached)")
         elif r["check"] == "preempt":
             lines.append(f"{head}: {r['tight_kv_blocks']}-block cache against a roomy one, {r['preemptions_tight']} "

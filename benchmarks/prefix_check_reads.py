@@ -1,0 +1,212 @@
+"""The vLLM prefix check at small prefill chunks, replayed in the reference cache (CPU, SmolLM2).
+
+``tests/gpu/e2e_vllm.py prefix --chunk 256`` sends 207 prompts at once (23 windows of a shared
+512-token prefix plus held-out text, each cut at 9 lengths) through vLLM with prefix caching on
+and off, and scores each prompt's last position. What each of those positions reads in BF16
+depends on the request's hit and on the chunks the scheduler cut its prompt into, which depend
+on everything else in the batch. This runs vLLM's own scheduler on the CPU (no model; a
+SmolLM2-shaped OSCAR engine config, the plugin's window-page hooks installed, every request
+finishing its prefill with one sampled token and its second token a step later, as in the check)
+to get every request's hit and chunks, then scores the same positions in the reference cache
+(``oscar_vllm.core.mixed_cache``): each position of a prompt reads the keys past the sink in
+BF16 from its chunk's ring on (the ring holds only what the request computed itself), and a
+cached position's keys are what the request that wrote its block computed.
+
+    python benchmarks/prefix_check_reads.py --windows 8 --out results/windows/prefix_check_reads
+
+Writes ``prefix_check_reads.{md,json}`` into ``--out``: each configuration's perplexity at the
+prompts' last positions, its gap to caching off, and that gap's standard error (paired over
+the same tokens), which says how far apart two runs of the vLLM check can land by chance.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from csrc_triton.paged_layout import BLOCK_SIZE
+from oscar_vllm.calibration import corpus
+from oscar_vllm.calibration.calibrate import DTYPES
+from oscar_vllm.calibration.evaluate import (
+    CACHED_PREFIX_CUTS,
+    METHODS_BY_NAME,
+    cached_prefix_workload,
+    environment,
+    layer_specs,
+)
+from oscar_vllm.calibration.models import MixedCacheHook, attention_hooks, load_model
+from oscar_vllm.core.rotation_io import load_rotations
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM2_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+                  "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                  "num_key_value_heads": 3, "max_position_embeddings": 8192, "vocab_size": 49152,
+                  "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "bos_token_id": 1,
+                  "eos_token_id": 2, "dtype": "float32"}
+# (prefix caching, whole blocks a hit stops short of the cached ones; None: the allocator's own)
+CONFIGS = {"caching off": (False, None), "caching on": (True, None)}
+
+
+def schedule_check(windows: list[list[int]], chunk: int, caching: bool, ring_blocks: int | None, work: Path,
+                   recent: int = 256) -> list[dict]:
+    """Every scored request of the check as vLLM's scheduler serves it: ``{"len", "chunks":
+    [(first token, tokens), ...]}`` in the check's order (the first chunk starts at its hit).
+    Runs on the CPU: vLLM's ``Scheduler`` with the OSCAR hooks, fed one sampled token per request
+    whose prefill a step completes."""
+    sys.path.insert(0, str(REPO / "tests"))  # vllm_configs_on_cpu: vLLM's configs buildable without a GPU
+    from vllm_cpu import vllm_configs_on_cpu
+
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    with vllm_configs_on_cpu() as engine_args:
+        from vllm import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import Request
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from oscar_vllm.serving.vllm_hooks import give_scheduler_window_pages, oscar_kv_cache_spec
+
+        config = engine_args(model=str(work), attention_backend="OSCAR", skip_tokenizer_init=True,
+                             load_format="dummy", max_model_len=4096, max_num_batched_tokens=chunk, max_num_seqs=32,
+                             enable_prefix_caching=caching, additional_config={"oscar": {
+                                 "rotation_path": str(REPO / "results" / "smollm2_rotations"), "recent_size": recent}}
+                             ).create_engine_config()
+        config.cache_config.block_size = BLOCK_SIZE  # what the backend asks vLLM for on a GPU
+        config.cache_config.num_gpu_blocks = 20000  # roomy: nothing is evicted or preempted
+        layer = type("Layer", (), {"num_kv_heads": 3, "head_size": 64})()
+        spec = oscar_kv_cache_spec(layer, config)
+        kv_config = KVCacheConfig(num_blocks=20000, kv_cache_tensors=[KVCacheTensor(size=1, shared_by=["l0"])],
+                                  kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+        init_none_hash(sha256)
+        scheduler = Scheduler(config, kv_config, StructuredOutputManager(config), block_size=BLOCK_SIZE)
+        give_scheduler_window_pages(scheduler)
+        if ring_blocks is not None:
+            scheduler.oscar_window_pages.ring_blocks = ring_blocks
+        hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+
+        def serve(prompts: list[list[int]], tag: str) -> list[dict]:
+            requests = {}
+            for i, prompt in enumerate(prompts):
+                r = Request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=2, ignore_eos=True), None,
+                            block_hasher=hasher)
+                requests[r.request_id] = {"request": r, "len": len(prompt), "chunks": []}
+                scheduler.add_request(r)
+            while scheduler.has_requests():
+                out = scheduler.schedule()
+                ids = list(out.num_scheduled_tokens)
+                for rid in ids:
+                    r = requests[rid]
+                    start = r["request"].num_computed_tokens - out.num_scheduled_tokens[rid]  # counted at schedule()
+                    if start < r["len"]:
+                        r["chunks"].append((start, out.num_scheduled_tokens[rid]))
+                sampled = [[7] if requests[rid]["request"].num_computed_tokens >= requests[rid]["len"] else []
+                           for rid in ids]
+                scheduler.update_from_output(out, ModelRunnerOutput(
+                    req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)}, sampled_token_ids=sampled))
+            return [{"len": r["len"], "chunks": r["chunks"]} for r in requests.values()]
+
+        shared = windows[0][:512]
+        serve([shared + [shared[0]]], "shared")  # the check caches the shared prefix first
+        return serve([w[:512 + c] for w in windows for c in CACHED_PREFIX_CUTS], "cut")
+
+
+def bf16_from(scored: list[dict], cuts: int, chunk: int, recent: int = 256) -> list[torch.Tensor]:
+    """For each scored request, where each of its positions reads keys past the sink in BF16
+    from (``[len]``): its chunk's start less the ring, never below the request's hit (the ring
+    holds only what the request computed). A position under the hit reads as the request that
+    wrote its block did: the earliest request of the same window that computed the whole block,
+    else the one that cached the shared prefix (chunks of ``chunk`` from 0)."""
+    def reads(request: dict, p: int) -> int:
+        hit = request["chunks"][0][0]
+        start = next(a for a, n in request["chunks"] if a <= p < a + n)
+        return max(start - recent + 1, hit)
+
+    out = []
+    for w in range(len(scored) // cuts):
+        window = scored[w * cuts:(w + 1) * cuts]
+        for k, request in enumerate(window):
+            hit, starts = request["chunks"][0][0], torch.empty(request["len"], dtype=torch.long)
+            for p in range(request["len"]):
+                if p >= hit:
+                    starts[p] = reads(request, p)
+                    continue
+                writer = next((q for q in window[:k] if q["chunks"][0][0] <= p < q["len"] // BLOCK_SIZE * BLOCK_SIZE),
+                              None)
+                starts[p] = max(p // chunk * chunk - recent + 1, 0) if writer is None else reads(writer, p)
+            out.append(starts)
+    return out
+
+
+def report(result: dict, meta: dict) -> str:
+    off = result["caching off"]["nll"]
+    rows = []
+    for name, r in result.items():
+        diff = torch.tensor(r["nll"]) - torch.tensor(off)
+        se = diff.std().item() / math.sqrt(len(diff))
+        rows.append(f"| {name} | {r['mean_hit']:.0f} | {r['ppl']:.3f} | {100 * diff.mean().item():+.2f}% "
+                    f"| {100 * se:.2f}% |")
+    return "\n".join([
+        "# The vLLM prefix check at small chunks, in the reference cache", "",
+        f"- date: {meta['date']}; hardware: {meta['hardware']}; model: {meta['model']} ({meta['dtype']})",
+        f"- command: `{meta['command']}`",
+        f"- {meta['versions']}",
+        f"- rotations: {meta['rotations']} ({meta['method']}); sink 64, recent 256; prefill chunks of {meta['chunk']}",
+        f"- the check's first {meta['windows']} windows of 23 ({meta['tokens']} of its 207 scored tokens), hits and "
+        "chunks from vLLM's scheduler run on the CPU with the OSCAR hooks",
+        "- gap: mean NLL difference to caching off over the same tokens (about the perplexity ratio less 1); "
+        "SE: its standard error", "",
+        "| configuration | mean hit (tokens) | perplexity, prompt's last position | gap | SE |",
+        "|---|---|---|---|---|", *rows, ""])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rotations", type=Path, default=REPO / "results" / "smollm2_rotations")
+    p.add_argument("--windows", type=int, default=23, help="the check's windows to score, of 23 (default: %(default)s)")
+    p.add_argument("--chunk", type=int, default=256, help="prefill chunk, vLLM's max_num_batched_tokens (default: 256)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--out", type=Path, default=Path("runs/prefix_check_reads"))
+    args = p.parse_args()
+
+    loaded = load_model(None, None, "cpu", DTYPES[args.dtype])
+    rotations = load_rotations(args.rotations, loaded.shape)
+    method = METHODS_BY_NAME["oscar-int2-fit" if rotations.clip_ratios_k else "oscar-int2"]
+    oscar = layer_specs(method, {"oscar": rotations}, list(range(loaded.shape.num_layers)))
+    _, _, windows = cached_prefix_workload(corpus.tokenize(loaded.tokenizer, corpus.evaluation_text()).tolist())
+    cuts = len(CACHED_PREFIX_CUTS)
+    result = {}
+    for name, (caching, ring_blocks) in CONFIGS.items():
+        with tempfile.TemporaryDirectory() as work:  # the model's config.json, for vLLM's engine config
+            scored = schedule_check(windows, args.chunk, caching, ring_blocks, Path(work))
+        scored = scored[:args.windows * cuts]
+        nll = []
+        for i, starts in enumerate(tqdm(bf16_from(scored, cuts, args.chunk), desc=name, unit="prompt")):
+            ids = torch.tensor(windows[i // cuts][:len(starts) + 1])
+            with torch.no_grad(), attention_hooks(loaded.model, lambda layer: MixedCacheHook(
+                    oscar[layer], 64, 0, chunk_starts=starts)):
+                logits = loaded.model(ids[None, :-1], use_cache=False).logits[0, -1]
+            nll.append(-torch.log_softmax(logits.float(), -1)[ids[-1]].item())
+        result[name] = {"nll": nll, "ppl": math.exp(sum(nll) / len(nll)),
+                        "mean_hit": sum(r["chunks"][0][0] for r in scored) / len(scored)}
+    meta = {**environment("python benchmarks/prefix_check_reads.py"), "model": loaded.name, "dtype": args.dtype,
+            "rotations": str(args.rotations), "method": method.name, "chunk": args.chunk, "windows": args.windows,
+            "tokens": args.windows * cuts}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "prefix_check_reads.json").write_text(json.dumps({"meta": meta, "result": result}) + "\n")
+    text = report(result, meta)
+    (args.out / "prefix_check_reads.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
