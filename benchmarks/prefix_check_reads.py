@@ -171,7 +171,7 @@ def report(result: dict, meta: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rotations", type=Path, default=REPO / "results" / "smollm2_rotations")
+    p.add_argument("--rotations", type=Path, default=Path("results/smollm2_rotations"))
     p.add_argument("--windows", type=int, default=23, help="the check's windows to score, of 23 (default: %(default)s)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk, vLLM's max_num_batched_tokens (default: 256)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
