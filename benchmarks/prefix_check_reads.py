@@ -44,23 +44,16 @@ from oscar_vllm.calibration.models import MixedCacheHook, attention_hooks, load_
 from oscar_vllm.core.rotation_io import load_rotations
 
 REPO = Path(__file__).resolve().parents[1]
-SMOLLM2_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
-                  "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                  "num_key_value_heads": 3, "max_position_embeddings": 8192, "vocab_size": 49152,
-                  "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "bos_token_id": 1,
-                  "eos_token_id": 2, "dtype": "float32"}
-# (prefix caching, whole blocks a hit stops short of the cached ones; None: the allocator's own)
-CONFIGS = {"caching off": (False, None), "caching on": (True, None)}
+CONFIGS = {"caching off": False, "caching on": True}  # vLLM's enable_prefix_caching
 
 
-def schedule_check(windows: list[list[int]], chunk: int, caching: bool, ring_blocks: int | None, work: Path,
-                   recent: int = 256) -> list[dict]:
+def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Path, recent: int = 256) -> list[dict]:
     """Every scored request of the check as vLLM's scheduler serves it: ``{"len", "chunks":
     [(first token, tokens), ...]}`` in the check's order (the first chunk starts at its hit).
     Runs on the CPU: vLLM's ``Scheduler`` with the OSCAR hooks, fed one sampled token per request
     whose prefill a step completes."""
     sys.path.insert(0, str(REPO / "tests"))  # vllm_configs_on_cpu: vLLM's configs buildable without a GPU
-    from vllm_cpu import vllm_configs_on_cpu
+    from vllm_cpu import SMOLLM2_CONFIG, vllm_configs_on_cpu
 
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
@@ -90,8 +83,6 @@ def schedule_check(windows: list[list[int]], chunk: int, caching: bool, ring_blo
         init_none_hash(sha256)
         scheduler = Scheduler(config, kv_config, StructuredOutputManager(config), block_size=BLOCK_SIZE)
         give_scheduler_window_pages(scheduler)
-        if ring_blocks is not None:
-            scheduler.oscar_window_pages.ring_blocks = ring_blocks
         hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
 
         def serve(prompts: list[list[int]], tag: str) -> list[dict]:
@@ -185,9 +176,9 @@ def main() -> None:
     _, _, windows = cached_prefix_workload(corpus.tokenize(loaded.tokenizer, corpus.evaluation_text()).tolist())
     cuts = len(CACHED_PREFIX_CUTS)
     result = {}
-    for name, (caching, ring_blocks) in CONFIGS.items():
+    for name, caching in CONFIGS.items():
         with tempfile.TemporaryDirectory() as work:  # the model's config.json, for vLLM's engine config
-            scored = schedule_check(windows, args.chunk, caching, ring_blocks, Path(work))
+            scored = schedule_check(windows, args.chunk, caching, Path(work))
         scored = scored[:args.windows * cuts]
         nll = []
         for i, starts in enumerate(tqdm(bf16_from(scored, cuts, args.chunk), desc=name, unit="prompt")):

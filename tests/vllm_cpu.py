@@ -11,6 +11,12 @@ from contextlib import contextmanager
 
 import pytest
 
+# SmolLM2-135M-Instruct's config.json (the model of the committed rotations), weights not needed.
+SMOLLM2_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+                  "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                  "max_position_embeddings": 8192, "vocab_size": 49152, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+                  "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32"}
+
 
 @contextmanager
 def vllm_configs_on_cpu():

@@ -27,7 +27,7 @@ def windows():
 
 
 def test_the_cpu_scheduler_hits_what_vllm_hit_on_the_h200(windows, tmp_path):
-    scored = prefix_check_reads.schedule_check(windows, 256, True, None, tmp_path)
+    scored = prefix_check_reads.schedule_check(windows, 256, True, tmp_path)
     assert len(scored) == 207
     assert sum(r["chunks"][0][0] for r in scored) == H200_CACHED_TOKENS
     for r in scored:
@@ -36,7 +36,7 @@ def test_the_cpu_scheduler_hits_what_vllm_hit_on_the_h200(windows, tmp_path):
         assert all(n <= 256 for _, n in r["chunks"])
         # Hits stop a ring (4 blocks of 64) short and end at least 256 tokens before the end.
         assert r["chunks"][0][0] % 64 == 0 and r["len"] - r["chunks"][0][0] >= 256 + 4 * 64
-    off = prefix_check_reads.schedule_check(windows, 256, False, None, tmp_path)
+    off = prefix_check_reads.schedule_check(windows, 256, False, tmp_path)
     assert all(r["chunks"][0][0] == 0 for r in off)
 
 

@@ -311,17 +311,11 @@ def test_the_tp2_rotations_are_valid_for_the_checkpoint(serve_load, tmp_path, pe
     assert not torch.equal(rot.key.rotations[0], rot.value.rotations[0])
 
 
-SMOLLM2_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
-                  "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                  "max_position_embeddings": 8192, "vocab_size": 49152, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
-                  "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32"}
-
-
 @pytest.fixture(scope="module")
 def smollm2_configs(tmp_path_factory):
     """SmolLM2's config.json (no weights), and vLLM configs buildable on the CPU (tests/vllm_cpu.py)."""
     pytest.importorskip("vllm")
-    from vllm_cpu import vllm_configs_on_cpu
+    from vllm_cpu import SMOLLM2_CONFIG, vllm_configs_on_cpu
 
     folder = tmp_path_factory.mktemp("smollm2")
     (folder / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))

@@ -11,14 +11,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm_cpu import SMOLLM2_CONFIG  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
-# SmolLM2-135M-Instruct's config.json (the model of the committed rotations), weights not needed.
-SMOLLM2_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
-    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-    "vocab_size": 49152, "max_position_embeddings": 8192, "rope_theta": 100000, "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
-}
 CHILD_SECONDS = 60
 
 
