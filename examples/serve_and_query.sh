@@ -53,7 +53,7 @@ stop() {
 }
 trap stop EXIT INT TERM
 
-echo "starting: ${serve[*]} $model --attention-backend OSCAR --port $port (log: $log_dir/server.log)"
+echo "starting: ${serve[*]} $model --attention-backend OSCAR --port $port --additional-config '{\"oscar\": {\"rotation_path\": \"$rotations\"}}' ${extra[*]} (log: $log_dir/server.log)"
 for second in $(seq 600); do
   if curl -sf "http://127.0.0.1:$port/health" >/dev/null; then break; fi
   if ! kill -0 "$server" 2>/dev/null; then

@@ -5,8 +5,10 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from csrc_triton.oscar_write import oscar_write
+from csrc_triton.oscar_write import _kth_smallest_abs, oscar_write
 from oscar_vllm.core.quant import clip_index, unpack_int2
 from oscar_vllm.reference.oscar_write import oscar_write_decode_reference, oscar_write_reference
 from oscar_vllm.reference.paged import layout_views, window_views
@@ -133,6 +135,42 @@ def test_decode_write_matches_reference(case, param_dtype):
     # The queries: bf16 operands in the tensor cores, as bf16 as the model's queries.
     err = (q_rot.float().cpu() - want).abs()
     assert err.max() <= 2e-2 * want.abs().max() and err.mean() <= 4e-3 * want.abs().mean(), (err.max(), err.mean())
+
+
+def hard_rows(n: int, d: int) -> torch.Tensor:
+    """Rows a search on bit patterns can get wrong: ties across the threshold, zeros, one value repeated,
+    subnormals, huge and tiny magnitudes in one row, infinities, outliers."""
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(n, d, generator=g)
+    x[0] = 0.0
+    x[1] = -2.5
+    x[2] = torch.randn(d, generator=g).round()  # few distinct values, many ties
+    x[3] = torch.randn(d, generator=g) * 1e-40  # subnormals
+    x[4, : d // 2] = 1e30
+    x[4, d // 2:] = -1e-30
+    x[5, ::3] = float("inf")
+    x[6] = x[6].to(torch.bfloat16).float()  # 16-bit values: runs of equal low bits
+    x[7, ::7] *= 1e4
+    return x
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_kth_smallest_abs_is_exact(d):
+    """The clip threshold's bisection against torch.kthvalue, every row and k."""
+
+    @triton.jit
+    def kth(x_ptr, out_ptr, ks_ptr, N: tl.constexpr, D: tl.constexpr, NK: tl.constexpr):
+        rows = tl.arange(0, N)
+        x = tl.load(x_ptr + rows[:, None] * D + tl.arange(0, D)[None, :])
+        for i in tl.static_range(NK):
+            tl.store(out_ptr + i * N + rows, _kth_smallest_abs(x, tl.load(ks_ptr + i)))
+
+    x = hard_rows(16, d)
+    ks = sorted({0, 1, d // 2, clip_index(0.92, d), clip_index(0.96, d), d - 2, d - 1})
+    out = torch.full((len(ks), 16), float("nan"), device=DEVICE)
+    kth[(1,)](x.to(DEVICE), out, torch.tensor(ks, dtype=torch.int32, device=DEVICE), N=16, D=d, NK=len(ks))
+    want = torch.stack([x.abs().kthvalue(k + 1, dim=1).values for k in ks])
+    assert torch.equal(out.cpu(), want), (out.cpu() - want).abs().max()
 
 
 def test_window_holds_sink_and_last_recent_positions():

@@ -396,3 +396,20 @@ def test_replies_are_read_from_vllms_responses_through_the_openai_types(serve_lo
         for choice in openai.types.Completion.construct(**json.loads(chunk.model_dump_json())).choices:
             serve_load.add_choice({0: stream}, choice)
     assert stream.ids == [1, 2, 3] and [sorted(t) for t in stream.top] == [[1, 42], [2, 42], [3, 42]]
+
+
+def test_vllm_process_bytes_counts_the_cached_rope_tables(serve_load):
+    """What the refusal check forgives is exactly the RoPE tables vLLM caches for the process."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT, get_rope
+
+    before = serve_load.vllm_process_bytes("cpu")
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(64, 8191, dtype=torch.bfloat16)
+    try:
+        assert serve_load.vllm_process_bytes("cpu") - before == rope.cos_sin_cache.untyped_storage().nbytes()
+        assert rope.cos_sin_cache.untyped_storage().nbytes() == 8191 * 64 * 2
+        assert serve_load.vllm_process_bytes("cuda") == 0
+    finally:
+        for key in [k for k, v in _ROPE_DICT.items() if v is rope]:
+            del _ROPE_DICT[key]
