@@ -23,11 +23,10 @@ from oscar_vllm.calibration import corpus
 from oscar_vllm.calibration.calibrate import DTYPES
 from oscar_vllm.calibration.evaluate import (
     CACHED_PREFIX_CUTS,
-    METHODS_BY_NAME,
     cached_prefix_reads,
     cached_prefix_workload,
     environment,
-    layer_specs,
+    served_specs,
 )
 from oscar_vllm.calibration.models import load_model
 from oscar_vllm.core.rotation_io import load_rotations
@@ -85,9 +84,7 @@ def main() -> None:
 
     loaded = load_model(None, None, args.device, DTYPES[args.dtype])
     rotations = load_rotations(args.rotations, loaded.shape)
-    # What the backend serves: the file's fitted clip ratios where it has them, FP16 scales.
-    method = METHODS_BY_NAME["oscar-int2-fit" if rotations.clip_ratios_k else "oscar-int2"]
-    oscar = layer_specs(method, {"oscar": rotations}, list(range(loaded.shape.num_layers)))
+    method, oscar = served_specs(rotations, loaded.shape.num_layers)
     _, shared, windows = cached_prefix_workload(corpus.tokenize(loaded.tokenizer, corpus.evaluation_text()).tolist())
     windows = windows[: args.windows]
     nll = cached_prefix_reads(loaded, windows, len(shared), oscar, chunk=args.chunk)

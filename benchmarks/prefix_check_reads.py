@@ -35,10 +35,9 @@ from oscar_vllm.calibration import corpus
 from oscar_vllm.calibration.calibrate import DTYPES
 from oscar_vllm.calibration.evaluate import (
     CACHED_PREFIX_CUTS,
-    METHODS_BY_NAME,
     cached_prefix_workload,
     environment,
-    layer_specs,
+    served_specs,
 )
 from oscar_vllm.calibration.models import MixedCacheHook, attention_hooks, load_model
 from oscar_vllm.core.rotation_io import load_rotations
@@ -171,8 +170,7 @@ def main() -> None:
 
     loaded = load_model(None, None, "cpu", DTYPES[args.dtype])
     rotations = load_rotations(args.rotations, loaded.shape)
-    method = METHODS_BY_NAME["oscar-int2-fit" if rotations.clip_ratios_k else "oscar-int2"]
-    oscar = layer_specs(method, {"oscar": rotations}, list(range(loaded.shape.num_layers)))
+    method, oscar = served_specs(rotations, loaded.shape.num_layers)
     _, _, windows = cached_prefix_workload(corpus.tokenize(loaded.tokenizer, corpus.evaluation_text()).tolist())
     cuts = len(CACHED_PREFIX_CUTS)
     result = {}

@@ -44,7 +44,7 @@ from oscar_vllm.calibration.models import LoadedModel, MixedCacheHook, add_model
 from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
 from oscar_vllm.core.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
-from oscar_vllm.core.rotation_io import OscarRotations, RotationSet, hadamard_rotation_sets, load_rotations
+from oscar_vllm.core.rotation_io import OscarRotations, hadamard_rotation_sets, load_rotations
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,13 @@ def layer_specs(method: Method, rotations: dict[str, OscarRotations], layer_ids:
             method.logit_correction,
         )
     return specs
+
+
+def served_specs(rotations: OscarRotations, num_layers: int) -> tuple[Method, dict[int, LayerCacheSpec]]:
+    """The reference cache as the backend serves ``rotations``: the file's fitted clip ratios
+    where it has them (``oscar-int2-fit``), else the reference's (``oscar-int2``); FP16 scales."""
+    method = METHODS_BY_NAME["oscar-int2-fit" if rotations.clip_ratios_k else "oscar-int2"]
+    return method, layer_specs(method, {"oscar": rotations}, list(range(num_layers)))
 
 
 @dataclass

@@ -2,16 +2,13 @@
 on a tiny random model."""
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
-
 from oscar_vllm.calibration.evaluate import (
     CACHED_PREFIX_TOKENS,
     cached_prefix_reads,
     cached_prefix_workload,
 )
 from oscar_vllm.calibration.models import LoadedModel, MixedCacheHook, attention_hooks
-from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
-from oscar_vllm.core.rotation_io import ModelShape
+from tiny_llama import tiny_llama, tiny_specs
 
 PREFIX, CUTS, LENGTH = 24, (10, 21, 37), 64
 
@@ -31,18 +28,7 @@ def test_workload_shares_the_system_prompt_and_the_prefix():
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    return LoadedModel(model, None, "tiny-llama", ModelShape.from_hf_config(config))
-
-
-def specs(quant: str) -> dict[int, LayerCacheSpec]:
-    g = torch.Generator().manual_seed(1)
-    rotation = [torch.linalg.qr(torch.randn(16, 16, generator=g))[0] for _ in range(4)]
-    return {i: LayerCacheSpec(rotation[2 * i], rotation[2 * i + 1], RowQuantizer(quant), RowQuantizer(quant))
-            for i in range(2)}
+    return tiny_llama()
 
 
 def windows(n: int = 3) -> list[list[int]]:
@@ -63,7 +49,7 @@ def plain_nll(loaded: LoadedModel, ws: list[list[int]], after: bool) -> list[flo
 
 def test_bf16_read_scores_the_tokens_at_and_after_each_cut(tiny):
     ws = windows()
-    nll = cached_prefix_reads(tiny, ws, PREFIX, specs("int2"), sink=4, recent=8, cuts=CUTS)
+    nll = cached_prefix_reads(tiny, ws, PREFIX, tiny_specs("int2"), sink=4, recent=8, cuts=CUTS)
     assert set(nll) == {"bf16", "one_chunk", "chunked", "hit", "hit_chunked", "deep_hit", "deep_hit_ring",
                         "deep_hit_ring_chunked", "decode"}
     for name, after in (("cut", False), ("after", True)):
@@ -73,7 +59,7 @@ def test_bf16_read_scores_the_tokens_at_and_after_each_cut(tiny):
 
 
 def test_lossless_rows_make_every_read_the_same(tiny):
-    nll = cached_prefix_reads(tiny, windows(), PREFIX, specs("bf16"), sink=4, recent=8, cuts=CUTS)
+    nll = cached_prefix_reads(tiny, windows(), PREFIX, tiny_specs("bf16"), sink=4, recent=8, cuts=CUTS)
     for read in ("one_chunk", "chunked", "hit", "hit_chunked", "deep_hit", "deep_hit_ring", "deep_hit_ring_chunked",
                  "decode"):
         for name in ("cut", "after"):
@@ -84,29 +70,29 @@ def test_lossless_rows_make_every_read_the_same(tiny):
 def test_a_hit_quantizes_only_the_prefix_past_the_sink(tiny):
     ws = windows()
     # A sink that covers the whole prefix leaves nothing 2-bit for the chunk after the hit.
-    whole = cached_prefix_reads(tiny, ws, PREFIX, specs("int2"), sink=PREFIX, recent=8, cuts=CUTS)
+    whole = cached_prefix_reads(tiny, ws, PREFIX, tiny_specs("int2"), sink=PREFIX, recent=8, cuts=CUTS)
     assert whole["hit"]["cut"] == whole["one_chunk"]["cut"]
-    part = cached_prefix_reads(tiny, ws, PREFIX, specs("int2"), sink=4, recent=8, cuts=CUTS)
+    part = cached_prefix_reads(tiny, ws, PREFIX, tiny_specs("int2"), sink=4, recent=8, cuts=CUTS)
     gap = (torch.tensor(part["hit"]["cut"]) - torch.tensor(part["one_chunk"]["cut"])).abs().max()
     assert gap > 1e-3
     # A hit brings no recent window: the keys just before the hit are 2-bit whatever `recent` is.
-    wider = cached_prefix_reads(tiny, ws, PREFIX, specs("int2"), sink=4, recent=16, cuts=CUTS)
+    wider = cached_prefix_reads(tiny, ws, PREFIX, tiny_specs("int2"), sink=4, recent=16, cuts=CUTS)
     assert wider["hit"] == part["hit"] and wider["decode"] != part["decode"]
     # Decode reads 2-bit keys from further back than `recent`; with a window over the whole
     # sequence it reads every key in BF16, as one chunk does.
-    full = cached_prefix_reads(tiny, ws, PREFIX, specs("int2"), sink=4, recent=LENGTH, cuts=CUTS)
+    full = cached_prefix_reads(tiny, ws, PREFIX, tiny_specs("int2"), sink=4, recent=LENGTH, cuts=CUTS)
     assert full["decode"]["after"] == full["one_chunk"]["after"]
 
 
 def test_chunked_reads_after_a_hit_find_a_ring_from_the_second_chunk(tiny):
     ws, kw = windows(), dict(sink=4, recent=8, cuts=CUTS)
     # A chunk longer than the window is one chunk, with caching off and after the hit.
-    whole = cached_prefix_reads(tiny, ws, PREFIX, specs("int2"), chunk=LENGTH, **kw)
+    whole = cached_prefix_reads(tiny, ws, PREFIX, tiny_specs("int2"), chunk=LENGTH, **kw)
     assert whole["chunked"] == whole["one_chunk"] and whole["hit_chunked"] == whole["hit"]
     # Chunks of PREFIX tokens: the prefix is one chunk either way. Cuts 10 and 21 end in the
     # first chunk after the hit, which reads as `hit` does; cut 37 ends in the second, whose
     # ring holds the first chunk's last keys in BF16.
-    part = cached_prefix_reads(tiny, ws, PREFIX, specs("int2"), chunk=PREFIX, **kw)
+    part = cached_prefix_reads(tiny, ws, PREFIX, tiny_specs("int2"), chunk=PREFIX, **kw)
     hit, hit_chunked = (torch.tensor(part[r]["cut"]).view(len(ws), len(CUTS)) for r in ("hit", "hit_chunked"))
     torch.testing.assert_close(hit_chunked[:, :2], hit[:, :2], atol=1e-6, rtol=0)
     assert (hit_chunked[:, 2] - hit[:, 2]).abs().max() > 1e-3
@@ -116,7 +102,7 @@ def test_chunked_reads_after_a_hit_find_a_ring_from_the_second_chunk(tiny):
 
 def test_chunk_starts_on_a_grid_are_prefill_chunks(tiny):
     ids = torch.tensor(windows(1)[0])[None]
-    spec = specs("int2")
+    spec = tiny_specs("int2")
 
     def logits(**kw):
         with attention_hooks(tiny.model, lambda i: MixedCacheHook(spec[i], 4, 8, **kw)), torch.no_grad():
@@ -135,7 +121,7 @@ def test_a_deep_hit_reads_2_bit_up_to_itself_and_the_trimmed_hit_its_ring_in_bf1
     hit a block shorter, which moves what the prompt's last position reads. With a sink over the
     whole window every read is the one-chunk read."""
     ws, kw = windows(), dict(sink=4, recent=8, cuts=CUTS, block=8)
-    part = cached_prefix_reads(tiny, ws, PREFIX, specs("int2"), chunk=LENGTH, **kw)
+    part = cached_prefix_reads(tiny, ws, PREFIX, tiny_specs("int2"), chunk=LENGTH, **kw)
     for read in ("deep_hit", "deep_hit_ring"):
         gap = (torch.tensor(part[read]["cut"]) - torch.tensor(part["one_chunk"]["cut"])).abs().max()
         assert gap > 1e-3, read  # 2-bit keys between the sink and the hit
@@ -144,6 +130,6 @@ def test_a_deep_hit_reads_2_bit_up_to_itself_and_the_trimmed_hit_its_ring_in_bf1
     # than the rest of the window changes nothing.
     assert part["deep_hit_ring_chunked"] == part["deep_hit_ring"]
     # A sink over the whole window: every read is the one-chunk read.
-    whole = cached_prefix_reads(tiny, ws, PREFIX, specs("int2"), chunk=LENGTH, sink=LENGTH, recent=8, cuts=CUTS,
+    whole = cached_prefix_reads(tiny, ws, PREFIX, tiny_specs("int2"), chunk=LENGTH, sink=LENGTH, recent=8, cuts=CUTS,
                                 block=8)
     assert whole["deep_hit"]["cut"] == whole["deep_hit_ring"]["cut"] == whole["one_chunk"]["cut"]
