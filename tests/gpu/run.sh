@@ -8,6 +8,8 @@
 #           then the Triton kernels' (oscar_attention.py)
 #   ab      benchmarks/ab_throughput.py: OSCAR against vLLM's KV caches, one engine each
 #   profile where a decode step's time goes inside vLLM, OSCAR and FLASH_ATTN (profile_decode.py)
+#   ncu     Nsight Compute at batch 1 (Qwen3-8B shape): the decode write against reshape_and_cache_flash,
+#           decode attention and its merge against FA3 at 1 x 1K (speed of light, warp states, occupancy)
 #   suite   the whole test suite on the GPU
 #   ppl     SmolLM2 perplexity through OSCAR (fp32 eager, bf16 with CUDA graphs) only
 #   e2e     vLLM end to end: SmolLM2 perplexity through OSCAR vs the reference simulation,
@@ -77,6 +79,18 @@ for stage in $stages; do
       { python3 benchmarks/profile_decode.py --backend OSCAR ${OSCAR_PROFILE_ARGS:-} &&
         python3 benchmarks/profile_decode.py --backend FLASH_ATTN ${OSCAR_PROFILE_ARGS:-}; } 2>&1 |
         grep -v EngineCore | tee "$out/profile.log" || status=1 ;;
+    ncu)
+      # One ncu per kernel family: its -c limit counts every matching launch, warm-ups included.
+      (
+        ncu="${NCU:-/usr/local/cuda/bin/ncu} --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats"
+        cd benchmarks/kernels &&
+          $ncu -k 'regex:oscar_write_decode|reshape_and_cache' -c 4 \
+            python3 oscar_write.py --out /tmp/oscar-ncu --shapes qwen3-8b --tokens 1 &&
+          for kernels in '_oscar_decode_kernel|_merge_splits' '[Ff]lash'; do
+            $ncu -k "regex:$kernels" -c 6 \
+              python3 oscar_decode.py decode --shapes qwen3-8b --batches 1 --contexts 1024 --out /tmp/oscar-ncu || exit 1
+          done
+      ) > "$out/ncu.txt" 2>&1 || status=1 ;;
     ab)
       python3 benchmarks/ab_throughput.py --out "$out/ab" ${OSCAR_AB_ARGS:-} 2>&1 | tee "$out/ab.log" || status=1 ;;
     ppl)
