@@ -195,6 +195,17 @@ def add_choice(replies: dict[int, Reply], choice) -> None:
         reply.top.extend({token_id(k): v for k, v in (d or {}).items()} for d in choice.logprobs.top_logprobs)
 
 
+def error_chain(e: BaseException, depth: int = 3) -> str:
+    """An exception and what raised it: the openai client's ``APIConnectionError`` says only
+    "Connection error."; the httpx error under it says whether the server refused, closed or
+    timed out."""
+    parts = []
+    while e is not None and len(parts) < depth:
+        parts.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__ or e.__context__
+    return " <- ".join(parts)
+
+
 async def send(client, req: Request, stream: bool | None = None) -> dict:
     """One request; for a ``cancel`` one, the connection is closed after ``cancel_after`` chunks."""
     stream = req.stream if stream is None else stream
@@ -217,8 +228,7 @@ async def send(client, req: Request, stream: bool | None = None) -> dict:
             for choice in response.choices:
                 add_choice(replies, choice)
     except Exception as e:  # a failed request is a result, counted and shown
-        return {"index": req.index, "ok": False, "error": f"{type(e).__name__}: {e}"[:300],
-                "latency": time.perf_counter() - t0}
+        return {"index": req.index, "ok": False, "error": error_chain(e)[:300], "latency": time.perf_counter() - t0}
     choices = [replies[i] for i in range(req.n)]
     ok = all(len(c.ids) == req.max_tokens for c in choices)
     return {"index": req.index, "ok": ok, "choices": choices, "latency": time.perf_counter() - t0,
@@ -298,7 +308,8 @@ async def load_phases(server: Server, args, mix, alone_reqs, graphs, repeats) ->
     t0 = time.perf_counter()
     loaded = await send_all(client, mix, args.concurrency)
     out["load_seconds"] = round(time.perf_counter() - t0, 1)
-    out["failed"] = [{"index": r["index"], "error": r.get("error")} for r in loaded if not r["ok"]]
+    out["failed"] = [{"index": r["index"], "error": r.get("error"), "seconds": round(r["latency"], 3)}
+                     for r in loaded if not r["ok"]]
     out["cancelled"] = sum(bool(r.get("cancelled")) for r in loaded)
     out["after_load"] = await idle_state(server, client)
     # Cancellations alone: long streams closed after a few chunks, then idle again.
@@ -686,11 +697,7 @@ def cmd_refuse(args) -> None:
         try:
             start()
         except Exception as e:  # the refusal under test, with what it was raised from
-            chain, cause = [], e
-            while cause is not None and len(chain) < 4:
-                chain.append(f"{type(cause).__name__}: {cause}")
-                cause = cause.__cause__ or cause.__context__
-            return " <- ".join(chain)
+            return error_chain(e, depth=4)
         return None
 
     def measure(kind: str, error: str | None, expect: str) -> None:

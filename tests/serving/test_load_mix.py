@@ -413,3 +413,23 @@ def test_vllm_process_bytes_counts_the_cached_rope_tables(serve_load):
     finally:
         for key in [k for k, v in _ROPE_DICT.items() if v is rope]:
             del _ROPE_DICT[key]
+
+
+def test_a_failed_request_names_what_the_client_error_wraps(serve_load):
+    """The load check's one failure on both backends was an ``APIConnectionError`` with no more
+    said; a failed request now carries the errors under it and how long it took."""
+    import asyncio
+
+    class Refusing:
+        class completions:
+            @staticmethod
+            async def create(**kwargs):
+                try:
+                    raise ConnectionResetError("peer closed the kept-alive connection")
+                except ConnectionResetError as e:
+                    raise RuntimeError("Connection error.") from e
+
+    got = asyncio.run(serve_load.send(Refusing(), load_mix.Request(3, [1, 2, 3], 4, stream=False)))
+    assert got["ok"] is False and got["index"] == 3 and got["latency"] >= 0
+    assert got["error"] == ("RuntimeError: Connection error. <- ConnectionResetError: peer closed the "
+                            "kept-alive connection")
