@@ -15,7 +15,6 @@ blocks in vLLM's check), as it was before (no ring) and as it is now (the hit a 
 Writes ``cached_prefix_reads.{md,json}`` into ``--out``.
 """
 import argparse
-import json
 import math
 from pathlib import Path
 
@@ -26,6 +25,8 @@ from oscar_vllm.calibration.evaluate import (
     cached_prefix_reads,
     cached_prefix_workload,
     environment,
+    report_header,
+    save_report,
     served_specs,
 )
 from oscar_vllm.calibration.models import load_model
@@ -59,9 +60,7 @@ def report(nll: dict, meta: dict) -> str:
         rows.append(f"| {read} | {what.format(chunk=meta['chunk'])} | {cells[0]} | {cells[1]} |")
     return "\n".join([
         "# Cached-prefix reads in the reference cache", "",
-        f"- date: {meta['date']}; hardware: {meta['hardware']}; model: {meta['model']} ({meta['dtype']})",
-        f"- command: `{meta['command']}`",
-        f"- {meta['versions']}",
+        *report_header(meta),
         f"- rotations: {meta['rotations']} ({meta['method']}); sink {meta['sink']}, recent {meta['recent']}",
         f"- windows: {meta['windows']} of a shared {meta['prefix']}-token prefix plus distinct held-out text "
         f"({corpus.EVALUATION_NAME}), cut at prefix + {', '.join(map(str, meta['cuts']))}: "
@@ -92,11 +91,7 @@ def main() -> None:
             "rotations": str(args.rotations), "method": method.name, "sink": 64, "recent": 256,
             "prefix": len(shared), "windows": len(windows), "cuts": list(CACHED_PREFIX_CUTS), "chunk": args.chunk,
             "tokens": len(windows) * len(CACHED_PREFIX_CUTS)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cached_prefix_reads.json").write_text(json.dumps({"meta": meta, "nll": nll}) + "\n")
-    text = report(nll, meta)
-    (args.out / "cached_prefix_reads.md").write_text(text)
-    print(text)
+    save_report(args.out, "cached_prefix_reads", {"meta": meta, "nll": nll}, report(nll, meta))
 
 
 if __name__ == "__main__":

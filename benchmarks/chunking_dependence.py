@@ -15,7 +15,6 @@ Writes ``chunking.{md,json}`` into ``--out``.
 """
 import argparse
 import itertools
-import json
 import math
 from pathlib import Path
 
@@ -24,18 +23,27 @@ from tqdm import tqdm
 
 from oscar_vllm.calibration import corpus
 from oscar_vllm.calibration.calibrate import DTYPES, split_sequences
-from oscar_vllm.calibration.evaluate import METHODS_BY_NAME, REFERENCE, environment, layer_specs, served_specs
+from oscar_vllm.calibration.evaluate import (
+    METHODS_BY_NAME,
+    REFERENCE,
+    environment,
+    layer_specs,
+    report_header,
+    save_report,
+    served_specs,
+)
 from oscar_vllm.calibration.models import MixedCacheHook, attention_hooks, load_model
 from oscar_vllm.core.rotation_io import load_rotations
 
 CHUNKS = (256, 512, 2048)
+SINK, RECENT = 64, 256  # the backend's defaults
 
 
 def reads(chunks: tuple[int, ...]) -> dict[str, str]:
     """Each read's name and what it is."""
     out = {"bf16": "BF16 cache (no chunk changes what it reads)"}
     out.update({f"chunk_{c}": f"OSCAR, prefilled in chunks of {c}" for c in chunks})
-    out["decode"] = "OSCAR, as decode reads: sink and last 256 BF16, the rest 2-bit (chunk-independent)"
+    out["decode"] = f"OSCAR, as decode reads: sink and last {RECENT} BF16, the rest 2-bit (chunk-independent)"
     return out
 
 
@@ -62,16 +70,15 @@ def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 
 def report(result: dict, meta: dict) -> str:
-    names = list(reads(tuple(meta["chunks"])))
-    rows = [f"| {n} | {reads(tuple(meta['chunks']))[n]} | {result['ppl'][n]:.3f} "
+    described = reads(tuple(meta["chunks"]))
+    names = list(described)
+    rows = [f"| {n} | {described[n]} | {result['ppl'][n]:.3f} "
             f"({100 * (result['ppl'][n] / result['ppl']['bf16'] - 1):+.2f}%) |" for n in names]
     pairs = [f"| {a} | {b} | {100 * result['pairs'][f'{a}/{b}']['top1_differs']:.2f}% | "
              f"{result['pairs'][f'{a}/{b}']['kl']:.4f} |" for a, b in itertools.combinations(names[1:], 2)]
     return "\n".join([
         "# Where vLLM cuts a prompt into chunks changes what OSCAR predicts", "",
-        f"- date: {meta['date']}; hardware: {meta['hardware']}; model: {meta['model']} ({meta['dtype']})",
-        f"- command: `{meta['command']}`",
-        f"- {meta['versions']}",
+        *report_header(meta),
         f"- rotations: {meta['rotations']} ({meta['method']}); sink {meta['sink']}, recent {meta['recent']}",
         f"- {meta['windows']} windows of {meta['context']} tokens of held-out text ({corpus.EVALUATION_NAME}): "
         f"{meta['tokens']:,} predicted positions per read",
@@ -107,7 +114,7 @@ def main() -> None:
     tokens = 0
     for window in tqdm(windows, desc="windows", unit="window"):
         window = window.to(args.device)
-        logp = read_logprobs(loaded, window, oscar, bf16, chunks, 64, 256)  # a window's at a time: 0.4 GB a read
+        logp = read_logprobs(loaded, window, oscar, bf16, chunks, SINK, RECENT)  # a window at a time: 0.4 GB a read
         n = window.numel() - 1
         tokens += n
         for name in names:
@@ -118,13 +125,9 @@ def main() -> None:
     result = {"ppl": {n: math.exp(nll[n] / tokens) for n in names},
               "pairs": {pair: {k: v / tokens for k, v in s.items()} for pair, s in sums.items()}}
     meta = {**environment("python benchmarks/chunking_dependence.py"), "model": loaded.name, "dtype": args.dtype,
-            "rotations": str(args.rotations), "method": method.name, "sink": 64, "recent": 256,
+            "rotations": str(args.rotations), "method": method.name, "sink": SINK, "recent": RECENT,
             "context": args.context, "windows": len(windows), "chunks": list(chunks), "tokens": tokens}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "chunking.json").write_text(json.dumps({"meta": meta, **result}, indent=1) + "\n")
-    text = report(result, meta)
-    (args.out / "chunking.md").write_text(text)
-    print(text)
+    save_report(args.out, "chunking", {"meta": meta, **result}, report(result, meta), indent=1)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ from oscar_vllm.calibration.evaluate import (
     CACHED_PREFIX_CUTS,
     cached_prefix_workload,
     environment,
+    report_header,
+    save_report,
     served_specs,
 )
 from oscar_vllm.calibration.models import MixedCacheHook, attention_hooks, load_model
@@ -147,9 +149,7 @@ def report(result: dict, meta: dict) -> str:
                     f"| {100 * se:.2f}% |")
     return "\n".join([
         "# The vLLM prefix check at small chunks, in the reference cache", "",
-        f"- date: {meta['date']}; hardware: {meta['hardware']}; model: {meta['model']} ({meta['dtype']})",
-        f"- command: `{meta['command']}`",
-        f"- {meta['versions']}",
+        *report_header(meta),
         f"- rotations: {meta['rotations']} ({meta['method']}); sink 64, recent 256; prefill chunks of {meta['chunk']}",
         f"- the check's first {meta['windows']} windows of 23 ({meta['tokens']} of its 207 scored tokens), hits and "
         "chunks from vLLM's scheduler run on the CPU with the OSCAR hooks",
@@ -190,11 +190,7 @@ def main() -> None:
     meta = {**environment("python benchmarks/prefix_check_reads.py"), "model": loaded.name, "dtype": args.dtype,
             "rotations": str(args.rotations), "method": method.name, "chunk": args.chunk, "windows": args.windows,
             "tokens": args.windows * cuts}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prefix_check_reads.json").write_text(json.dumps({"meta": meta, "result": result}) + "\n")
-    text = report(result, meta)
-    (args.out / "prefix_check_reads.md").write_text(text)
-    print(text)
+    save_report(args.out, "prefix_check_reads", {"meta": meta, "result": result}, report(result, meta))
 
 
 if __name__ == "__main__":

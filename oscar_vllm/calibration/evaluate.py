@@ -401,6 +401,22 @@ def environment(prog: str = "oscar-evaluate") -> dict:
     }
 
 
+def report_header(meta: dict) -> list[str]:
+    """The lines a reference-cache report opens with: when, where and what ran (``environment``
+    plus the run's ``model`` and ``dtype``)."""
+    return [f"- date: {meta['date']}; hardware: {meta['hardware']}; model: {meta['model']} ({meta['dtype']})",
+            f"- command: `{meta['command']}`",
+            f"- {meta['versions']}"]
+
+
+def save_report(out_dir: Path, stem: str, data: dict, text: str, indent: int | None = None) -> None:
+    """``STEM.json`` (``data``) and ``STEM.md`` (``text``) into ``out_dir``, and the text printed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=indent) + "\n")
+    (out_dir / f"{stem}.md").write_text(text)
+    print(text)
+
+
 def markdown_table(results: dict[str, dict]) -> str:
     cols = ["method", "rotation", "quantizer", "clip", "scale/zero", "windows", "PPL", "ΔPPL", "KL", "top-1"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

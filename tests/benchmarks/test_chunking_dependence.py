@@ -1,5 +1,6 @@
 """benchmarks/chunking_dependence.py on a tiny random model: each read is what it says, and
 the comparison counts what it says."""
+import json
 import sys
 from pathlib import Path
 
@@ -39,3 +40,17 @@ def test_compare_counts_differing_greedy_tokens_and_kl():
     assert got["top1_differs"] == 0.5
     want = (a.exp() * (a - b)).sum(-1).mean()
     assert abs(got["kl"] - float(want)) < 1e-6 and got["kl"] > 0
+
+
+def test_reports_are_saved_as_json_and_markdown_with_one_header(tmp_path, capsys):
+    """The reference-cache benchmarks' shared ending: the data, the text, the text printed."""
+    from oscar_vllm.calibration.evaluate import environment, report_header, save_report
+
+    meta = {**environment("python benchmarks/x.py"), "model": "tiny-llama", "dtype": "float32"}
+    header = report_header(meta)
+    assert header[0].startswith(f"- date: {meta['date']}; hardware: ") and header[0].endswith("model: tiny-llama (float32)")
+    assert header[1:] == [f"- command: `{meta['command']}`", f"- {meta['versions']}"]
+    save_report(tmp_path / "out", "x", {"meta": meta, "a": [1, 2]}, "# X\n", indent=1)
+    assert json.loads((tmp_path / "out" / "x.json").read_text()) == {"meta": meta, "a": [1, 2]}
+    assert (tmp_path / "out" / "x.json").read_text().startswith('{\n "meta"')
+    assert (tmp_path / "out" / "x.md").read_text() == "# X\n" and capsys.readouterr().out == "# X\n\n"

@@ -713,9 +713,9 @@ def cmd_refuse(args) -> None:
         print(json.dumps(row), flush=True)
         if not row["refused"]:
             failures.append(f"{kind}: expected an error saying {expect!r}, got {row['error']}")
-        if row["allocated_delta"] - row["vllm_process_bytes"]:
-            failures.append(f"{kind}: {row['allocated_delta'] - row['vllm_process_bytes']} bytes of GPU memory left "
-                            "allocated beyond vLLM's process-wide caches")
+        left = row["allocated_delta"] - row["vllm_process_bytes"]
+        if left:
+            failures.append(f"{kind}: {left} bytes of GPU memory left allocated beyond vLLM's process-wide caches")
 
     for kind, kwargs, expect, env in refusal_cases(args, scratch):
         saved = {k: os.environ.get(k) for k in env}
