@@ -262,6 +262,24 @@ def soak_rows(events: list[dict], samples: list[dict], interval: float) -> list[
     return rows
 
 
+def failure_summary(events: list[dict]) -> list[dict]:
+    """Failed requests grouped by their error (its first 160 characters), most frequent first: how
+    many, when the first and last ended (seconds from the start), how long they had run (median,
+    longest; a request that fails at once never reached the server's reply), and how many were
+    streamed. ``events``: {"end", "latency", "ok", "error", "stream"}."""
+    groups: dict[str, list[dict]] = {}
+    for e in events:
+        if not e["ok"]:
+            groups.setdefault((e.get("error") or "no error text")[:160], []).append(e)
+    rows = []
+    for error, es in groups.items():
+        ends, lat = [e["end"] for e in es], [e["latency"] for e in es]
+        rows.append({"error": error, "count": len(es), "first_end_s": min(ends), "last_end_s": max(ends),
+                     "latency_p50_s": percentile(lat, 0.5), "latency_max_s": max(lat),
+                     "streamed": sum(bool(e.get("stream")) for e in es)})
+    return sorted(rows, key=lambda r: -r["count"])
+
+
 def growth(rows: list[dict], key: str, skip: int = 1) -> float | None:
     """How much ``key`` grew from the first row after ``skip`` warm-up rows to the last."""
     values = [r[key] for r in rows[skip:] if r.get(key) is not None]

@@ -30,7 +30,8 @@
 #           against the same requests alone, idle KV blocks and window pages after load and
 #           cancellations, the same batch 20 times, CUDA graphs against eager (OSCAR_LOAD_ARGS;
 #           --backends FLASH_ATTN, then --backends OSCAR, splits it into two calls)
-#   soak    OSCAR_SOAK_MINUTES (8) of mixed load on an OSCAR server: soak.csv, soak.png, soak.md
+#   soak    OSCAR_SOAK_MINUTES (8) of mixed load on an OSCAR server: soak-OSCAR.csv, .png, .md; with
+#           OSCAR_SOAK_ARGS="--backend FLASH_ATTN" the same for FLASH_ATTN, the comparison
 #   tp2     TP=2 against TP=1, seeded Qwen3-architecture checkpoint (needs 2 GPUs; OSCAR_TP2_ARGS)
 #           (these four: tests/gpu/serve_load.py, docs/reliability.md; output in OUT_DIR/reliability)
 #   fidelity  the core issue's GPU fidelity benchmark

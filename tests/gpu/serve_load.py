@@ -12,7 +12,7 @@ markdown summary (and its data) into ``--out``; it exits non-zero when a check f
           any captured size
   soak    N minutes of mixed load on an OSCAR server at full concurrency, sampled per interval
           (requests completed and failed, p50/p99 latency, GPU memory, server RSS, window pages,
-          KV usage): soak.csv, soak.png, soak.md
+          KV usage): soak-BACKEND.csv, .png, .md (and -failures.csv)
   tp2     a Qwen3-architecture checkpoint (8 KV heads, head_dim 128) written once with a fixed
           seed, served at TP=1 and TP=2 with FLASH_ATTN and with OSCAR (per-layer and per-head
           rotations): OSCAR's TP=2 against TP=1 agreement against FLASH_ATTN's; each rank's capacity
@@ -41,6 +41,7 @@ from load_mix import (  # noqa: E402
     Request,
     build_mix,
     compare,
+    failure_summary,
     growth,
     identical_runs,
     mix_summary,
@@ -195,10 +196,10 @@ def add_choice(replies: dict[int, Reply], choice) -> None:
         reply.top.extend({token_id(k): v for k, v in (d or {}).items()} for d in choice.logprobs.top_logprobs)
 
 
-def error_chain(e: BaseException, depth: int = 3) -> str:
+def error_chain(e: BaseException, depth: int = 6) -> str:
     """An exception and what raised it: the openai client's ``APIConnectionError`` says only
-    "Connection error."; the httpx error under it says whether the server refused, closed or
-    timed out."""
+    "Connection error."; the httpx and httpcore errors under it say whether the server refused,
+    closed or timed out, and the socket error under those (a reset, a closed stream) which."""
     parts = []
     while e is not None and len(parts) < depth:
         parts.append(f"{type(e).__name__}: {e}")
@@ -265,13 +266,13 @@ async def idle_state(server: Server, client, timeout: float = 120) -> dict:
     while True:
         await send(client, Request(-1, [1, 2, 3, 4], 1, stream=False))
         await asyncio.sleep(1.5)
-        m = server.metrics()
+        m = await asyncio.to_thread(server.metrics)
         busy = (prometheus_value(m, "vllm:num_requests_running") or 0) + (prometheus_value(m, "vllm:num_requests_waiting") or 0)
         if not busy:
             break
         if time.time() - t0 > timeout:
             return {"settled": False, "busy": busy}
-    pages = window_pages_logged(server.log_text())
+    pages = window_pages_logged(await asyncio.to_thread(server.log_text))
     return {"settled": True, "kv_cache_usage": prometheus_value(m, "vllm:kv_cache_usage_perc"),
             "window_pages_last_logged": pages[-1] if pages else None,
             "window_pages_peak_logged": max(pages) if pages else None}
@@ -308,7 +309,9 @@ async def load_phases(server: Server, args, mix, alone_reqs, graphs, repeats) ->
     t0 = time.perf_counter()
     loaded = await send_all(client, mix, args.concurrency)
     out["load_seconds"] = round(time.perf_counter() - t0, 1)
-    out["failed"] = [{"index": r["index"], "error": r.get("error"), "seconds": round(r["latency"], 3)}
+    by_index = {r.index: r for r in mix}
+    out["failed"] = [{"index": r["index"], "error": r.get("error"), "seconds": round(r["latency"], 3),
+                      "stream": by_index[r["index"]].stream, "prompt_tokens": len(by_index[r["index"]].prompt)}
                      for r in loaded if not r["ok"]]
     out["cancelled"] = sum(bool(r.get("cancelled")) for r in loaded)
     out["after_load"] = await idle_state(server, client)
@@ -491,24 +494,29 @@ async def soak_load(server: Server, args, mix: list[Request]) -> tuple[list[dict
             r = mix[next(counter) % len(mix)]
             res = await send(client, r)
             events.append({"end": time.perf_counter() - t_start, "latency": res["latency"], "ok": res["ok"],
-                           "cancelled": bool(res.get("cancelled")), "error": res.get("error")})
+                           "cancelled": bool(res.get("cancelled")), "error": res.get("error"), "index": r.index,
+                           "kind": r.kind, "stream": r.stream, "prompt_tokens": len(r.prompt),
+                           "max_tokens": r.max_tokens})
             if not res["ok"]:
                 await asyncio.sleep(1)  # a failing server is not hammered
+
+    def readings() -> dict:
+        try:
+            m = server.metrics()
+        except Exception:  # the server is gone: its row says so with empty readings
+            m = ""
+        pages = window_pages_logged(server.log_text())
+        return {"gpu_memory_gib": (gpu_memory_used() or 0) / 2**30, "server_rss_gib": server.rss_bytes() / 2**30,
+                "window_pages": pages[-1] if pages else None,
+                "kv_cache_usage": prometheus_value(m, "vllm:kv_cache_usage_perc"),
+                "running": prometheus_value(m, "vllm:num_requests_running")}
 
     async def sampler():
         k = 1
         while True:
             await asyncio.sleep(max(0.0, t_start + k * args.interval - time.perf_counter()))
-            try:
-                m = server.metrics()
-            except Exception:  # the server is gone: its row says so with empty readings
-                m = ""
-            pages = window_pages_logged(server.log_text())
-            samples.append({"t": time.perf_counter() - t_start, "gpu_memory_gib": (gpu_memory_used() or 0) / 2**30,
-                            "server_rss_gib": server.rss_bytes() / 2**30,
-                            "window_pages": pages[-1] if pages else None,
-                            "kv_cache_usage": prometheus_value(m, "vllm:kv_cache_usage_perc"),
-                            "running": prometheus_value(m, "vllm:num_requests_running")})
+            # In a thread: the workers' streams keep being read while /metrics answers.
+            samples.append({"t": time.perf_counter() - t_start, **await asyncio.to_thread(readings)})
             k += 1
             if time.perf_counter() >= stop_at:
                 return
@@ -557,6 +565,41 @@ def soak_plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def failures_table(groups: list[dict]) -> list[str]:
+    """Markdown lines for ``failure_summary``'s groups (none when nothing failed)."""
+    if not groups:
+        return []
+    lines = ["Failed requests by error (seconds from the start; how long they had run):", "",
+             "| error | count | streamed | first, last end (s) | ran p50, max (s) |", "|---|---|---|---|---|"]
+    for g in groups:
+        lines.append(f"| {g['error'].replace('|', '/')} | {g['count']} | {g['streamed']} | {g['first_end_s']:.1f}, "
+                     f"{g['last_end_s']:.1f} | {g['latency_p50_s']:.2f}, {g['latency_max_s']:.2f} |")
+    return [*lines, ""]
+
+
+def soak_title(backend: str, concurrency: int, minutes: float) -> str:
+    return f"{backend} soak, SmolLM2-135M, concurrency {concurrency}, {minutes} min"
+
+
+def soak_markdown(meta: dict) -> str:
+    """The soak's report from its RESULT record (``cmd_soak``); the plot is ``soak-BACKEND.png`` beside it."""
+    rows, checks, failures = meta["rows"], meta["checks"], meta["failures"]
+    table = ["| minute | completed | failed | p50 (s) | p99 (s) | GPU memory (GiB) | server RSS (GiB) | window pages "
+             "| KV usage |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        table.append(f"| {r['minute']} | {r['completed']} | {r['failed']} | {r['p50_s'] or 0:.2f} | {r['p99_s'] or 0:.2f} "
+                     f"| {r['gpu_memory_gib']:.2f} | {r['server_rss_gib']:.2f} | {r['window_pages']} "
+                     f"| {100 * (r['kv_cache_usage'] or 0):.1f}% |")
+    idle = checks["idle"]
+    return "\n".join([
+        f"# Soak: {soak_title(meta['backend'], meta['concurrency'], meta['minutes'])}", "",
+        f"{meta['date']}, {meta['hardware']}, `{meta['command']}`; {meta['versions']}; {meta['requests']} requests "
+        f"({meta['cancelled']} closed mid-stream on purpose), server start {meta['start_seconds']} s", "",
+        *table, "", f"Idle before: {json.dumps(idle['baseline'])}; idle after: {json.dumps(idle['idle'])}", "",
+        *failures_table(checks.get("failures_by_error", [])),
+        "Checks: " + ("all passed" if not failures else "FAILED: " + "; ".join(failures)), ""])
+
+
 def cmd_soak(args) -> None:
     import csv
 
@@ -572,13 +615,20 @@ def cmd_soak(args) -> None:
         started = server.wait_ready()
         events, samples, idle = asyncio.run(soak_load(server, args, mix))
     rows = soak_rows(events, samples, args.interval)
-    with open(out / "soak.csv", "w", newline="") as f:
+    name = f"soak-{args.backend}"  # FLASH_ATTN's soak, the comparison, beside OSCAR's
+    with open(out / f"{name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     failed = [e for e in events if not e["ok"]]
-    checks = {"failed_requests": len(failed), "gpu_memory_growth_gib": growth(rows, "gpu_memory_gib"),
-              "rss_growth_gib": growth(rows, "server_rss_gib"), "idle": idle}
+    if failed:
+        with open(out / f"{name}-failures.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(failed[0]))
+            writer.writeheader()
+            writer.writerows(failed)
+    checks = {"failed_requests": len(failed), "failures_by_error": failure_summary(events),
+              "gpu_memory_growth_gib": growth(rows, "gpu_memory_gib"), "rss_growth_gib": growth(rows, "server_rss_gib"),
+              "idle": idle}
     failures = []
     if failed:
         failures.append(f"{len(failed)} requests failed, first: {failed[0]['error']}")
@@ -592,22 +642,11 @@ def cmd_soak(args) -> None:
     base = idle["baseline"].get("kv_cache_usage") or 0
     if not idle["idle"].get("settled") or (idle["idle"].get("kv_cache_usage") or 0) > base + 1e-9:
         failures.append(f"KV cache usage when idle {idle['idle'].get('kv_cache_usage')}, at the start {base}")
-    title = f"{args.backend} soak, SmolLM2-135M, concurrency {args.concurrency}, {args.minutes} min"
-    soak_plot(rows, out / "soak.png", title)
+    soak_plot(rows, out / f"{name}.png", soak_title(args.backend, args.concurrency, args.minutes))
     meta = result(check="soak", backend=args.backend, minutes=args.minutes, concurrency=args.concurrency,
                   start_seconds=round(started, 1), requests=len(events), cancelled=sum(e["cancelled"] for e in events),
                   rows=rows, checks=checks, failures=failures)
-    table = ["| minute | completed | failed | p50 (s) | p99 (s) | GPU memory (GiB) | server RSS (GiB) | window pages "
-             "| KV usage |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        table.append(f"| {r['minute']} | {r['completed']} | {r['failed']} | {r['p50_s'] or 0:.2f} | {r['p99_s'] or 0:.2f} "
-                     f"| {r['gpu_memory_gib']:.2f} | {r['server_rss_gib']:.2f} | {r['window_pages']} "
-                     f"| {100 * (r['kv_cache_usage'] or 0):.1f}% |")
-    (out / "soak.md").write_text("\n".join([
-        f"# Soak: {title}", "", f"{meta['date']}, {meta['hardware']}, `{meta['command']}`; {meta['versions']}", "",
-        "![soak](soak.png)", "", *table, "",
-        f"Idle before: {json.dumps(idle['baseline'])}; idle after: {json.dumps(idle['idle'])}", "",
-        "Checks: " + ("all passed" if not failures else "FAILED: " + "; ".join(failures)), ""]))
+    (out / f"{name}.md").write_text(soak_markdown(meta))
     if failures:
         raise SystemExit("soak: " + "; ".join(failures))
 

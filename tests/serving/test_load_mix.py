@@ -18,6 +18,7 @@ from load_mix import (  # noqa: E402
     Reply,
     build_mix,
     compare,
+    failure_summary,
     first_divergence,
     growth,
     identical_runs,
@@ -211,6 +212,38 @@ def test_soak_rows_per_interval():
     assert rows[0] == {"minute": 1.0, "completed": 2, "failed": 1, "p50_s": 2.0, "p99_s": pytest.approx(2.98),
                        "gpu_memory_gib": 10.0}
     assert rows[1]["completed"] == 1 and rows[1]["minute"] == 2.0 and soak_rows(events, [], 60) == []
+
+
+def test_failures_are_grouped_by_error(serve_load):
+    reset = "APIConnectionError: Connection error. <- ReadError:  <- BrokenResourceError:  <- ConnectionResetError: x"
+    events = [{"end": 5, "latency": 1.0, "ok": True, "stream": True},
+              {"end": 70, "latency": 0.01, "ok": False, "error": reset, "stream": True},
+              {"end": 30, "latency": 0.03, "ok": False, "error": reset, "stream": False},
+              {"end": 80, "latency": 12.0, "ok": False, "error": "lengths [3], asked 9", "stream": True},
+              {"end": 90, "latency": 4.0, "ok": False, "error": None}]
+    groups = failure_summary(events)
+    assert [g["count"] for g in groups] == [2, 1, 1] and groups[0]["error"] == reset[:160]
+    assert (groups[0]["first_end_s"], groups[0]["last_end_s"], groups[0]["streamed"]) == (30, 70, 1)
+    assert groups[0]["latency_p50_s"] == pytest.approx(0.02) and groups[0]["latency_max_s"] == 0.03
+    assert {g["error"] for g in groups[1:]} == {"lengths [3], asked 9", "no error text"}
+    assert failure_summary(events[:1]) == [] and serve_load.failures_table([]) == []
+    table = serve_load.failures_table(groups)
+    assert len(table) == 4 + 3 + 1 and "| 2 | 1 | 30.0, 70.0 | 0.02, 0.03 |" in table[4]
+
+
+def test_the_soak_report_renders_from_its_record(serve_load):
+    row = {"minute": 1.0, "completed": 9, "failed": 1, "p50_s": 2.0, "p99_s": None, "gpu_memory_gib": 50.0,
+           "server_rss_gib": 3.0, "window_pages": 40, "kv_cache_usage": 0.5, "running": 7.0}
+    idle = {"settled": True, "kv_cache_usage": 0.0, "window_pages_last_logged": 0}
+    meta = {"backend": "FLASH_ATTN", "concurrency": 256, "minutes": 1.0, "date": "d", "hardware": "h", "command": "c",
+            "versions": "v", "requests": 10, "cancelled": 2, "start_seconds": 99.0, "rows": [row],
+            "checks": {"idle": {"baseline": idle, "idle": idle},
+                       "failures_by_error": failure_summary([{"end": 3, "latency": 1, "ok": False, "error": "E"}])},
+            "failures": ["1 requests failed, first: E"]}
+    text = serve_load.soak_markdown(meta)
+    assert text.startswith("# Soak: FLASH_ATTN soak, SmolLM2-135M, concurrency 256, 1.0 min")
+    assert "| 1.0 | 9 | 1 | 2.00 | 0.00 | 50.00 | 3.00 | 40 | 50.0% |" in text and "| E | 1 | 0 | 3.0, 3.0 |" in text
+    assert text.rstrip().endswith("FAILED: 1 requests failed, first: E") and "![" not in text
 
 
 def test_the_soak_plot_is_written(serve_load, tmp_path):
@@ -433,3 +466,12 @@ def test_a_failed_request_names_what_the_client_error_wraps(serve_load):
     assert got["ok"] is False and got["index"] == 3 and got["latency"] >= 0
     assert got["error"] == ("RuntimeError: Connection error. <- ConnectionResetError: peer closed the "
                             "kept-alive connection")
+    # The soak's failures said "ReadError:  <- ReadError: " and stopped: the socket error lies
+    # deeper (openai -> httpx -> httpcore -> anyio -> OSError), and the chain now reaches it.
+    err = None
+    for name in ("ConnectionResetError", "BrokenResourceError", "ReadError", "ReadError", "APIConnectionError"):
+        try:
+            raise type(name, (Exception,), {})("" if "Read" in name or "Broken" in name else name) from err
+        except Exception as e:
+            err = e
+    assert serve_load.error_chain(err).endswith("<- BrokenResourceError:  <- ConnectionResetError: ConnectionResetError")
