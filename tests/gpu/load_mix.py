@@ -44,11 +44,12 @@ class Request:
     shared_prefix: int = -1  # which system prompt it starts with, -1: none
     cancel_after: int = 0
     special: bool = False  # a prompt length from SPECIAL_PROMPT_LENGTHS (or the whole context)
+    logprobs: bool = True  # the top 5 with every token, for comparing replies (a soak needs none)
 
     @property
     def sampling(self) -> dict:
         """The completion request's sampling fields (vLLM's extras included)."""
-        base = {"max_tokens": self.max_tokens, "logprobs": 5,
+        base = {"max_tokens": self.max_tokens, **({"logprobs": 5} if self.logprobs else {}),
                 "extra_body": {"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True}}
         if self.kind == "sampled":
             return {**base, "n": self.n, "temperature": 0.8, "top_p": 0.95, "seed": 1000 + self.index}

@@ -183,10 +183,19 @@ def gpu_memory_used() -> int | None:
 # ---------------------------------------------------------------------------- requests
 
 
+# vLLM's server closes a kept-alive connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s) idle, and
+# httpx keeps one pooled for as long: a request sent on a connection the server is closing that
+# moment fails (ReadError). The client lets go of idle connections well before the server does.
+CLIENT_KEEPALIVE_S = 2.0
+
+
 def client_for(server: Server, timeout: float = 600):
+    import httpx
     import openai
 
-    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=timeout)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=CLIENT_KEEPALIVE_S)
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=timeout,
+                              http_client=openai.DefaultAsyncHttpxClient(limits=limits, timeout=timeout))
 
 
 def add_choice(replies: dict[int, Reply], choice) -> None:
@@ -608,6 +617,7 @@ def cmd_soak(args) -> None:
     mix = build_mix(ids, 4096, args.context, seed=args.seed, cancelled=64)
     for r in mix:  # a soak measures steady serving: outputs to 512, so requests keep turning over
         r.max_tokens = min(r.max_tokens, args.max_output)
+        r.logprobs = False  # nothing is compared, and parsing them kept the client's one thread busy
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with Server(args.model, args.backend, args.rotations, out / f"server-soak-{args.backend}.log", 8200,

@@ -126,6 +126,26 @@ def test_requests_ask_for_what_the_comparison_needs():
                                              "return_tokens_as_token_ids": True}
     assert sampled.sampling["n"] == 3 and sampled.sampling["seed"] == 1001 and sampled.sampling["temperature"] > 0
     assert load_mix.token_id("token_id:1234") == 1234
+    quiet = load_mix.Request(2, [1], 5, True, logprobs=False)
+    assert "logprobs" not in quiet.sampling and quiet.sampling["extra_body"] == greedy.sampling["extra_body"]
+
+
+def test_the_client_lets_go_of_idle_connections_before_vllms_server_does(serve_load):
+    """vLLM closes a kept-alive connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE idle; a pooled
+    connection the client still trusts then fails the request sent on it (the soak's ReadErrors
+    followed the client's stalls)."""
+    import asyncio
+
+    import vllm.envs
+
+    class Server:
+        url = "http://127.0.0.1:1"
+
+    client = serve_load.client_for(Server())
+    pool = client._client._transport._pool
+    assert pool._keepalive_expiry == serve_load.CLIENT_KEEPALIVE_S < vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    assert pool._max_connections == sys.maxsize and client.max_retries == 0  # no cap: one per worker
+    asyncio.run(client.close())
 
 
 def test_the_requests_sent_alone_cover_every_kind():
