@@ -264,14 +264,14 @@ def soak_rows(events: list[dict], samples: list[dict], interval: float) -> list[
 
 
 def failure_summary(events: list[dict]) -> list[dict]:
-    """Failed requests grouped by their error (its first 160 characters), most frequent first: how
+    """Failed requests grouped by their error (as recorded, up to 300 characters), most frequent first: how
     many, when the first and last ended (seconds from the start), how long they had run (median,
     longest; a request that fails at once never reached the server's reply), and how many were
     streamed. ``events``: {"end", "latency", "ok", "error", "stream"}."""
     groups: dict[str, list[dict]] = {}
     for e in events:
         if not e["ok"]:
-            groups.setdefault((e.get("error") or "no error text")[:160], []).append(e)
+            groups.setdefault((e.get("error") or "no error text")[:300], []).append(e)
     rows = []
     for error, es in groups.items():
         ends, lat = [e["end"] for e in es], [e["latency"] for e in es]
