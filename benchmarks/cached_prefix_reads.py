@@ -16,21 +16,18 @@ Writes ``cached_prefix_reads.{md,json}`` into ``--out``.
 """
 import argparse
 import math
-from pathlib import Path
 
 from oscar_vllm.calibration import corpus
-from oscar_vllm.calibration.calibrate import DTYPES
 from oscar_vllm.calibration.evaluate import (
     CACHED_PREFIX_CUTS,
+    add_served_arguments,
     cached_prefix_reads,
     cached_prefix_workload,
     environment,
+    load_served,
     report_header,
     save_report,
-    served_specs,
 )
-from oscar_vllm.calibration.models import load_model
-from oscar_vllm.core.rotation_io import load_rotations
 
 READS = {
     "bf16": "BF16 cache",
@@ -73,17 +70,12 @@ def report(nll: dict, meta: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rotations", type=Path, default=Path("results/smollm2_rotations"))
+    add_served_arguments(p, "runs/cached_prefix_reads")
     p.add_argument("--windows", type=int, default=23, help="windows to score, of 23 (default: %(default)s)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk of the chunked reads (default: %(default)s)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--out", type=Path, default=Path("runs/cached_prefix_reads"))
     args = p.parse_args()
 
-    loaded = load_model(None, None, args.device, DTYPES[args.dtype])
-    rotations = load_rotations(args.rotations, loaded.shape)
-    method, oscar = served_specs(rotations, loaded.shape.num_layers)
+    loaded, method, oscar = load_served(args)
     _, shared, windows = cached_prefix_workload(corpus.tokenize(loaded.tokenizer, corpus.evaluation_text()).tolist())
     windows = windows[: args.windows]
     nll = cached_prefix_reads(loaded, windows, len(shared), oscar, chunk=args.chunk)

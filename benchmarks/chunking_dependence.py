@@ -16,24 +16,23 @@ Writes ``chunking.{md,json}`` into ``--out``.
 import argparse
 import itertools
 import math
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from oscar_vllm.calibration import corpus
-from oscar_vllm.calibration.calibrate import DTYPES, split_sequences
+from oscar_vllm.calibration.calibrate import split_sequences
 from oscar_vllm.calibration.evaluate import (
     METHODS_BY_NAME,
     REFERENCE,
+    add_served_arguments,
     environment,
     layer_specs,
+    load_served,
     report_header,
     save_report,
-    served_specs,
 )
-from oscar_vllm.calibration.models import MixedCacheHook, attention_hooks, load_model
-from oscar_vllm.core.rotation_io import load_rotations
+from oscar_vllm.calibration.models import MixedCacheHook, attention_hooks
 
 CHUNKS = (256, 512, 2048)
 SINK, RECENT = 64, 256  # the backend's defaults
@@ -91,18 +90,13 @@ def report(result: dict, meta: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rotations", type=Path, default=Path("results/smollm2_rotations"))
+    add_served_arguments(p, "runs/chunking")
     p.add_argument("--context", type=int, default=2048, help="tokens a window (default: %(default)s)")
     p.add_argument("--windows", type=int, default=4, help="held-out windows to read (default: %(default)s)")
     p.add_argument("--chunks", type=int, nargs="+", default=list(CHUNKS), help="prefill chunk sizes to compare")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--out", type=Path, default=Path("runs/chunking"))
     args = p.parse_args()
 
-    loaded = load_model(None, None, args.device, DTYPES[args.dtype])
-    rotations = load_rotations(args.rotations, loaded.shape)
-    method, oscar = served_specs(rotations, loaded.shape.num_layers)
+    loaded, method, oscar = load_served(args)
     bf16 = layer_specs(METHODS_BY_NAME[REFERENCE], {}, list(oscar))
     ids = corpus.tokenize(loaded.tokenizer, corpus.evaluation_text())
     windows = [w for w in split_sequences(ids, args.context) if w.numel() == args.context][: args.windows]

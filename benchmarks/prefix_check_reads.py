@@ -32,17 +32,16 @@ from tqdm import tqdm
 
 from csrc_triton.paged_layout import BLOCK_SIZE
 from oscar_vllm.calibration import corpus
-from oscar_vllm.calibration.calibrate import DTYPES
 from oscar_vllm.calibration.evaluate import (
     CACHED_PREFIX_CUTS,
+    add_served_arguments,
     cached_prefix_workload,
     environment,
+    load_served,
     report_header,
     save_report,
-    served_specs,
 )
-from oscar_vllm.calibration.models import MixedCacheHook, attention_hooks, load_model
-from oscar_vllm.core.rotation_io import load_rotations
+from oscar_vllm.calibration.models import MixedCacheHook, attention_hooks
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"caching off": False, "caching on": True}  # vLLM's enable_prefix_caching
@@ -161,16 +160,12 @@ def report(result: dict, meta: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rotations", type=Path, default=Path("results/smollm2_rotations"))
+    add_served_arguments(p, "runs/prefix_check_reads", device=False)  # vLLM's scheduler runs on the CPU
     p.add_argument("--windows", type=int, default=23, help="the check's windows to score, of 23 (default: %(default)s)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk, vLLM's max_num_batched_tokens (default: 256)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--out", type=Path, default=Path("runs/prefix_check_reads"))
     args = p.parse_args()
 
-    loaded = load_model(None, None, "cpu", DTYPES[args.dtype])
-    rotations = load_rotations(args.rotations, loaded.shape)
-    method, oscar = served_specs(rotations, loaded.shape.num_layers)
+    loaded, method, oscar = load_served(args)
     _, _, windows = cached_prefix_workload(corpus.tokenize(loaded.tokenizer, corpus.evaluation_text()).tolist())
     cuts = len(CACHED_PREFIX_CUTS)
     result = {}

@@ -129,6 +129,24 @@ def served_specs(rotations: OscarRotations, num_layers: int) -> tuple[Method, di
     return method, layer_specs(method, {"oscar": rotations}, list(range(num_layers)))
 
 
+def add_served_arguments(parser: argparse.ArgumentParser, out: str, device: bool = True) -> None:
+    """``--rotations``, ``--dtype``, ``--out`` (default ``out``) and, with ``device``, ``--device``:
+    what the benchmarks that read SmolLM2 through the reference cache as served take."""
+    parser.add_argument("--rotations", type=Path, default=Path("results/smollm2_rotations"))
+    if device:
+        parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--out", type=Path, default=Path(out))
+
+
+def load_served(args: argparse.Namespace) -> tuple[LoadedModel, Method, dict[int, LayerCacheSpec]]:
+    """SmolLM2 and the reference cache as the backend serves ``args.rotations``
+    (``add_served_arguments``'s options; on the CPU without ``--device``)."""
+    loaded = load_model(None, None, getattr(args, "device", "cpu"), DTYPES[args.dtype])
+    method, specs = served_specs(load_rotations(args.rotations, loaded.shape), loaded.shape.num_layers)
+    return loaded, method, specs
+
+
 @dataclass
 class Score:
     """Running sums over predicted tokens for one method."""
