@@ -297,8 +297,10 @@ def _kth_smallest_abs_4ary(x, k):
 
 @gluon.jit
 def _kth_largest_peeled_warp(bits, j, rounds):
-    """``_kth_largest_peeled`` for rows that each live in one warp: a round is two warp
-    reductions (the max, then the count of its copies)."""
+    """Per row of ``bits`` ``[R, D]`` (bit patterns of non-negative floats, which order as the
+    floats do; a row a warp): its ``j[r]``-th largest entry (0: the largest, copies counted), or
+    -1 where that lies deeper than ``rounds`` distinct values from the top. A round peels the
+    top value off: two warp reductions, the max and the count of its copies."""
     ROWS: gl.constexpr = gl.SliceLayout(1, bits.type.layout)
     left = bits
     above = gl.zeros([bits.shape[0]], gl.int32, layout=ROWS)

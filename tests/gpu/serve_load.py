@@ -609,9 +609,17 @@ def soak_markdown(meta: dict) -> str:
         "Checks: " + ("all passed" if not failures else "FAILED: " + "; ".join(failures)), ""])
 
 
-def cmd_soak(args) -> None:
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """``rows`` (dicts with the first one's keys) as a CSV file with a header."""
     import csv
 
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def cmd_soak(args) -> None:
     ids = text_ids(args.model)
     args.context = context_of(args.model, args.max_model_len)
     mix = build_mix(ids, 4096, args.context, seed=args.seed, cancelled=64)
@@ -626,16 +634,10 @@ def cmd_soak(args) -> None:
         events, samples, idle = asyncio.run(soak_load(server, args, mix))
     rows = soak_rows(events, samples, args.interval)
     name = f"soak-{args.backend}"  # FLASH_ATTN's soak, the comparison, beside OSCAR's
-    with open(out / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / f"{name}.csv", rows)
     failed = [e for e in events if not e["ok"]]
     if failed:
-        with open(out / f"{name}-failures.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(failed[0]))
-            writer.writeheader()
-            writer.writerows(failed)
+        write_csv(out / f"{name}-failures.csv", failed)
     checks = {"failed_requests": len(failed), "failures_by_error": failure_summary(events),
               "gpu_memory_growth_gib": growth(rows, "gpu_memory_gib"), "rss_growth_gib": growth(rows, "server_rss_gib"),
               "idle": idle}
