@@ -720,6 +720,100 @@ def oscar_dense_prefill_attention(
     return out
 
 
+@dataclass
+class DecodeReadPrefill:
+    """A batch's prefill chunks read as decode reads the cache (``prefill_read="decode"``), from
+    the backend: the query at position ``p`` reads the sink and ``(p - recent, p]`` in BF16 and
+    everything else from the INT2 pages, its own chunk's older tokens included, so what it reads
+    does not depend on where vLLM cut the prompt. Sizes are the host's (no sync)."""
+
+    k_rot: torch.Tensor  # [T - num_decodes, Hkv, d] the prefill tokens' keys, rotated
+    k_buf: torch.Tensor  # [>= rows_int2 + rows_window, Hkv, d] model dtype, contiguous
+    v_buf: torch.Tensor
+    rows_int2: int  # sum over requests of max(seq_len - recent, 0)
+    max_int2: int  # the largest of those
+    rows_window: int  # sum over requests of min(seq_len, query_len + recent - 1)
+    max_window: int  # the largest min(seq_len, query_len + recent - 1)
+    max_seq_len: int  # at least the longest prefill sequence
+    write: Callable[[], None]  # the chunks' cache write (INT2 pages and ring)
+    # (q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out, return_lse, window_left) -> natural-log LSE [Hq, T]
+    attention: Callable[..., torch.Tensor]
+    merge: Callable[..., None]  # (out, out_a, lse_a, out_b, lse_b): two partial attentions by their LSE
+
+
+def _cumulative(x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(x.shape[0] + 1, dtype=torch.int32, device=x.device)
+    torch.cumsum(x, 0, dtype=torch.int32, out=out[1:])
+    return out
+
+
+def oscar_decode_read_prefill(
+    out: torch.Tensor,
+    q_rot: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    windows: torch.Tensor,
+    window_pages: torch.Tensor,
+    window_pos: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_q: torch.Tensor,
+    ring_slots: torch.Tensor,
+    num_reqs: int,
+    max_query_len: int,
+    sink: int,
+    recent: int,
+    plan: DecodeReadPrefill,
+    param_dtype: torch.dtype = torch.float16,
+) -> torch.Tensor:
+    """Prefill chunks (the batch's prefill part, tensors indexed from its first prefill request)
+    as decode reads the cache, and their write. Two FlashAttention passes over dense rows:
+
+    1. the window: BF16 rows of positions ``[seq_len - n_b, seq_len)``, ``n_b = min(seq_len,
+       query_len + recent - 1)`` (ring and chunk), filled before the write overwrites ring
+       entries the chunk's first queries read; causal with ``window_left = recent - 1``: keys
+       ``(p - recent, p]``;
+    2. the rest, after the write: positions ``[0, seq_len - recent)`` from the INT2 pages (the
+       chunk's own included), the sink from the ring; causal over those keys, which
+       FlashAttention's bottom-right alignment turns into keys ``[0, p - recent]``.
+
+    The two sets of keys never meet, so merging the passes by their LSE is one softmax over
+    decode's read. Neither pass takes the logit correction (no per-key bias in FlashAttention).
+    """
+    if num_reqs == 0:
+        return out
+    if plan.rows_int2 + plan.rows_window > plan.k_buf.shape[0]:
+        raise ValueError(f"the decode read needs {plan.rows_int2} + {plan.rows_window} dense rows, "
+                         f"the buffers hold {plan.k_buf.shape[0]}")
+    q_len = cu_q[1:num_reqs + 1] - cu_q[:num_reqs]
+    seq = seq_lens[:num_reqs]
+    n_window = torch.minimum(seq, q_len + (recent - 1))
+    n_int2 = (seq - recent).clamp_(min=0)
+    cu_window, cu_int2 = _cumulative(n_window), _cumulative(n_int2)
+    k_int2, v_int2 = plan.k_buf[:plan.rows_int2], plan.v_buf[:plan.rows_int2]
+    # Each pass's buffers end at its last row: FlashAttention loads whole key tiles, and rows
+    # past the batch must be out of bounds (zero-filled), never another pass's or step's rows.
+    window_rows = slice(plan.rows_int2, plan.rows_int2 + plan.rows_window)
+    k_win, v_win = plan.k_buf[window_rows], plan.v_buf[window_rows]
+    cache_args = (cache, windows, window_pages, window_pos, block_table, seq_lens)
+    oscar_dense_kv(k_win, v_win, plan.k_rot, v, *cache_args, cu_q, cu_window, ring_slots, num_reqs, plan.max_seq_len,
+                   sink, recent, param_dtype, first_pos=(seq - n_window).to(torch.int32))
+    plan.write()
+    cu = cu_q[:num_reqs + 1]
+    if plan.max_int2 == 0:  # no request reaches past its window: nothing is read in 2 bits
+        plan.attention(q_rot, k_win, v_win, cu, cu_window, max_query_len, plan.max_window, out, False, recent - 1)
+        return out
+    no_chunk = torch.zeros_like(cu)  # every position now reads as cached
+    oscar_dense_kv(k_int2, v_int2, plan.k_rot, v, *cache_args, no_chunk, cu_int2, ring_slots, num_reqs,
+                   plan.max_seq_len, sink, recent, param_dtype, drop_last=recent, ring_recent=False)
+    out_win, out_int2 = torch.empty_like(out), torch.empty_like(out)
+    lse_win = plan.attention(q_rot, k_win, v_win, cu, cu_window, max_query_len, plan.max_window, out_win, True,
+                             recent - 1)
+    lse_int2 = plan.attention(q_rot, k_int2, v_int2, cu, cu_int2, max_query_len, plan.max_int2, out_int2, True, -1)
+    plan.merge(out, out_int2, lse_int2, out_win, lse_win)
+    return out
+
+
 def oscar_attention(
     out: torch.Tensor,
     q: torch.Tensor,

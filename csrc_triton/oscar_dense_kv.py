@@ -13,6 +13,12 @@ runs plain causal attention over ``[prefix ; chunk]``. Request ``r`` owns rows
 
 Everything stays in the rotated basis, so the queries that go with it are ``q_rot``.
 
+A prefill that reads as decode does (``prefill_read="decode"``) fills two such buffers per chunk
+(``oscar_attention.oscar_decode_read_prefill``): the BF16 rows of its window, from position
+``first_pos[r]`` on (row ``cu_k[r] + p - first_pos[r]``), before the chunk is written; and, after
+the write, every position but the last ``drop_last`` from the INT2 pages, the ring only for the
+sink (``ring_recent=False``, with a ``cu_q`` of empty chunks: every position counts as cached).
+
 No logit correction on this path: the INT2 kernels lower an INT2 key's logit by
 ``λ/2·scale²·‖q‖²·s_k²/12`` (``paged_layout.logit_coef``), a bias that depends on both the query
 and the key, and a FlashAttention pass over dense keys takes none. Chunks that take it attend
@@ -47,8 +53,9 @@ def _store_rows(ptr, off, mask, x, OUT_BF16: tl.constexpr):
 # The prefill part of a batch is a slice of its metadata, at any int32 offset, and the block
 # table's width is the server's (see _oscar_attention_kernel).
 @triton.jit(
-    do_not_specialize=["stride_bt"],
-    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "cu_q_ptr", "cu_k_ptr", "ring_slot_ptr"],
+    do_not_specialize=["stride_bt", "drop_last"],
+    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "cu_q_ptr", "cu_k_ptr", "ring_slot_ptr",
+                                    "first_pos_ptr"],
 )
 def _oscar_dense_kv_kernel(
     k_out_ptr,  # [total_k, HKV, D] dense keys, rotated basis
@@ -66,6 +73,8 @@ def _oscar_dense_kv_kernel(
     cu_q_ptr,  # int32 [R + 1] query start offsets
     cu_k_ptr,  # int32 [R + 1] first buffer row of each request
     ring_slot_ptr,  # int32 [R]
+    first_pos_ptr,  # int32 [R] first position written (HAS_FIRST), else 0
+    drop_last,  # positions >= seq_len - drop_last are not written
     stride_nt, stride_nh, stride_vt, stride_vh, stride_bt,
     stride_cb,  # bytes from one cache block to the next
     stride_wp,  # window_pages row stride
@@ -77,6 +86,8 @@ def _oscar_dense_kv_kernel(
     RECENT: tl.constexpr,
     WIN_E: tl.constexpr,  # ring entries per window page
     OUT_BF16: tl.constexpr,
+    HAS_FIRST: tl.constexpr,
+    RING_RECENT: tl.constexpr,  # the ring's recent entries replace INT2 copies (else the sink's only)
 ):
     Q: tl.constexpr = D // 4
     REGION: tl.constexpr = BLOCK_SIZE * (D // 2 + 8)
@@ -84,7 +95,11 @@ def _oscar_dense_kv_kernel(
     blk = tl.program_id(1)
     h = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + r)
-    if blk * BLOCK_SIZE >= seq_len:
+    end = seq_len - drop_last
+    first = 0
+    if HAS_FIRST:
+        first = tl.load(first_pos_ptr + r)
+    if (blk * BLOCK_SIZE >= end) | ((blk + 1) * BLOCK_SIZE <= first):
         return
     q_start = tl.load(cu_q_ptr + r)
     ctx = seq_len - (tl.load(cu_q_ptr + r + 1) - q_start)
@@ -92,11 +107,12 @@ def _oscar_dense_kv_kernel(
     tok = v_token(col)  # the block in the V codes' column order: contiguous V loads
     pos = blk * BLOCK_SIZE + tok
     j = tl.arange(0, Q)
-    row = (tl.load(cu_k_ptr + r) + pos).to(tl.int64)
+    keep = (pos >= first) & (pos < end)
+    row = (tl.load(cu_k_ptr + r) + pos - first).to(tl.int64)
     out_off = (row * HKV + h)[:, None] * D + j[None, :]  # [BS, Q]: quarter 0 of each row
 
     if blk * BLOCK_SIZE < ctx:
-        cached = pos < ctx
+        cached = (pos < ctx) & keep
         base = tl.load(block_table_ptr + r * stride_bt + blk).to(tl.int64) * stride_cb + h * REGION
         k_codes = tl.load(codes_ptr + base + tok[:, None] * Q + j[None, :])  # [BS, Q] token-major
         v_codes = tl.load(codes_ptr + base + BLOCK_SIZE * Q + j[None, :] * BLOCK_SIZE + col[:, None])
@@ -108,7 +124,10 @@ def _oscar_dense_kv_kernel(
         ring = tl.load(ring_slot_ptr + r).to(tl.int64)
         entry = window_index(pos, SINK, RECENT)
         held = tl.load(window_pos_ptr + ring * (SINK + RECENT) + entry, mask=cached, other=-1) == pos
-        use_ring = (held & ((pos < SINK) | (ctx - pos < RECENT)))[:, None]
+        if RING_RECENT:
+            use_ring = (held & ((pos < SINK) | (ctx - pos < RECENT)))[:, None]
+        else:
+            use_ring = (held & (pos < SINK))[:, None]
         page = window_page(window_pages_ptr, stride_wp, ring, entry, held, stride_page, WIN_E)[:, None]
         slot = (entry % WIN_E)[:, None]
         k_off = page + slot * (HKV * D) + h * D + j[None, :]
@@ -124,7 +143,7 @@ def _oscar_dense_kv_kernel(
             _store_rows(v_out_ptr, out_off + i * Q, cached[:, None], v, OUT_BF16)
 
     if (blk + 1) * BLOCK_SIZE > ctx:
-        new = (pos >= ctx) & (pos < seq_len)
+        new = (pos >= ctx) & keep
         src = (q_start + pos - ctx).to(tl.int64)
         for i in tl.static_range(4):
             k = tl.load(k_new_ptr + (src * stride_nt + h * stride_nh)[:, None] + i * Q + j[None, :],
@@ -154,13 +173,18 @@ def oscar_dense_kv(
     sink: int,
     recent: int,
     param_dtype: torch.dtype = torch.float16,
+    first_pos: torch.Tensor | None = None,
+    drop_last: int = 0,
+    ring_recent: bool = True,
 ) -> None:
     """Fill rows ``[0, cu_k[num_reqs])`` of ``k_out``/``v_out`` ``[>= total_k, Hkv, d]``.
 
     ``k_new``/``v_new`` ``[T, Hkv, d]``: the step's keys (rotated) and values, ``cu_q`` their
     request offsets; ``cu_k`` int32 ``[R + 1]`` the cumulative ``seq_lens``; ``max_seq_len`` at
     least the longest ``seq_lens`` entry (it sizes the grid; a larger value only idles programs).
-    The cache arguments as for the attention kernels.
+    The cache arguments as for the attention kernels. ``first_pos`` int32 ``[R]``: request ``r``
+    writes positions ``[first_pos[r], seq_lens[r] - drop_last)`` to rows from ``cu_k[r]`` (then
+    ``cu_k`` counts those); ``ring_recent=False``: only the sink comes from the ring.
     """
     if num_reqs == 0 or max_seq_len == 0:
         return
@@ -175,9 +199,11 @@ def oscar_dense_kv(
         k_out_ptr=k_out, v_out_ptr=v_out, k_new_ptr=k_new, v_new_ptr=v_new, codes_ptr=cache,
         params_ptr=param_view(cache, param_dtype),
         **window_args(windows, window_pages, window_pos, hkv, d, sink, recent), block_table_ptr=block_table, seq_lens_ptr=seq_lens, cu_q_ptr=cu_q,
-        cu_k_ptr=cu_k, ring_slot_ptr=ring_slots,
+        cu_k_ptr=cu_k, ring_slot_ptr=ring_slots, first_pos_ptr=ring_slots if first_pos is None else first_pos,
+        drop_last=drop_last,
         stride_nt=k_new.stride(0), stride_nh=k_new.stride(1), stride_vt=v_new.stride(0), stride_vh=v_new.stride(1),
         stride_bt=block_table.stride(0), stride_cb=cache.stride(0),
         HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, SINK=sink, RECENT=recent, OUT_BF16=k_out.dtype == torch.bfloat16,
+        HAS_FIRST=first_pos is not None, RING_RECENT=ring_recent,
         num_warps=4,
     )

@@ -64,13 +64,15 @@ def warm_up_kernels(
     merge_self: bool,
     dense: bool,
     gluon: bool = False,
+    decode_read: bool = False,
 ) -> int:
     """Launch each kernel variant once on one-block scratch inputs; returns the launches.
 
     ``cache``, ``window*``, ``rot_k``: a layer's own (read, never written). ``dtype``: the
     model's; ``merge_self``: prefill merges FlashAttention's own-keys pass (else the INT2
     kernel attends to the chunk itself); ``dense``: the dense-prefix prefill path exists;
-    ``gluon``: decode batches write first and take ``oscar_decode`` (else the Triton decode kernel).
+    ``gluon``: decode batches write first and take ``oscar_decode`` (else the Triton decode kernel);
+    ``decode_read``: prefills read as decode does (the dense fills of ``oscar_decode_read_prefill``).
     ``max_num_seqs`` and ``max_num_tokens`` bound the batches (requests, tokens per step).
     """
     dev = cache.device
@@ -92,7 +94,7 @@ def warm_up_kernels(
         return launches + _warm_up_gluon_decode(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype,
                                                 sink, recent, param_dtype, max_num_seqs, num_sms, rows, batch) \
             + _warm_up_prefill(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype, sink, recent,
-                               param_dtype, max_num_tokens, merge_self, dense, rows, batch)
+                               param_dtype, max_num_tokens, merge_self, dense, rows, batch, decode_read)
     for (*_, splits), n in decode_variants(max_num_seqs, hkv, num_sms).items():
         q = rows(n, num_heads)
         part_out = torch.empty(n * num_heads * splits * d, dtype=torch.float32, device=dev)
@@ -101,7 +103,7 @@ def warm_up_kernels(
                                window_pos, *batch(n, 1), n, 1.0, sink, recent, param_dtype, splits, part_out, part_lse)
         launches += 1
     return launches + _warm_up_prefill(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype, sink, recent,
-                                       param_dtype, max_num_tokens, merge_self, dense, rows, batch)
+                                       param_dtype, max_num_tokens, merge_self, dense, rows, batch, decode_read)
 
 
 def _warm_up_gluon_decode(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype, sink, recent, param_dtype,
@@ -127,7 +129,7 @@ def _warm_up_gluon_decode(cache, windows, window_pages, window_pos, rot_k, num_h
 
 
 def _warm_up_prefill(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype, sink, recent, param_dtype,
-                     max_num_tokens, merge_self, dense, rows, batch) -> int:
+                     max_num_tokens, merge_self, dense, rows, batch, decode_read) -> int:
     """The prefill kernels and every write launch."""
     dev, hkv = cache.device, cache.shape[1]
     i32 = dict(dtype=torch.int32, device=dev)
@@ -146,6 +148,13 @@ def _warm_up_prefill(cache, windows, window_pages, window_pos, rot_k, num_heads,
                        windows, window_pages, window_pos, block_table, seq_lens, cu_q, cu_k, ring_slots, 1, q_len + 1,
                        sink, recent, param_dtype)
         launches += 1
+    if decode_read:  # its window's rows, and the INT2 rows after the write
+        cu_k = torch.tensor([0, q_len + 1], **i32)
+        for kw in (dict(first_pos=torch.zeros(1, **i32)), dict(drop_last=recent, ring_recent=False)):
+            oscar_dense_kv(rows(q_len + 1, hkv), rows(q_len + 1, hkv), rows(q_len, hkv), rows(q_len, hkv), cache,
+                           windows, window_pages, window_pos, block_table, seq_lens, cu_q, cu_k, ring_slots, 1,
+                           q_len + 1, sink, recent, param_dtype, **kw)
+            launches += 1
 
     for t in sorted(k for k in WRITE_LAUNCH if k <= max(1, max_num_tokens)):
         padding = torch.full((t,), -1, dtype=torch.int64, device=dev)

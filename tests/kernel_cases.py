@@ -89,6 +89,22 @@ def dense_twin(scale):
     return run
 
 
+def decode_read_twins(scale):
+    """What FlashAttention and vLLM's ``merge_attn_states`` do for the decode-read prefill, from
+    the PyTorch twins: ``(attention, merge)`` as ``DecodeReadPrefill`` takes them."""
+    def attention(q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out, return_lse, window_left):
+        o, lse = causal_attention_reference(q, k, v, cu_q, cu_k, len(cu_q) - 1, scale, window_left)
+        out.copy_(o.to(out.dtype))
+        return lse.to(out.device) if return_lse else None
+
+    def merge(out, out_a, lse_a, out_b, lse_b):
+        top = torch.maximum(lse_a, lse_b)
+        w_a, w_b = (lse_a - top).exp().T[..., None], (lse_b - top).exp().T[..., None]  # [T, Hq, 1]
+        out.copy_(((out_a.float() * w_a + out_b.float() * w_b) / (w_a + w_b)).to(out.dtype))
+
+    return attention, merge
+
+
 def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, fp32_atol: float = 1e-4,
                               bf16_max: float = 1e-2, bf16_mean: float = 5e-3) -> None:
     """No NaN left (every row written); fp32: elementwise; bf16 inputs, fp16 probabilities and

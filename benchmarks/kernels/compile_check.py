@@ -43,6 +43,7 @@ TYPES = {
     "window_pages_ptr": "*i32",
     "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_q_ptr": "*i32", "ring_slot_ptr": "*i32",
     "k_out_ptr": "*bf16", "v_out_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "cu_k_ptr": "*i32",
+    "first_pos_ptr": "*i32",
     "qk_scale": "fp32", "logit_coef": "fp32", "num_splits": "i32", "query_ptr": "*bf16", "rot_t_ptr": "*bf16",
 }
 
@@ -91,7 +92,8 @@ def write_decode_consts(args) -> dict:
 
 
 def dense_kv_consts(args) -> dict:
-    return dict(HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E, OUT_BF16=True)
+    return dict(HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E, OUT_BF16=True, HAS_FIRST=False,
+                RING_RECENT=True)
 
 
 def sass_instructions(sass: str) -> list[tuple[int, str, str]]:

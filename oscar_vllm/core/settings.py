@@ -16,6 +16,11 @@ ADDITIONAL_CONFIG_KEY = "oscar"
 ENV_PREFIX = "OSCAR_"
 HADAMARD = "hadamard"
 SCALE_DTYPES = ("fp16", "bf16")
+# What a prefill query reads in BF16 besides the sink: "chunk", its own chunk and the ring before
+# it (as the OSCAR reference prefills; fewer keys in 2 bits, but which ones depends on where vLLM
+# cuts the prompt into chunks), or "decode", the last recent_size positions, as a decode step
+# reads them (replies that do not depend on vLLM's schedule; docs/backend.md).
+PREFILL_READS = ("chunk", "decode")
 HOW_TO_GET_ROTATIONS = (
     "give a rotation folder with --additional-config '{\"oscar\": {\"rotation_path\": DIR}}' "
     "or OSCAR_ROTATION_PATH=DIR: published RotationZoo files, a folder written by "
@@ -44,6 +49,7 @@ class OscarSettings:
     # (oscar_vllm.core.mixed_cache.LayerCacheSpec.logit_correction); 0 turns it off. 0.5: the best
     # of 0.25-1 in the quality study (docs/quality.md).
     logit_correction: float = 0.5
+    prefill_read: str = "chunk"
 
     def __post_init__(self) -> None:
         if self.sink_size < 0:
@@ -56,6 +62,8 @@ class OscarSettings:
                 raise OscarSettingsError(f"{name} must be in (0, 1], got {ratio}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise OscarSettingsError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
+        if self.prefill_read not in PREFILL_READS:
+            raise OscarSettingsError(f"prefill_read must be one of {PREFILL_READS}, got {self.prefill_read!r}")
         if not (math.isfinite(self.logit_correction) and self.logit_correction >= 0):
             raise OscarSettingsError(f"logit_correction must be a finite number >= 0 (0 turns it off), "
                                      f"got {self.logit_correction}")

@@ -105,12 +105,14 @@ def oscar_attention_reference(
 
 def causal_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, num_reqs: int,
-    scale: float,
+    scale: float, window_left: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen causal attention as FlashAttention runs it for the backend: request ``r``'s
     queries ``q[cu_q[r]:cu_q[r+1]]`` are the last positions of its keys ``k[cu_k[r]:cu_k[r+1]]``
-    (``cu_k = cu_q``: a chunk's attention to its own keys). fp32 output ``[T, Hq, d]`` and
-    natural-log LSE ``[Hq, T]``."""
+    (``cu_k = cu_q``: a chunk's attention to its own keys), the mask aligned to the bottom right
+    (more queries than keys: the first ones see none). ``window_left >= 0``: a query sees only the
+    ``window_left`` keys before its own position and that one. fp32 output ``[T, Hq, d]`` (0
+    where a query sees no key) and natural-log LSE ``[Hq, T]`` (-inf there)."""
     t, hq, d = q.shape
     g = hq // k.shape[1]
     out = torch.zeros(t, hq, d, dtype=torch.float32)
@@ -124,7 +126,47 @@ def causal_attention_reference(
         kk = k[ka:kb].float().cpu().repeat_interleave(g, dim=1).transpose(0, 1)
         vv = v[ka:kb].float().cpu().repeat_interleave(g, dim=1).transpose(0, 1)
         s = (qq @ kk.transpose(1, 2)) * scale
-        s = s.masked_fill(torch.ones(b - a, kb - ka, dtype=torch.bool).triu(kb - ka - (b - a) + 1), float("-inf"))
+        own = torch.arange(b - a)[:, None] + (kb - ka) - (b - a)  # each query's own position among the keys
+        key = torch.arange(kb - ka)[None, :]
+        hidden = (key > own) | ((key < own - window_left) if window_left >= 0 else False)
+        s = s.masked_fill(hidden, float("-inf"))
         lse[:, a:b] = torch.logsumexp(s, dim=-1)
-        out[a:b] = (torch.softmax(s, dim=-1) @ vv).transpose(0, 1)
+        sees = ~hidden.all(dim=-1)  # [n]
+        p = torch.softmax(s[:, sees], dim=-1)
+        out[a:b][sees] = (p @ vv).transpose(0, 1)
     return out, lse
+
+
+def decode_read_attention_reference(
+    q_rot: torch.Tensor, k_bf16: torch.Tensor, v_bf16: torch.Tensor, k_int2: torch.Tensor, v_int2: torch.Tensor,
+    seq_lens: torch.Tensor, cu_q: torch.Tensor, num_reqs: int, scale: float, recent: int,
+) -> torch.Tensor:
+    """Prefill chunks read as a decode step reads the cache, fp32 ``[T, Hq, d]``: the query at
+    position ``p`` attends to keys ``[0, p]``, the BF16 row where the key is among the last
+    ``recent`` (``key > p - recent``), else the INT2 row. Rows: request ``r``'s positions
+    ``[0, seq_len)`` one after another, ``[sum(seq_lens), Hkv, d]``, the INT2 rows' sink from the
+    ring (BF16, as decode reads it). No logit correction."""
+    t, hq, d = q_rot.shape
+    g = hq // k_bf16.shape[1]
+    out = torch.zeros(t, hq, d, dtype=torch.float32)
+    start = 0
+    for r in range(num_reqs):
+        a, b, n = int(cu_q[r]), int(cu_q[r + 1]), int(seq_lens[r])
+        rows = slice(start, start + n)
+        start += n
+        if a == b:
+            continue
+        qq = q_rot[a:b].float().cpu().transpose(0, 1)  # [Hq, m, d]
+
+        def heads(x):
+            return x[rows].float().cpu().repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, n, d]
+
+        s_bf16 = (qq @ heads(k_bf16).transpose(1, 2)) * scale  # [Hq, m, n]
+        s_int2 = (qq @ heads(k_int2).transpose(1, 2)) * scale
+        pos = torch.arange(b - a)[:, None] + n - (b - a)
+        key = torch.arange(n)[None, :]
+        window = key > pos - recent
+        s = torch.where(window, s_bf16, s_int2).masked_fill(key > pos, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        out[a:b] = ((p * window) @ heads(v_bf16) + (p * ~window) @ heads(v_int2)).transpose(0, 1)
+    return out

@@ -23,9 +23,14 @@ def oscar_dense_kv_reference(
     sink: int,
     recent: int,
     param_dtype: torch.dtype = torch.float16,
+    first_pos: torch.Tensor | None = None,
+    drop_last: int = 0,
+    ring_recent: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``[sum(seq_lens), Hkv, d]`` keys and values: each request's cached prefix as the
-    INT2 attention kernel reads it, then its new keys/values, requests one after another."""
+    INT2 attention kernel reads it, then its new keys/values, requests one after another.
+    ``first_pos``/``drop_last``: each request's positions ``[first_pos[r], seq_len - drop_last)``
+    only; ``ring_recent=False``: the ring replaces INT2 copies in the sink only."""
     d = k_new.shape[-1]
     bs = block_size_of(cache, d)
     ks, vs = [], []
@@ -37,10 +42,13 @@ def oscar_dense_kv_reference(
         k, v = read_int2_slots(cache, slots, d, param_dtype)
         ring = int(ring_slots[r])
         idx = window_index(kp, sink, recent)
-        use = (window_pos[ring].long().cpu()[idx] == kp) & ((kp < sink) | (ctx - kp < recent))
+        in_window = (kp < sink) | ((ctx - kp < recent) if ring_recent else (kp < 0))
+        use = (window_pos[ring].long().cpu()[idx] == kp) & in_window
         k_hi, v_hi = read_ring(windows, window_pages, ring, idx, k_new.shape[1], d, sink)
         k[use] = k_hi[use]
         v[use] = v_hi[use]
-        ks += [k, k_new[q0:q1].float().cpu()]
-        vs += [v, v_new[q0:q1].float().cpu()]
+        lo = 0 if first_pos is None else int(first_pos[r])
+        hi = max(int(seq_lens[r]) - drop_last, 0)
+        ks.append(torch.cat([k, k_new[q0:q1].float().cpu()])[lo:hi])
+        vs.append(torch.cat([v, v_new[q0:q1].float().cpu()])[lo:hi])
     return torch.cat(ks), torch.cat(vs)

@@ -32,7 +32,13 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from csrc_triton import oscar_attention as triton_decode
 from csrc_triton import oscar_decode as gluon_decode
-from csrc_triton.oscar_attention import DensePrefill, oscar_attention, oscar_prefill_batch
+from csrc_triton.oscar_attention import (
+    DecodeReadPrefill,
+    DensePrefill,
+    oscar_attention,
+    oscar_decode_read_prefill,
+    oscar_prefill_batch,
+)
 from csrc_triton.oscar_decode import oscar_decode
 from csrc_triton.oscar_write import decode_rotation, oscar_write, oscar_write_decode
 from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape, window_pages_per_request, windows_view
@@ -61,6 +67,8 @@ class OscarAttentionMetadata:
     prefill_has_prefix: bool  # some prefill request has cached tokens (or may: an upper bound)
     prefill_kv_rows: int  # sum of the prefill requests' lengths (-1: unknown)
     prefill_max_seq: int  # longest prefill request (upper bound)
+    # prefill_read="decode": each prefill request's (query tokens, sequence length), from the host
+    prefill_shapes: tuple[tuple[int, int], ...]
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs], including this step
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
@@ -95,6 +103,7 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         split_rows = self.decode_kernel.decode_split_rows(max_batch, self.num_kv_heads, self.num_sms)
         self.layers = [vllm_config.compilation_config.static_forward_context[name].impl for name in layer_names]
         self.sink = settings.sink_size
+        self.decode_read = settings.prefill_read == "decode"
         self.pages_per_ring, self.sink_pages = window_pages_per_request(settings.sink_size, settings.recent_size,
                                                                         self.num_kv_heads, d)
         # Row null_row never holds a window (its positions stay -1): padded batch entries read it.
@@ -161,6 +170,10 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
             or bool((prefill_seq > q_cpu[num_decodes + 1:m.num_reqs + 1] - q_cpu[num_decodes:m.num_reqs]).any())
         )
         known = prefill_seq is not None and len(prefill_seq) > 0
+        shapes = ()
+        if self.decode_read and known:
+            q_len = (q_cpu[num_decodes + 1:m.num_reqs + 1] - q_cpu[num_decodes:m.num_reqs]).tolist()
+            shapes = tuple(zip(q_len, prefill_seq.tolist()))
         return OscarAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
@@ -170,6 +183,7 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
             prefill_has_prefix=prefill_has_prefix,
             prefill_kv_rows=int(prefill_seq.sum()) if known else -1,
             prefill_max_seq=int(prefill_seq.max()) if known else 0,
+            prefill_shapes=shapes,
             query_start_loc=m.query_start_loc,
             seq_lens=m.seq_lens,
             block_table=m.block_table_tensor,
@@ -230,7 +244,8 @@ def uses_gluon_decode(vllm_config: VllmConfig, num_heads: int, num_kv_heads: int
 def _flash_attention(scale: float, dtype: torch.dtype):
     """Varlen causal attention through vLLM's FlashAttention, or None where it cannot run (fp32
     models, no CUDA build): ``(q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out,
-    return_lse=False) -> natural-log LSE [Hq, T] or None``, queries the last positions of keys."""
+    return_lse=False, window_left=-1) -> natural-log LSE [Hq, T] or None``, queries the last
+    positions of keys; ``window_left >= 0``: each query sees that many keys before its own."""
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version, is_flash_attn_varlen_func_available
 
     if dtype not in (torch.float16, torch.bfloat16) or not is_flash_attn_varlen_func_available():
@@ -240,10 +255,11 @@ def _flash_attention(scale: float, dtype: torch.dtype):
     fa_version = get_flash_attn_version()
     version = {} if fa_version is None else {"fa_version": fa_version}
 
-    def attend(q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out, return_lse=False):
+    def attend(q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out, return_lse=False, window_left=-1):
         res = flash_attn_varlen_func(
             q=q, k=k, v=v, max_seqlen_q=max_query_len, cu_seqlens_q=cu_q, max_seqlen_k=max_seq_len,
-            cu_seqlens_k=cu_k, softmax_scale=scale, causal=True, return_softmax_lse=return_lse, out=out, **version,
+            cu_seqlens_k=cu_k, softmax_scale=scale, causal=True, return_softmax_lse=return_lse, out=out,
+            window_size=[window_left, 0] if window_left >= 0 else None, **version,
         )
         return res[1] if return_lse else None
 
@@ -304,6 +320,14 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
             self.own_keys_attention = functools.partial(_own_keys, self.flash_attention)
         self.dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self.gluon_decode = uses_gluon_decode(vllm_config, num_heads, num_kv_heads, head_size, self.sink)
+        # prefill_read="decode": prefill queries read as decode does (oscar_decode_read_prefill),
+        # over dense_kv, merging FlashAttention's two passes with vLLM's merge_attn_states.
+        self.decode_read = self.settings.prefill_read == "decode"
+        self.merge_attention = None
+        if self.decode_read:
+            from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+
+            self.merge_attention = merge_attn_states
         self.rot_t: torch.Tensor | None = None  # R as the decode write takes it (decode_rotation)
 
     def set_layer(self, layer_id: int, rot_k: torch.Tensor, clip_ratio_k: float, clip_ratio_v: float) -> None:
@@ -337,6 +361,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
             vllm_config.model_config.dtype, self.sink, self.recent, self.param_dtype, sched.max_num_seqs,
             sched.max_num_batched_tokens, torch.cuda.get_device_properties(kv_cache.device).multi_processor_count,
             merge_self=self.own_keys_attention is not None, dense=self.dense_kv is not None, gluon=self.gluon_decode,
+            decode_read=self.decode_read,
         )
 
     def dense_prefill(self, md: OscarAttentionMetadata, k: torch.Tensor) -> DensePrefill | None:
@@ -372,6 +397,8 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         windows = windows_view(kv_cache)
         if self.gluon_decode:
             return self._forward_write_first(md, q, k, v, out, kv_cache, windows, output)
+        if self.decode_read and md.num_decodes < md.num_reqs:
+            return self._forward_decode_read(md, q, k, v, out, kv_cache, windows, output)
         # Attention first, then the write: this step reads the windows as they were (a ring entry
         # it overwrites may still be in a query's window). No request reads blocks another
         # request of its batch fills: the scheduler's prefix-cache hits end before them
@@ -404,6 +431,9 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
                          md.decode_splits, md.part_out, md.part_lse, logit_correction=self.logit_correction)
         if nd < num_reqs:
             q_rot[nd:] = self.rotate(q[nd:])
+            if self.decode_read:
+                self.decode_read_prefill(md, q_rot, k, v, out, kv_cache, windows)
+                return output
             oscar_prefill_batch(
                 out, q, q_rot, k, v, kv_cache, windows, md.window_pages, self.window_pos, md.block_table, md.seq_lens,
                 md.query_start_loc, md.ring_slots, nd, num_reqs, md.max_query_len, self.scale, self.sink, self.recent,
@@ -414,3 +444,60 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
                         md.ring_slots[nd:num_reqs], num_reqs - nd, kv_cache, windows, md.window_pages, self.window_pos,
                         self.clip_idx_k, self.clip_idx_v, self.sink, self.recent, self.param_dtype)
         return output
+
+    def _forward_decode_read(self, md: OscarAttentionMetadata, q, k, v, out, kv_cache, windows, output):
+        """The Triton decode path with prefill_read="decode": decodes attend, then are written (as
+        in ``forward``); prefills read as decode does and write themselves."""
+        nd = md.num_decodes
+        q_rot = self.rotate(q)
+        if nd:
+            oscar_attention(
+                out, q, q_rot, k, v, kv_cache, windows, md.window_pages, self.window_pos, md.block_table, md.seq_lens,
+                md.query_start_loc, md.ring_slots, nd, nd, 1, self.scale, self.sink, self.recent, self.param_dtype,
+                md.decode_splits, md.part_out, md.part_lse, logit_correction=self.logit_correction,
+            )
+            oscar_write(k[:nd], v[:nd], self.rot_k, md.slot_mapping[:nd], md.query_start_loc[:nd + 1], md.seq_lens[:nd],
+                        md.ring_slots[:nd], nd, kv_cache, windows, md.window_pages, self.window_pos, self.clip_idx_k,
+                        self.clip_idx_v, self.sink, self.recent, self.param_dtype, nd)
+        self.decode_read_prefill(md, q_rot, k, v, out, kv_cache, windows)
+        return output
+
+    def decode_read_prefill(self, md: OscarAttentionMetadata, q_rot, k, v, out, kv_cache, windows) -> None:
+        """The batch's prefill requests, read as decode reads the cache and written
+        (``oscar_decode_read_prefill``): all at once where their rows fit the dense buffers, else
+        one request at a time (one always fits: the buffers hold ``max_model_len +
+        max_num_batched_tokens`` rows)."""
+        if self.dense_kv is None or self.flash_attention is None:
+            raise RuntimeError("OSCAR prefill_read 'decode' needs FlashAttention and the dense prefill buffers")
+        nd, num_reqs, n = md.num_decodes, md.num_reqs, md.num_actual_tokens
+        shapes = md.prefill_shapes
+        if not shapes:  # no host copy of the lengths this step: read them (a sync)
+            cu = md.query_start_loc[nd:num_reqs + 1]
+            shapes = tuple(zip((cu[1:] - cu[:-1]).tolist(), md.seq_lens[nd:num_reqs].tolist()))
+        recent = self.recent
+        rows = [max(s - recent, 0) + min(s, q + recent - 1) for q, s in shapes]
+        groups = [(0, len(shapes))] if sum(rows) <= self.dense_kv[0].shape[0] else [(r, r + 1) for r in range(len(shapes))]
+        k_rot = self.rotate(k[nd:n])
+        starts = [0]
+        for q_len, _ in shapes:
+            starts.append(starts[-1] + q_len)
+        for lo, hi in groups:
+            part = shapes[lo:hi]
+            toks = slice(nd + starts[lo], nd + starts[hi])
+            reqs = slice(nd + lo, nd + hi)
+            cu = md.query_start_loc[nd + lo:nd + hi + 1] - md.query_start_loc[nd + lo]
+            write = functools.partial(
+                oscar_write, k[toks], v[toks], self.rot_k, md.slot_mapping[toks], cu, md.seq_lens[reqs],
+                md.ring_slots[reqs], hi - lo, kv_cache, windows, md.window_pages, self.window_pos, self.clip_idx_k,
+                self.clip_idx_v, self.sink, recent, self.param_dtype)
+            n_int2 = [max(s - recent, 0) for _, s in part]
+            n_window = [min(s, q + recent - 1) for q, s in part]
+            plan = DecodeReadPrefill(
+                k_rot=k_rot[starts[lo]:starts[hi]], k_buf=self.dense_kv[0], v_buf=self.dense_kv[1],
+                rows_int2=sum(n_int2), max_int2=max(n_int2), rows_window=sum(n_window), max_window=max(n_window),
+                max_seq_len=max(s for _, s in part), write=write, attention=self.flash_attention,
+                merge=self.merge_attention)
+            oscar_decode_read_prefill(
+                out[toks], q_rot[toks], v[toks], kv_cache, windows, md.window_pages, self.window_pos,
+                md.block_table[reqs], md.seq_lens[reqs], cu, md.ring_slots[reqs], hi - lo, max(q for q, _ in part),
+                self.sink, recent, plan, self.param_dtype)

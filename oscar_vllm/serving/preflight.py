@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 
+import torch
+
 from oscar_vllm.core.errors import OscarError
 from oscar_vllm.core.settings import ADDITIONAL_CONFIG_KEY, HADAMARD, OscarSettings
 from oscar_vllm.serving.vllm_hooks import SUPPORTED_MODEL_TYPES, engine_uses_oscar
@@ -128,6 +130,11 @@ def engine_problems(vllm_config, settings: OscarSettings) -> list[str]:
     if dcp > 1 or pcp > 1:
         problems.append(f"context parallelism (decode {dcp}, prefill {pcp}): it splits a request's tokens over "
                         "GPUs, and its windows would have to follow them")
+    dtype = vllm_config.model_config.dtype
+    if settings.prefill_read == "decode" and dtype not in (torch.float16, torch.bfloat16):
+        problems.append(f"prefill_read 'decode' with a {str(dtype).removeprefix('torch.')} model: it runs on "
+                        "FlashAttention, which takes 16-bit models; serve in bfloat16 (--dtype bfloat16) or "
+                        "with prefill_read 'chunk'")
     return problems + window_problems(settings, vllm_config.model_config.max_model_len)
 
 

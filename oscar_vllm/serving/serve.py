@@ -30,6 +30,10 @@ FLAGS = {
     "--oscar-logit-correction": ("logit_correction", float, "L",
                                  "INT2 keys' logits lowered by L/2 times their rounding variance; 0: off "
                                  "(default: 0.5)"),
+    "--oscar-prefill-read": ("prefill_read", str, "{chunk,decode}",
+                             "prefill queries read their own chunk in BF16 (chunk), or only the last "
+                             "recent-size positions, as decode does: replies independent of vLLM's schedule "
+                             "(default: chunk)"),
 }
 HELP_FLAGS = ("-h", "--help")
 USAGE = (f"oscar-vllm serve MODEL {' '.join(f'[{flag} {metavar}]' for flag, (_, _, metavar, _) in FLAGS.items())} "

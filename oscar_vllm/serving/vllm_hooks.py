@@ -27,7 +27,7 @@ import time
 import torch
 
 from oscar_vllm.core.fold import RotationFoldError
-from oscar_vllm.core.settings import BACKEND_NAME, BACKEND_PATH, OscarSettings
+from oscar_vllm.core.settings import BACKEND_NAME, BACKEND_PATH, OscarSettings, OscarSettingsError
 from oscar_vllm.serving.window_pages import attach_to_scheduler, pages_of_new_requests
 
 # Under vLLM's logger, so its handlers show what the backend loaded.
@@ -289,6 +289,10 @@ def prepare_model(model: torch.nn.Module) -> None:
             settings.clip_ratio_v or rotations.clip_ratio(VALUE, layer_id),
         )
     dense_bytes = give_dense_prefill_buffers([b.attn.impl for _, b in blocks], vllm_config)
+    if settings.prefill_read == "decode" and not dense_bytes:
+        raise OscarSettingsError(
+            "prefill_read 'decode' runs on FlashAttention over dense prefill buffers, which this model does not "
+            "get (layers of different shapes, or no FlashAttention build); serve it with prefill_read 'chunk'")
     logger.info(
         "OSCAR: %d layers, rotations %s (%s), sink %d, recent %d, scales %s; dense prefill buffers %.2f GiB",
         len(blocks), settings.rotation_path, rotations.source_format, settings.sink_size,

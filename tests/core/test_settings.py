@@ -11,6 +11,13 @@ def test_defaults():
     s = OscarSettings.from_sources({}, environ={})
     assert (s.rotation_path, s.sink_size, s.recent_size, s.clip_ratio_k, s.scale_dtype) == (None, 64, 256, None, "fp16")
     assert s.logit_correction == 0.5  # on by default: it costs no bytes
+    assert s.prefill_read == "chunk"
+
+
+def test_prefill_read_from_either_source():
+    assert OscarSettings.from_sources({}, environ={"OSCAR_PREFILL_READ": "decode"}).prefill_read == "decode"
+    assert OscarSettings.from_sources({"oscar": {"prefill_read": "chunk"}},
+                                      environ={"OSCAR_PREFILL_READ": "decode"}).prefill_read == "chunk"
 
 
 def test_logit_correction_from_either_source():
@@ -38,6 +45,7 @@ def test_additional_config_wins_over_environment():
     ({"logit_correction": float("nan")}, "logit_correction must be a finite number >= 0 .*got nan"),
     ({"logit_correction": "inf"}, "logit_correction must be a finite number >= 0 .*got inf"),
     ({"logit_correction": "strong"}, "logit_correction must be float, got 'strong'"),
+    ({"prefill_read": "window"}, r"prefill_read must be one of \('chunk', 'decode'\), got 'window'"),
     ({"logit_correction": True}, "logit_correction must be float, got True"),
 ])
 def test_bad_settings_are_named(given, message):

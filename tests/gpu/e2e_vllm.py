@@ -461,10 +461,16 @@ def cmd_chunked(args) -> None:
     def mean(rows) -> float:
         return sum(x for r in rows for x in r) / sum(len(r) for r in rows)
 
+    from oscar_vllm.core.settings import OscarSettings
+
     small = runs[256]
     gap = mean(small["alone"]) - mean(small["together"])
+    chunk_gap = mean(small["together"]) - mean(runs[8192]["together"])
     sampled_nan = small["sampled_nan"] + runs[8192]["sampled_nan"]
-    result(check="chunked", backend=args.backend, nan=small["nan"] + runs[8192]["nan"], sampled_nan=sampled_nan,
+    # OSCAR_PREFILL_READ=decode: a prompt reads the same keys in 2 bits wherever its chunks end.
+    read = OscarSettings.from_sources({}).prefill_read if args.backend == "OSCAR" else None
+    result(check="chunked", backend=args.backend, prefill_read=read, nan=small["nan"] + runs[8192]["nan"],
+           sampled_nan=sampled_nan, nll_gap_chunk256_chunk8192=chunk_gap,
            sampled=small["sampled"] + runs[8192]["sampled"],
            nll_chunk256_together=mean(small["together"]), nll_chunk256_alone=mean(small["alone"]),
            nll_chunk8192=mean(runs[8192]["together"]),
@@ -474,6 +480,8 @@ def cmd_chunked(args) -> None:
     if small["nan"] + runs[8192]["nan"] or sampled_nan or not math.isfinite(gap) or abs(gap) > 0.01:
         raise SystemExit("chunked: NaN prompt or sampled logprobs, or one request's chunks alone score differently "
                          "from the same chunks in a batch")
+    if read == "decode" and abs(chunk_gap) > 0.005:
+        raise SystemExit(f"chunked: with the decode read, chunks of 256 and 8192 score {chunk_gap:+.4f} nats apart")
 
 
 def cmd_report(args) -> None:

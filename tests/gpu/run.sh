@@ -21,7 +21,8 @@
 #   preempt window pages under forced preemption and aborts (SmolLM2): outputs against a roomy
 #           cache, every block and page back at the end
 #   chunked prompt logprobs through chunked prefill (chunks 256 and 8192, SmolLM2): no NaN, and a
-#           request's chunks alone in a step give what they give in a batch
+#           request's chunks alone in a step give what they give in a batch; with OSCAR_PREFILL_READ=decode
+#           also chunks of 256 and 8192 within 0.005 nats (so load, prefix, soak: the setting reaches them all)
 #   startup an engine's start, FLASH_ATTN then OSCAR (SmolLM2; in-process and eager, then OSCAR as
 #           vLLM runs it by default): start seconds, or the stacks of a start that stalls
 #   decode  decode tokens/s, OSCAR vs FLASH_ATTN, batch 1/32, context 8K/32K

@@ -5,12 +5,17 @@ import math
 import pytest
 import torch
 
-from csrc_triton.oscar_attention import DensePrefill, oscar_attention
+from csrc_triton.oscar_attention import DecodeReadPrefill, DensePrefill, oscar_attention, oscar_decode_read_prefill
 from csrc_triton.oscar_dense_kv import oscar_dense_kv
-from oscar_vllm.reference.oscar_attention import oscar_attention_reference
+from oscar_vllm.reference.oscar_attention import (
+    causal_attention_reference, decode_read_attention_reference, oscar_attention_reference,
+)
 from oscar_vllm.reference.oscar_dense_kv import oscar_dense_kv_reference
+from oscar_vllm.reference.oscar_write import oscar_write_reference
+from paged_sim import PagedCache
 from kernel_cases import (
-    CASES, DEVICE, assert_close_to_reference, cache_args, case_id, dense_twin, prepare, random_rotation,
+    CASES, CLIP_K, CLIP_V, DEVICE, DTYPES, assert_close_to_reference, cache_args, case_id, decode_read_twins, dense_twin,
+    prepare, random_rotation,
 )
 
 PREFILL_CASES = [c for c in CASES if max(c[6]) > 1]
@@ -38,6 +43,117 @@ def test_dense_kv_matches_reference(case, out_dtype):
     assert k_out[total:].isnan().all() and v_out[total:].isnan().all()
     torch.testing.assert_close(k_out[:total].cpu(), want_k.to(out_dtype), rtol=0, atol=0)
     torch.testing.assert_close(v_out[:total].cpu(), want_v.to(out_dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", ["window", "int2"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_dense_kv_fills_the_decode_reads_rows(case, rows):
+    """The decode-read prefill's two fills, bit-equal to the reference: its window's rows (from
+    ``first_pos``), and every position but the last ``recent`` from INT2 with the ring for the
+    sink only (a ``cu_q`` of empty chunks)."""
+    d, hkv, g, sink, recent, prefix, new = case
+    pc, step, q, q_rot, k, v = prepare(*case, torch.float32)
+    n, seq = len(new), step.seq_lens.long()
+    q_len = (step.cu_q[1:] - step.cu_q[:-1]).long()
+    if rows == "window":
+        count = torch.minimum(seq, q_len + recent - 1)
+        cu_q, kw = step.cu_q, dict(first_pos=(seq - count).to(torch.int32))
+    else:  # after the chunk's write, as the prefill runs it
+        oscar_write_reference(k, v, random_rotation(d).to(DEVICE), step.slot_mapping, step.cu_q, step.seq_lens,
+                              step.ring_slots, n, pc.cache, pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V,
+                              sink, recent)
+        count = (seq - recent).clamp(min=0)
+        cu_q, kw = torch.zeros_like(step.cu_q), dict(drop_last=recent, ring_recent=False)
+    cu_k = cumulative(count)
+    total = int(cu_k[-1])
+    k_out = torch.full((total + 70, hkv, d), float("nan"), device=DEVICE)
+    v_out = torch.full_like(k_out, float("nan"))
+    args = (pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table, step.seq_lens, cu_q)
+    oscar_dense_kv(k_out, v_out, k, v, *args, cu_k, step.ring_slots, n, int(seq.max()) + 65, sink, recent, **kw)
+    want_k, want_v = oscar_dense_kv_reference(k, v, *args, step.ring_slots, n, sink, recent, **kw)
+    assert want_k.shape[0] == total and k_out[total:].isnan().all() and v_out[total:].isnan().all()
+    torch.testing.assert_close(k_out[:total].cpu(), want_k, rtol=0, atol=0)
+    torch.testing.assert_close(v_out[:total].cpu(), want_v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=case_id)
+def test_decode_read_prefill_matches_reference(case, dtype):
+    """Prefill chunks read as decode reads the cache (two attention passes and a merge, the
+    write between the fills) against a softmax over decode's read of every query, with the
+    attention and the merge as their PyTorch twins."""
+    d, hkv, g, sink, recent, prefix, new = case
+    pc, step, q, q_rot, k, v = prepare(*case, dtype)
+    rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
+    n, scale = len(new), 1 / math.sqrt(d)
+    seq, q_len = step.seq_lens.long().cpu(), (step.cu_q[1:] - step.cu_q[:-1]).long().cpu()
+    k_rot = (k.float() @ rot).to(dtype)
+    # The reference's rows: BF16 as the window reads them (before the write), INT2 after it.
+    k_bf16, v_bf16 = oscar_dense_kv_reference(k_rot, v, *cache_args(pc, step), n, sink, recent)
+
+    def write():
+        oscar_write_reference(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, n,
+                              pc.cache, pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
+
+    n_int2 = (seq - recent).clamp(min=0)
+    n_window = torch.minimum(seq, q_len + recent - 1)
+    rows = int(n_int2.sum() + n_window.sum())
+    attention, merge = decode_read_twins(scale)
+    plan = DecodeReadPrefill(
+        k_rot=k_rot, k_buf=torch.full((rows + 64, hkv, d), float("nan"), dtype=dtype, device=DEVICE),
+        v_buf=torch.full((rows + 64, hkv, d), float("nan"), dtype=dtype, device=DEVICE),
+        rows_int2=int(n_int2.sum()), max_int2=int(n_int2.max()), rows_window=int(n_window.sum()),
+        max_window=int(n_window.max()),
+        max_seq_len=int(seq.max()), write=write, attention=attention, merge=merge)
+    out = torch.full_like(q, float("nan"))
+    oscar_decode_read_prefill(out, q_rot, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
+                              step.seq_lens, step.cu_q, step.ring_slots, n, step.max_query_len, sink, recent, plan)
+    k_int2, v_int2 = oscar_dense_kv_reference(k_rot, v, *cache_args(pc, step)[:6], torch.zeros_like(step.cu_q),
+                                              step.ring_slots, n, sink, recent, ring_recent=False)
+    want = decode_read_attention_reference(q_rot, k_bf16, v_bf16, k_int2, v_int2, step.seq_lens, step.cu_q, n, scale,
+                                           recent)
+    assert_close_to_reference(out, want, dtype, fp32_atol=2e-4, bf16_max=2e-2, bf16_mean=8e-3)
+
+
+def test_decode_read_reference_reads_as_decode_whatever_the_chunks():
+    """The point of the decode read: a prompt's outputs do not depend on where it is cut. The
+    same prompt attended in one chunk and as two chunks (the second over the first, written)
+    gives the same outputs at every position; the chunk read does not (the second chunk reads
+    the first's older tokens in 2 bits, the one chunk reads them in BF16)."""
+    d, hkv, g, sink, recent = 64, 1, 2, 4, 8
+    total, cut = 40, 23
+    _, _, q, q_rot, k, v = prepare(d, hkv, g, sink, recent, [0], [total], torch.float32)
+    rot = random_rotation(d).to(DEVICE)
+    scale = 1 / math.sqrt(d)
+    # Values the ring holds exactly (it stores BF16), so one chunk's new rows equal its copies.
+    k, v = k.bfloat16().float(), v.bfloat16().float()
+    k_rot = (k @ rot).bfloat16().float()
+
+    def prefill(pc, lo, hi):
+        step = pc.schedule({0: hi - lo})
+        args = cache_args(pc, step)
+        k_bf16, v_bf16 = oscar_dense_kv_reference(k_rot[lo:hi], v[lo:hi], *args, 1, sink, recent)
+        oscar_write_reference(k[lo:hi], v[lo:hi], rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, 1,
+                              pc.cache, pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
+        k_int2, v_int2 = oscar_dense_kv_reference(k_rot[lo:hi], v[lo:hi], *args[:6], torch.zeros_like(step.cu_q),
+                                                  step.ring_slots, 1, sink, recent, ring_recent=False)
+        chunk_read, _ = causal_attention_reference(q_rot[lo:hi], k_bf16, v_bf16, step.cu_q, cumulative(step.seq_lens),
+                                                   1, scale)
+        decode_read = decode_read_attention_reference(q_rot[lo:hi], k_bf16, v_bf16, k_int2, v_int2, step.seq_lens,
+                                                      step.cu_q, 1, scale, recent)
+        return chunk_read, decode_read
+
+    def cache():
+        return PagedCache(1, total + 1, hkv, d, sink, recent, DEVICE, 0)
+
+    whole_chunk, whole_decode = prefill(cache(), 0, total)
+    pc = cache()
+    head_chunk, head_decode = prefill(pc, 0, cut)
+    tail_chunk, tail_decode = prefill(pc, cut, total)
+    torch.testing.assert_close(torch.cat([head_decode, tail_decode]), whole_decode, rtol=0, atol=1e-5)
+    moved = (torch.cat([head_chunk, tail_chunk]) - whole_chunk).abs().amax(dim=(1, 2))
+    assert moved[:cut].max() < 1e-5 and moved[cut:].max() > 0.1
+    assert (whole_decode - whole_chunk).abs().amax(dim=(1, 2))[:recent].max() < 1e-5  # nothing 2-bit yet
 
 
 def test_dense_kv_reads_the_ring_only_in_the_window():
@@ -121,4 +237,54 @@ def test_dense_prefill_through_flash_attention_ignores_rows_past_the_batch(prefi
     want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), len(new), scale, sink, recent)
     # The twin's bounds (test_dense_prefill_matches_reference) with room for FlashAttention's
     # bf16 probabilities in p @ v; garbage read past the batch lands far outside them.
+    assert_close_to_reference(out, want, dtype, bf16_max=3e-2, bf16_mean=1.2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention needs a GPU")
+@pytest.mark.parametrize("prefix,new", [
+    ([0, 1536], [56, 200]),  # the first chunk reads itself in 2 bits beyond its window; the second a prefix
+    ([1504, 0, 1648], [24, 88, 232]),  # a request shorter than its window: an empty INT2 pass
+    ([0, 40], [100, 17]),  # every request within its window: the INT2 pass is skipped
+])
+def test_decode_read_prefill_through_flash_attention(prefix, new):
+    """The decode read with vLLM's FlashAttention (the window pass's `window_size`, the INT2
+    pass's bottom-right alignment over cut keys, queries that see no INT2 key) and vLLM's
+    `merge_attn_states`, NaN in every buffer row it does not fill, against the reference."""
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+
+    from oscar_vllm.serving.backend import _flash_attention
+
+    d, hkv, g, sink, recent, dtype = 128, 2, 4, 64, 256, torch.bfloat16
+    scale = 1 / math.sqrt(d)
+    attention = _flash_attention(scale, dtype)
+    if attention is None:
+        pytest.skip("no FlashAttention build")
+    pc, step, q, q_rot, k, v = prepare(d, hkv, g, sink, recent, prefix, new, dtype)
+    rot = random_rotation(d).to(DEVICE)
+    n = len(new)
+    seq, q_len = step.seq_lens.long().cpu(), (step.cu_q[1:] - step.cu_q[:-1]).long().cpu()
+    k_rot = (k.float() @ rot).to(dtype)
+    k_bf16, v_bf16 = oscar_dense_kv_reference(k_rot, v, *cache_args(pc, step), n, sink, recent)
+
+    def write():
+        oscar_write_reference(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, n,
+                              pc.cache, pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
+
+    n_int2, n_window = (seq - recent).clamp(min=0), torch.minimum(seq, q_len + recent - 1)
+    rows = int(n_int2.sum() + n_window.sum())
+    plan = DecodeReadPrefill(
+        k_rot=k_rot, k_buf=torch.full((rows + 300, hkv, d), float("nan"), dtype=dtype, device=DEVICE),
+        v_buf=torch.full((rows + 300, hkv, d), float("nan"), dtype=dtype, device=DEVICE),
+        rows_int2=int(n_int2.sum()), max_int2=int(n_int2.max()), rows_window=int(n_window.sum()),
+        max_window=int(n_window.max()), max_seq_len=int(seq.max()), write=write, attention=attention,
+        merge=merge_attn_states)
+    out = torch.full_like(q, float("nan"))
+    oscar_decode_read_prefill(out, q_rot, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
+                              step.seq_lens, step.cu_q, step.ring_slots, n, step.max_query_len, sink, recent, plan)
+    assert not out.isnan().any()
+    k_int2, v_int2 = oscar_dense_kv_reference(k_rot, v, *cache_args(pc, step)[:6], torch.zeros_like(step.cu_q),
+                                              step.ring_slots, n, sink, recent, ring_recent=False)
+    want = decode_read_attention_reference(q_rot, k_bf16, v_bf16, k_int2, v_int2, step.seq_lens, step.cu_q, n, scale,
+                                           recent)
     assert_close_to_reference(out, want, dtype, bf16_max=3e-2, bf16_mean=1.2e-2)

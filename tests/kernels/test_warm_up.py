@@ -12,7 +12,7 @@ from csrc_triton.oscar_attention import (
     decode_splits,
     oscar_attention,
 )
-from csrc_triton.oscar_dense_kv import _oscar_dense_kv_kernel
+from csrc_triton.oscar_dense_kv import _oscar_dense_kv_kernel, oscar_dense_kv
 from csrc_triton.oscar_write import WRITE_LAUNCH, _oscar_write_kernel, oscar_write
 from csrc_triton.paged_layout import launch_bucket
 from csrc_triton.warm_up import decode_variants, warm_up_kernels
@@ -38,14 +38,15 @@ def _layer(d=64, hkv=2, g=2, sink=4, recent=8, dtype=torch.float32):
     return pc, random_rotation(d).to(DEVICE)
 
 
-@pytest.mark.parametrize("dense", [False, True])
-def test_warm_up_writes_nothing(dense):
+@pytest.mark.parametrize("dense,decode_read", [(False, False), (True, False), (True, True)])
+def test_warm_up_writes_nothing(dense, decode_read):
     pc, rot = _layer()
     before = [t.clone() for t in (pc.cache, pc.windows, pc.window_pages, pc.window_pos)]
     n = warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, 4, torch.float32, 4, 8,
-                        torch.float16, max_num_seqs=9, max_num_tokens=64, num_sms=4, merge_self=True, dense=dense)
-    # 64 tokens: one write bucket of WRITE_LAUNCH
-    assert n == len(decode_variants(9, 2, 4)) + 1 + dense + 1
+                        torch.float16, max_num_seqs=9, max_num_tokens=64, num_sms=4, merge_self=True, dense=dense,
+                        decode_read=decode_read)
+    # 64 tokens: one write bucket of WRITE_LAUNCH; the decode read's two dense fills
+    assert n == len(decode_variants(9, 2, 4)) + 1 + dense + 2 * decode_read + 1
     for b, a in zip(before, (pc.cache, pc.windows, pc.window_pages, pc.window_pos)):
         assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))  # bitwise: unused window rows are NaN
 
@@ -69,7 +70,8 @@ def test_serving_after_warm_up_compiles_nothing(dtype):
     rot = random_rotation(d).to(DEVICE)
     pc0 = pcs[0][0]
     warm_up_kernels(pc0.cache, pc0.windows, pc0.window_pages, pc0.window_pos, rot, hkv * g, dtype, sink, recent,
-                    torch.float16, max_seqs, 8192, num_sms, merge_self=dtype != torch.float32, dense=True)
+                    torch.float16, max_seqs, 8192, num_sms, merge_self=dtype != torch.float32, dense=True,
+                    decode_read=dtype != torch.float32)
     compiled = _compiled()
     rows = decode_split_rows(max_seqs, hkv, num_sms)
     part_out = torch.empty(rows * hkv * g * d, dtype=torch.float32, device=DEVICE)
@@ -93,6 +95,18 @@ def test_serving_after_warm_up_compiles_nothing(dtype):
                             step.seq_lens, step.cu_q, step.ring_slots, num_decodes, num_reqs, max(new), scale, sink,
                             recent, torch.float16, decode_splits(num_decodes, hkv, num_sms), part_out, part_lse,
                             own, True, dense, logit_correction=1.0)
+        if dtype != torch.float32 and num_decodes < num_reqs:  # the decode read's fills (prefill_read="decode")
+            pre = slice(num_decodes, num_reqs)
+            cu = step.cu_q[num_decodes:] - step.cu_q[num_decodes]
+            seq, q_len = step.seq_lens[pre], cu[1:] - cu[:-1]
+            buf = [torch.empty(2 * (sum(prefix) + sum(new)), hkv, d, dtype=dtype, device=DEVICE) for _ in range(2)]
+            args = (pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table[pre], seq)
+            fills = [(cu, dict(first_pos=(seq - torch.minimum(seq, q_len + recent - 1)).to(torch.int32))),
+                     (torch.zeros_like(cu), dict(drop_last=recent, ring_recent=False))]
+            for cu_q, kw in fills:
+                oscar_dense_kv(*buf, k[num_decodes:], v[num_decodes:], *args, cu_q, cu, step.ring_slots[pre],
+                               num_reqs - num_decodes, max(p + n for p, n in zip(prefix, new)), sink, recent,
+                               torch.float16, **kw)
         t = int(step.cu_q[-1])
         oscar_write(random_rows((t, hkv, d), dtype, 1), random_rows((t, hkv, d), dtype, 2), rot,
                     step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, pc.cache, pc.windows,

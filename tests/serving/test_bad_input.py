@@ -103,7 +103,7 @@ def test_a_servable_engine_passes_and_its_settings_travel_in_its_config(engine_a
     # folder absolute: a worker started elsewhere has another working directory and environment.
     assert config.additional_config["oscar"] == {"rotation_path": str(rotations), "sink_size": 64,
                                                  "recent_size": 128, "scale_dtype": "fp16",
-                                                 "logit_correction": 0.5}
+                                                 "logit_correction": 0.5, "prefill_read": "chunk"}
     monkeypatch.delenv("OSCAR_RECENT_SIZE")
     assert OscarSettings.from_vllm_config(config).recent_size == 128
     assert build(engine_args, models / "qwen3", attention_backend="FLASH_ATTN").additional_config == {
@@ -415,6 +415,7 @@ def test_refuses_an_unknown_oscar_setting(engine_args, models):
     ({"sink_size": "64 tokens"}, "sink_size must be int, got '64 tokens'"),
     ({"logit_correction": -1.0}, r"logit_correction must be a finite number >= 0 \(0 turns it off\), got -1.0"),
     ({"logit_correction": "nan"}, "logit_correction must be a finite number >= 0 .*got nan"),
+    ({"prefill_read": "prompt"}, r"prefill_read must be one of \('chunk', 'decode'\), got 'prompt'"),
 ])
 def test_refuses_a_setting_out_of_range(engine_args, models, given, match):
     refused(engine_args, models / "qwen3", match, OscarSettingsError, oscar={"rotation_path": "hadamard", **given})
@@ -423,6 +424,12 @@ def test_refuses_a_setting_out_of_range(engine_args, models, given, match):
 def test_refuses_an_oscar_entry_that_is_not_an_object(engine_args, models):
     refused(engine_args, models / "qwen3", "'oscar' entry must be a JSON object of settings", OscarSettingsError,
             oscar="hadamard")
+
+
+def test_refuses_the_decode_read_for_a_float32_model(engine_args, models):
+    refused(engine_args, models / "qwen3", r"prefill_read 'decode' with a float32 model: it runs on FlashAttention",
+            oscar={"rotation_path": "hadamard", "prefill_read": "decode"}, dtype="float32")
+    build(engine_args, models / "qwen3", {"rotation_path": "hadamard", "prefill_read": "decode"}, dtype="bfloat16")
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "fp8_e5m2", "turboquant_4bit_nc"])

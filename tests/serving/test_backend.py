@@ -1,0 +1,63 @@
+"""The backend's own wiring around the kernels, with vLLM imported and the attention as its
+PyTorch twin: the decode-read prefill of a mixed batch (prefill_read="decode")."""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernel_cases import CLIP_K, CLIP_V, DEVICE, decode_read_twins, prepare, random_rotation
+from oscar_vllm.core.quant import clip_index
+from oscar_vllm.reference.oscar_attention import decode_read_attention_reference
+from oscar_vllm.reference.oscar_dense_kv import oscar_dense_kv_reference
+
+
+@pytest.mark.parametrize("buffer_rows,host_shapes", [(400, True), (96, True), (400, False)])
+def test_decode_read_prefill_of_a_mixed_batch(buffer_rows, host_shapes):
+    """A decode, then two prefills (one over a cached prefix): the prefills read as decode
+    does and are written, all at once where their rows fit the dense buffers and one at a time
+    where they do not (96 rows: 16 and 89 the two requests' needs), with the
+    lengths from the host or, missing, read from the GPU; the decode's rows are left alone."""
+    from oscar_vllm.serving.backend import OscarAttentionImpl
+
+    d, hkv, g, sink, recent = 64, 1, 2, 4, 8
+    prefix, new = [30, 0, 50], [1, 12, 20]
+    pc, step, q, q_rot, k, v = prepare(d, hkv, g, sink, recent, prefix, new, torch.float32)
+    rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
+    scale = 1 / math.sqrt(d)
+    attention, merge = decode_read_twins(scale)
+    k_rot = (k.float() @ rot)[1:]
+    pre = (pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table[1:], step.seq_lens[1:])
+    cu = step.cu_q[1:] - step.cu_q[1]
+    k_bf16, v_bf16 = oscar_dense_kv_reference(k_rot, v[1:], *pre, cu, step.ring_slots[1:], 2, sink, recent)
+    buffers = tuple(torch.full((buffer_rows, hkv, d), float("nan"), device=DEVICE) for _ in range(2))
+    impl = SimpleNamespace(
+        dense_kv=buffers, flash_attention=attention, merge_attention=merge, sink=sink, recent=recent,
+        rotate=lambda x: (x.float() @ rot).to(x.dtype), rot_k=rot, window_pos=pc.window_pos,
+        clip_idx_k=clip_index(CLIP_K, d), clip_idx_v=clip_index(CLIP_V, d), param_dtype=torch.float16)
+    md = SimpleNamespace(
+        num_decodes=1, num_reqs=3, num_actual_tokens=int(step.cu_q[-1]),
+        prefill_shapes=((12, 12), (20, 70)) if host_shapes else (), query_start_loc=step.cu_q,
+        seq_lens=step.seq_lens, block_table=step.block_table, slot_mapping=step.slot_mapping,
+        ring_slots=step.ring_slots, window_pages=pc.window_pages)
+    out = torch.full_like(q, float("nan"))
+    OscarAttentionImpl.decode_read_prefill(impl, md, q_rot, k, v, out, pc.cache, pc.windows)
+    assert out[:1].isnan().all(), "the decode's output is the decode kernel's, not this path's"
+    assert (pc.window_pos[step.ring_slots[2].long()] >= 0).sum() == sink + recent, "the prefills were written"
+    assert buffers[0][:89].isfinite().all() and buffers[0][105 if buffer_rows == 400 else 89:].isnan().all()
+    k_int2, v_int2 = oscar_dense_kv_reference(k_rot, v[1:], *pre, torch.zeros_like(cu), step.ring_slots[1:], 2, sink,
+                                              recent, ring_recent=False)
+    want = decode_read_attention_reference(q_rot[1:], k_bf16, v_bf16, k_int2, v_int2, step.seq_lens[1:], cu, 2, scale,
+                                           recent)
+    torch.testing.assert_close(out[1:].cpu(), want, rtol=1e-4, atol=2e-4)
+
+
+def test_decode_read_refuses_rows_its_buffers_do_not_hold():
+    from csrc_triton.oscar_attention import DecodeReadPrefill, oscar_decode_read_prefill
+
+    pc, step, q, q_rot, k, v = prepare(64, 1, 2, 4, 8, [50], [20], torch.float32)
+    buf = torch.empty(88, 1, 64)
+    plan = DecodeReadPrefill(k, buf, buf, 62, 62, 27, 27, 70, write=None, attention=None, merge=None)
+    with pytest.raises(ValueError, match=r"needs 62 \+ 27 dense rows, the buffers hold 88"):
+        oscar_decode_read_prefill(q, q_rot, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
+                                  step.seq_lens, step.cu_q, step.ring_slots, 1, 20, 4, 8, plan)
