@@ -76,12 +76,10 @@ def test_dense_kv_fills_the_decode_reads_rows(case, rows):
     torch.testing.assert_close(v_out[:total].cpu(), want_v, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=case_id)
-def test_decode_read_prefill_matches_reference(case, dtype):
-    """Prefill chunks read as decode reads the cache (two attention passes and a merge, the
-    write between the fills) against a softmax over decode's read of every query, with the
-    attention and the merge as their PyTorch twins."""
+def run_decode_read(case, dtype, attention, merge, spare_rows=64):
+    """``oscar_decode_read_prefill`` on a prepared case with NaN-filled buffers (``spare_rows``
+    past what it fills) and the reference write, and what it should give: a softmax over
+    decode's read of every query. Returns ``(out, want)``."""
     d, hkv, g, sink, recent, prefix, new = case
     pc, step, q, q_rot, k, v = prepare(*case, dtype)
     rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
@@ -95,23 +93,29 @@ def test_decode_read_prefill_matches_reference(case, dtype):
         oscar_write_reference(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, n,
                               pc.cache, pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
 
-    n_int2 = (seq - recent).clamp(min=0)
-    n_window = torch.minimum(seq, q_len + recent - 1)
-    rows = int(n_int2.sum() + n_window.sum())
-    attention, merge = decode_read_twins(scale)
+    n_int2, n_window = (seq - recent).clamp(min=0), torch.minimum(seq, q_len + recent - 1)
+    rows = int(n_int2.sum() + n_window.sum()) + spare_rows
     plan = DecodeReadPrefill(
-        k_rot=k_rot, k_buf=torch.full((rows + 64, hkv, d), float("nan"), dtype=dtype, device=DEVICE),
-        v_buf=torch.full((rows + 64, hkv, d), float("nan"), dtype=dtype, device=DEVICE),
+        k_rot=k_rot, k_buf=torch.full((rows, hkv, d), float("nan"), dtype=dtype, device=DEVICE),
+        v_buf=torch.full((rows, hkv, d), float("nan"), dtype=dtype, device=DEVICE),
         rows_int2=int(n_int2.sum()), max_int2=int(n_int2.max()), rows_window=int(n_window.sum()),
-        max_window=int(n_window.max()),
-        max_seq_len=int(seq.max()), write=write, attention=attention, merge=merge)
+        max_window=int(n_window.max()), max_seq_len=int(seq.max()), write=write, attention=attention, merge=merge)
     out = torch.full_like(q, float("nan"))
     oscar_decode_read_prefill(out, q_rot, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
                               step.seq_lens, step.cu_q, step.ring_slots, n, step.max_query_len, sink, recent, plan)
     k_int2, v_int2 = oscar_dense_kv_reference(k_rot, v, *cache_args(pc, step)[:6], torch.zeros_like(step.cu_q),
                                               step.ring_slots, n, sink, recent, ring_recent=False)
-    want = decode_read_attention_reference(q_rot, k_bf16, v_bf16, k_int2, v_int2, step.seq_lens, step.cu_q, n, scale,
-                                           recent)
+    return out, decode_read_attention_reference(q_rot, k_bf16, v_bf16, k_int2, v_int2, step.seq_lens, step.cu_q, n,
+                                                scale, recent)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=case_id)
+def test_decode_read_prefill_matches_reference(case, dtype):
+    """Prefill chunks read as decode reads the cache (two attention passes and a merge, the
+    write between the fills) against a softmax over decode's read of every query, with the
+    attention and the merge as their PyTorch twins."""
+    out, want = run_decode_read(case, dtype, *decode_read_twins(1 / math.sqrt(case[0])))
     assert_close_to_reference(out, want, dtype, fp32_atol=2e-4, bf16_max=2e-2, bf16_mean=8e-3)
 
 
@@ -255,36 +259,9 @@ def test_decode_read_prefill_through_flash_attention(prefix, new):
 
     from oscar_vllm.serving.backend import _flash_attention
 
-    d, hkv, g, sink, recent, dtype = 128, 2, 4, 64, 256, torch.bfloat16
-    scale = 1 / math.sqrt(d)
-    attention = _flash_attention(scale, dtype)
+    d, dtype = 128, torch.bfloat16
+    attention = _flash_attention(1 / math.sqrt(d), dtype)
     if attention is None:
         pytest.skip("no FlashAttention build")
-    pc, step, q, q_rot, k, v = prepare(d, hkv, g, sink, recent, prefix, new, dtype)
-    rot = random_rotation(d).to(DEVICE)
-    n = len(new)
-    seq, q_len = step.seq_lens.long().cpu(), (step.cu_q[1:] - step.cu_q[:-1]).long().cpu()
-    k_rot = (k.float() @ rot).to(dtype)
-    k_bf16, v_bf16 = oscar_dense_kv_reference(k_rot, v, *cache_args(pc, step), n, sink, recent)
-
-    def write():
-        oscar_write_reference(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, n,
-                              pc.cache, pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
-
-    n_int2, n_window = (seq - recent).clamp(min=0), torch.minimum(seq, q_len + recent - 1)
-    rows = int(n_int2.sum() + n_window.sum())
-    plan = DecodeReadPrefill(
-        k_rot=k_rot, k_buf=torch.full((rows + 300, hkv, d), float("nan"), dtype=dtype, device=DEVICE),
-        v_buf=torch.full((rows + 300, hkv, d), float("nan"), dtype=dtype, device=DEVICE),
-        rows_int2=int(n_int2.sum()), max_int2=int(n_int2.max()), rows_window=int(n_window.sum()),
-        max_window=int(n_window.max()), max_seq_len=int(seq.max()), write=write, attention=attention,
-        merge=merge_attn_states)
-    out = torch.full_like(q, float("nan"))
-    oscar_decode_read_prefill(out, q_rot, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
-                              step.seq_lens, step.cu_q, step.ring_slots, n, step.max_query_len, sink, recent, plan)
-    assert not out.isnan().any()
-    k_int2, v_int2 = oscar_dense_kv_reference(k_rot, v, *cache_args(pc, step)[:6], torch.zeros_like(step.cu_q),
-                                              step.ring_slots, n, sink, recent, ring_recent=False)
-    want = decode_read_attention_reference(q_rot, k_bf16, v_bf16, k_int2, v_int2, step.seq_lens, step.cu_q, n, scale,
-                                           recent)
+    out, want = run_decode_read((d, 2, 4, 64, 256, prefix, new), dtype, attention, merge_attn_states, spare_rows=300)
     assert_close_to_reference(out, want, dtype, bf16_max=3e-2, bf16_mean=1.2e-2)
