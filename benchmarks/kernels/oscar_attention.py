@@ -34,8 +34,10 @@ from common import (
 from csrc_triton.oscar_attention import (
     DECODE_LAUNCH,
     MAX_DECODE_SPLITS,
+    DecodeReadPrefill,
     DensePrefill,
     oscar_decode_attention,
+    oscar_decode_read_prefill,
     oscar_dense_prefill_attention,
     oscar_prefill_attention,
 )
@@ -183,26 +185,48 @@ def prefill(args, bw: float, env: dict) -> list[dict]:
                 lse = torch.full((hq, chunk), float("-inf"), device="cuda")
                 row["int2_kernel_ms"] = row["fa3_own_ms"] + time_calls([lambda b=b: oscar_prefill_attention(
                     out, q, q, k, v, *b.args(), 1, scale, SINK, RECENT, self_lse=lse)], rep_ms=100)
+            row["decode_read_ms"] = time_calls([decode_read_call(b, q, k, v, out, chunk, prefix, scale)], rep_ms=100)
             cache = Bf16Paged([prefix], [chunk], hkv, d, seed=1)
             row["fa3_ms"] = time_calls([fa3_call(fa, cache, q, out, scale)], rep_ms=100)
             row["fa3_TFLOPs"] = flops / row["fa3_ms"] / 1e9
             row["oscar_TFLOPs"] = flops / row["oscar_ms"] / 1e9
             row["oscar_vs_fa3"] = row["oscar_ms"] / row["fa3_ms"]
+            row["decode_read_vs_fa3"] = row["decode_read_ms"] / row["fa3_ms"]
             del cache
             rows.append(row)
             print(row, flush=True)
             del b
             torch.cuda.empty_cache()
-    cols = ["shape", "chunk", "prefix", "oscar_ms", "fa3_ms", "oscar_vs_fa3", "dense_kv_ms", "dense_kv_GBps",
-            "int2_kernel_ms", "oscar_TFLOPs", "fa3_TFLOPs"]
+    cols = ["shape", "chunk", "prefix", "oscar_ms", "fa3_ms", "oscar_vs_fa3", "decode_read_ms", "decode_read_vs_fa3",
+            "dense_kv_ms", "dense_kv_GBps", "int2_kernel_ms", "oscar_TFLOPs", "fa3_TFLOPs"]
     write_reports(Path(args.out), "prefill", rows, env, "Prefill attention: a chunk over a cached prefix", cols,
                   ["oscar_ms: what the backend runs: with a prefix, oscar_dense_kv (the prefix dequantized to "
                    "BF16, dense_kv_ms) + one FA3 pass over prefix and chunk; without, FA3 on the chunk",
+                   "decode_read_ms: prefill_read=\"decode\" (oscar_decode_read_prefill): the window's BF16 rows and "
+                   "every older position's INT2 rows dequantized, two FA3 passes, vLLM's merge (the cache write, "
+                   "which both reads run, left out)",
                    "int2_kernel_ms: the fallback for batches the dense buffers cannot hold: FA3 on the chunk's "
                    "own keys + the INT2 prefix kernel merged in",
                    f"dense_kv_GBps: bytes read and written over dense_kv_ms (copy bandwidth {bw:,.0f} GB/s)",
                    "TFLOPs: 4·heads·d·(chunk·prefix + chunk²/2) over the time"])
     return rows
+
+
+def decode_read_call(b, q, k, v, out, chunk: int, prefix: int, scale: float):
+    """One request's chunk as ``prefill_read="decode"`` runs it, through the backend's FlashAttention
+    and vLLM's merge (the write left out: both reads run it)."""
+    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+
+    from oscar_vllm.serving.backend import _flash_attention
+
+    seq = prefix + chunk
+    n_int2, n_window = max(seq - RECENT, 0), min(seq, chunk + RECENT - 1)
+    hkv, d = k.shape[1:]
+    buf = [torch.empty(n_int2 + n_window, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    plan = DecodeReadPrefill(k, *buf, n_int2, n_int2, n_window, n_window, seq, write=lambda: None,
+                             attention=_flash_attention(scale, torch.bfloat16), merge=merge_attn_states)
+    return lambda: oscar_decode_read_prefill(out, q, v, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table,
+                                             b.seq_lens, b.cu_q, b.ring_slots, 1, chunk, SINK, RECENT, plan)
 
 
 def _fa3_dense(fa, scale):
