@@ -207,11 +207,12 @@ def compare(batched: dict[int, list[Reply]], alone: dict[int, list[Reply]]) -> d
 
 def identical_runs(runs: list[list[list[int]]]) -> dict:
     """Runs of the same batch (run -> request -> token ids): how many requests got the same reply
-    every time."""
+    every time, and which did not (their index in the batch)."""
     requests = len(runs[0])
-    same = sum(all(run[i] == runs[0][i] for run in runs) for i in range(requests))
+    differing = [i for i in range(requests) if any(run[i] != runs[0][i] for run in runs)]
     differing_runs = sum(any(run[i] != runs[0][i] for i in range(requests)) for run in runs)
-    return {"runs": len(runs), "requests": requests, "identical_every_time": same, "runs_differing": differing_runs}
+    return {"runs": len(runs), "requests": requests, "identical_every_time": requests - len(differing),
+            "runs_differing": differing_runs, "differing_requests": differing}
 
 
 # ---------------------------------------------------------------------------- reading a server

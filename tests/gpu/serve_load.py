@@ -57,6 +57,15 @@ SERVED_NAME = "model"
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]  # batches 7, 25, 45, 123 run padded; 200 runs uncaptured
 GRAPH_BATCHES = [1, 7, 25, 45, 123, 200]
 BACKENDS = ("FLASH_ATTN", "OSCAR")
+# vLLM's server closes a kept-alive connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default)
+# idle, and a request written on a connection the server is closing that moment fails (ReadError,
+# BrokenPipeError). The client lets go of idle connections after 2 s, and the servers the harness
+# starts keep them 60 s: a client whose one event loop is busy starting 256 requests may take
+# seconds to write one on a connection it took from the pool (the load check's first request, on
+# both backends, 2026-12-02). Production clients retry such errors (openai's max_retries); the
+# harness sends each request once, so that every failure it counts is the server's.
+CLIENT_KEEPALIVE_S = 2.0
+SERVER_KEEPALIVE_S = 60
 
 
 def result(**kw) -> dict:
@@ -70,6 +79,16 @@ def result(**kw) -> dict:
 
 def oscar_config(rotations: str) -> dict:
     return {"oscar": {"rotation_path": rotations, "sink_size": 64, "recent_size": 256}}
+
+
+def oscar_settings_in_use() -> dict:
+    """The OSCAR settings the servers run with, besides their rotations: ``oscar_config``'s, and
+    the rest from OSCAR_* variables (such as OSCAR_PREFILL_READ), as the servers read them."""
+    from dataclasses import asdict
+
+    from oscar_vllm.core.settings import OscarSettings
+
+    return {k: v for k, v in asdict(OscarSettings.from_sources(oscar_config(""))).items() if k != "rotation_path"}
 
 
 def text_ids(model: str) -> list[int]:
@@ -107,6 +126,7 @@ class Server:
         if backend == "OSCAR":
             args += ["--additional-config", json.dumps(oscar_config(rotations))]
         self.args = args
+        self.env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_HTTP_TIMEOUT_KEEP_ALIVE=str(SERVER_KEEPALIVE_S))
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -117,7 +137,7 @@ class Server:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen(self.args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env=dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0"))
+                                         env=self.env)
         self.started = time.time()
         return self
 
@@ -181,12 +201,6 @@ def gpu_memory_used() -> int | None:
 
 
 # ---------------------------------------------------------------------------- requests
-
-
-# vLLM's server closes a kept-alive connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s) idle, and
-# httpx keeps one pooled for as long: a request sent on a connection the server is closing that
-# moment fails (ReadError). The client lets go of idle connections well before the server does.
-CLIENT_KEEPALIVE_S = 2.0
 
 
 def client_for(server: Server, timeout: float = 600):
@@ -412,6 +426,7 @@ def load_markdown(results: dict, mix_info: dict, failures: list[str], meta: dict
     lines = ["# Server under load: OSCAR and FLASH_ATTN through the same test", "",
              f"{meta['date']}, {meta['hardware']}, `{meta['command']}`; {meta['versions']}", "",
              f"Mix: {json.dumps(mix_info)}", "",
+             f"OSCAR settings (rotations aside): {json.dumps(oscar_settings_in_use())}", "",
              "| | " + " | ".join(results) + " |", "|---|" + "---|" * len(results)]
 
     def row(name, f):
@@ -432,6 +447,10 @@ def load_markdown(results: dict, mix_info: dict, failures: list[str], meta: dict
     row("window pages, peak logged", lambda r: r["after_load"].get("window_pages_peak_logged"))
     row("same batch 20 times: requests identical every time",
         lambda r: f"{r['repeats']['identical_every_time']} of {r['repeats']['requests']}")
+    # repeat_prompts puts the shared-system-prompt requests first: their indices say whether
+    # prefix-cache hits are among the causes.
+    row("same batch 20 times: requests that differed (the first third on shared system prompts)",
+        lambda r: r["repeats"].get("differing_requests", "not recorded"))
     for b in next(iter(results.values()))["graphs_vs_eager"]:
         row(f"graphs vs eager, batch {b}: equal / near tie / far",
             lambda r, b=b: f"{r['graphs_vs_eager'][b]['equal']} / {r['graphs_vs_eager'][b]['close']} / "

@@ -82,7 +82,8 @@ def test_compare_counts_every_choice():
 
 def test_identical_runs():
     runs = [[[1, 2], [3]], [[1, 2], [3]], [[1, 2], [4]]]
-    assert identical_runs(runs) == {"runs": 3, "requests": 2, "identical_every_time": 1, "runs_differing": 1}
+    assert identical_runs(runs) == {"runs": 3, "requests": 2, "identical_every_time": 1, "runs_differing": 1,
+                                    "differing_requests": [1]}
 
 
 # ---------------------------------------------------------------------------- the mix
@@ -130,18 +131,21 @@ def test_requests_ask_for_what_the_comparison_needs():
     assert "logprobs" not in quiet.sampling and quiet.sampling["extra_body"] == greedy.sampling["extra_body"]
 
 
-def test_the_client_lets_go_of_idle_connections_before_vllms_server_does(serve_load):
+def test_the_client_lets_go_of_idle_connections_before_the_server_does(serve_load, monkeypatch, tmp_path):
     """vLLM closes a kept-alive connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE idle; a pooled
-    connection the client still trusts then fails the request sent on it (the soak's ReadErrors
-    followed the client's stalls)."""
+    connection the client still trusts then fails the request written on it (the soak's
+    ReadErrors, the load check's first request). The servers the harness starts keep theirs
+    longer than vLLM's default, and the client lets go first."""
     import asyncio
 
     import vllm.envs
 
-    class Server:
-        url = "http://127.0.0.1:1"
-
-    client = serve_load.client_for(Server())
+    server = serve_load.Server("MODEL", "OSCAR", "ROT", tmp_path / "log", 8000, 4096, 8, eager=True, memory=0.5)
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", server.env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"])
+    server_keepalive = vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE  # as the server process reads it
+    monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE")
+    assert server_keepalive == serve_load.SERVER_KEEPALIVE_S > vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    client = serve_load.client_for(server)
     pool = client._client._transport._pool
     assert pool._keepalive_expiry == serve_load.CLIENT_KEEPALIVE_S < vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
     assert pool._max_connections == sys.maxsize and client.max_retries == 0  # no cap: one per worker
@@ -325,12 +329,16 @@ def test_what_fails_a_load_run(serve_load):
     assert "1 requests failed" in checks({"FLASH_ATTN": broken})[0]
 
 
-def test_the_load_summary_renders(serve_load):
+def test_the_load_summary_renders(serve_load, monkeypatch):
+    monkeypatch.setenv("OSCAR_PREFILL_READ", "decode")
     results = {b: {**backend_result(), "start_seconds_graphs": 60, "start_seconds_eager": 20, "load_seconds": 30,
                    "cancelled": 8, "rss_bytes": 3 * 2**30} for b in ("FLASH_ATTN", "OSCAR")}
+    results["OSCAR"]["repeats"] = {**results["OSCAR"]["repeats"], "differing_requests": [2, 17]}
     meta = {"date": "2026-12-01 00:00 UTC", "hardware": "NVIDIA H200", "command": "serve_load.py load", "versions": "v"}
     text = serve_load.load_markdown(results, {"requests": 512}, [], meta)
     assert "| greedy: equal / near tie / far (of compared) | 36 / 4 / 0 (40) | 36 / 4 / 0 (40) |" in text
+    assert "| same batch 20 times: requests that differed (the first third on shared system prompts) | not recorded | [2, 17] |" in text
+    assert '"prefill_read": "decode"' in text and '"sink_size": 64' in text and "rotation_path" not in text
     assert "Checks: all passed" in text
 
 
