@@ -48,7 +48,7 @@ from csrc_triton.paged_layout import (
 
 LOG2E = 1.4426950408889634
 WINDOW_ENTRIES = gl.constexpr(_WINDOW_ENTRIES)
-MAX_SPLITS = 128
+MAX_DECODE_SPLITS = 128
 TILE = gl.constexpr(64)  # keys per step: one INT2 block, or 8 ring pages
 MIN_SPLIT_TILES = gl.constexpr(1)  # a split reads at least this many tiles (one: short contexts gain from more programs)
 # Launch by batch size (the largest key <= requests): (registers a thread may use, one-warp
@@ -578,7 +578,7 @@ def decode_splits(num_reqs: int, num_kv_heads: int, num_sms: int, ctas_per_sm: i
     one-warp programs for ``ctas_per_sm`` (else ``DECODE_LAUNCH``'s) per SM."""
     ctas = ctas_per_sm or decode_launch(num_reqs)[1]
     want = triton.cdiv(ctas * num_sms, max(1, num_reqs * num_kv_heads))
-    return max(1, min(MAX_SPLITS, triton.next_power_of_2(want)))
+    return max(1, min(MAX_DECODE_SPLITS, triton.next_power_of_2(want)))
 
 
 def decode_split_rows(max_num_reqs: int, num_kv_heads: int, num_sms: int) -> int:

@@ -27,22 +27,23 @@ from csrc_triton.oscar_write import WRITE_LAUNCH, decode_rotation, oscar_write, 
 from csrc_triton.paged_layout import launch_bucket
 
 
-def decode_variants(max_num_seqs: int, num_kv_heads: int, num_sms: int) -> dict[tuple, int]:
+def decode_variants(max_num_seqs: int, num_kv_heads: int, num_sms: int, fixed_splits: int = 0) -> dict[tuple, int]:
     """The decode launches a batch of 1..``max_num_seqs`` requests can take: ``{(num_warps,
     num_stages, splits): smallest batch that takes it}`` (the decode wrapper picks the same
-    launch for that batch size)."""
+    launch for that batch size; ``fixed_splits`` > 0: the split count of every batch)."""
     variants: dict[tuple, int] = {}
     for n in range(1, max_num_seqs + 1):
-        key = (*launch_bucket(DECODE_LAUNCH, n)[:2], decode_splits(n, num_kv_heads, num_sms))
+        key = (*launch_bucket(DECODE_LAUNCH, n)[:2], fixed_splits or decode_splits(n, num_kv_heads, num_sms))
         variants.setdefault(key, n)
     return variants
 
 
-def gluon_decode_variants(max_num_seqs: int, num_kv_heads: int, num_sms: int) -> dict[tuple, int]:
+def gluon_decode_variants(max_num_seqs: int, num_kv_heads: int, num_sms: int,
+                          fixed_splits: int = 0) -> dict[tuple, int]:
     """The same for ``oscar_decode``: ``{(maxnreg, splits): smallest batch that takes it}``."""
     variants: dict[tuple, int] = {}
     for n in range(1, max_num_seqs + 1):
-        key = (gluon_decode.decode_launch(n)[0], gluon_decode.decode_splits(n, num_kv_heads, num_sms))
+        key = (gluon_decode.decode_launch(n)[0], fixed_splits or gluon_decode.decode_splits(n, num_kv_heads, num_sms))
         variants.setdefault(key, n)
     return variants
 
@@ -65,6 +66,7 @@ def warm_up_kernels(
     dense: bool,
     gluon: bool = False,
     decode_read: bool = False,
+    fixed_splits: int = 0,
 ) -> int:
     """Launch each kernel variant once on one-block scratch inputs; returns the launches.
 
@@ -72,7 +74,8 @@ def warm_up_kernels(
     model's; ``merge_self``: prefill merges FlashAttention's own-keys pass (else the INT2
     kernel attends to the chunk itself); ``dense``: the dense-prefix prefill path exists;
     ``gluon``: decode batches write first and take ``oscar_decode`` (else the Triton decode kernel);
-    ``decode_read``: prefills read as decode does (the dense fills of ``oscar_decode_read_prefill``).
+    ``decode_read``: prefills read as decode does (the dense fills of ``oscar_decode_read_prefill``);
+    ``fixed_splits`` > 0: every decode batch splits its requests that many ways (``decode_splits``).
     ``max_num_seqs`` and ``max_num_tokens`` bound the batches (requests, tokens per step).
     """
     dev = cache.device
@@ -92,10 +95,11 @@ def warm_up_kernels(
     launches = 0
     if gluon:
         return launches + _warm_up_gluon_decode(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype,
-                                                sink, recent, param_dtype, max_num_seqs, num_sms, rows, batch) \
+                                                sink, recent, param_dtype, max_num_seqs, num_sms, rows, batch,
+                                                fixed_splits) \
             + _warm_up_prefill(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype, sink, recent,
                                param_dtype, max_num_tokens, merge_self, dense, rows, batch, decode_read)
-    for (*_, splits), n in decode_variants(max_num_seqs, hkv, num_sms).items():
+    for (*_, splits), n in decode_variants(max_num_seqs, hkv, num_sms, fixed_splits).items():
         q = rows(n, num_heads)
         part_out = torch.empty(n * num_heads * splits * d, dtype=torch.float32, device=dev)
         part_lse = torch.empty(n * num_heads * splits, dtype=torch.float32, device=dev)
@@ -107,7 +111,7 @@ def warm_up_kernels(
 
 
 def _warm_up_gluon_decode(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype, sink, recent, param_dtype,
-                          max_num_seqs, num_sms, rows, batch) -> int:
+                          max_num_seqs, num_sms, rows, batch, fixed_splits) -> int:
     """The decode write (padding slots: it writes nothing) and every ``oscar_decode`` launch."""
     dev, hkv, d = cache.device, cache.shape[1], rot_k.shape[-1]
     launches = 0
@@ -117,7 +121,7 @@ def _warm_up_gluon_decode(cache, windows, window_pages, window_pos, rot_k, num_h
     oscar_write_decode(rows(1, hkv), rows(1, hkv), q, q.clone(), decode_rotation(rot_k), padding, seq_lens,
                        ring_slots, cache, windows, window_pages, window_pos, 0, 0, sink, recent, param_dtype)
     launches += 1
-    for (_, splits), n in gluon_decode_variants(max_num_seqs, hkv, num_sms).items():
+    for (_, splits), n in gluon_decode_variants(max_num_seqs, hkv, num_sms, fixed_splits).items():
         q = rows(n, num_heads)
         part_out = torch.empty(n * num_heads * splits * d, dtype=torch.float32, device=dev)
         part_lse = torch.empty(n * num_heads * splits, dtype=torch.float32, device=dev)

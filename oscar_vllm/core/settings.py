@@ -31,6 +31,7 @@ HOW_TO_GET_ROTATIONS = (
 
 
 FLOATS = ("logit_correction",)  # float settings besides the clip ratios
+INTS = ("decode_splits",)  # int settings besides the *_size ones
 
 
 class OscarSettingsError(OscarError, ValueError):
@@ -50,6 +51,11 @@ class OscarSettings:
     # of 0.25-1 in the quality study (docs/quality.md).
     logit_correction: float = 0.5
     prefill_read: str = "chunk"
+    # How many programs split each decode request's keys: 0 picks the count per batch (more for
+    # small batches, to fill the GPU), so a request's floating-point sums depend on the batch it
+    # runs in; a power of two fixes it for every batch (replies independent of the batch, with
+    # prefill_read "decode"; docs/backend.md).
+    decode_splits: int = 0
 
     def __post_init__(self) -> None:
         if self.sink_size < 0:
@@ -64,9 +70,18 @@ class OscarSettings:
             raise OscarSettingsError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if self.prefill_read not in PREFILL_READS:
             raise OscarSettingsError(f"prefill_read must be one of {PREFILL_READS}, got {self.prefill_read!r}")
+        if self.decode_splits < 0 or self.decode_splits & (self.decode_splits - 1):
+            raise OscarSettingsError(f"decode_splits must be 0 (chosen per batch) or a power of two, "
+                                     f"got {self.decode_splits}")
         if not (math.isfinite(self.logit_correction) and self.logit_correction >= 0):
             raise OscarSettingsError(f"logit_correction must be a finite number >= 0 (0 turns it off), "
                                      f"got {self.logit_correction}")
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a request's attention reads the same numbers in the same order whatever
+        batch it runs in: prompts read as decode does, decode splits fixed."""
+        return self.prefill_read == "decode" and self.decode_splits > 0
 
     @property
     def is_hadamard(self) -> bool:
@@ -109,7 +124,7 @@ class OscarSettings:
 
 
 def _convert(name: str, raw: Any, default: Any) -> Any:
-    kind = int if name.endswith("_size") else float if name.startswith("clip_ratio") or name in FLOATS else str
+    kind = int if name.endswith("_size") or name in INTS else float if name.startswith("clip_ratio") or name in FLOATS else str
     if kind is str:
         return str(raw)
     if isinstance(raw, bool) or (kind is int and isinstance(raw, float)):

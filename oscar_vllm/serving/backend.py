@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.config import VllmConfig, get_current_vllm_config, get_current_vllm_config_or_none
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -45,7 +45,7 @@ from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape, window_pages_
 from csrc_triton.warm_up import warm_up_kernels
 from oscar_vllm.core.fold import RotationFoldError
 from oscar_vllm.core.quant import PARAM_DTYPES, clip_index
-from oscar_vllm.core.settings import BACKEND_NAME, OscarSettings
+from oscar_vllm.core.settings import BACKEND_NAME, OscarSettings, OscarSettingsError
 from oscar_vllm.serving.plugin import check_vllm_version
 from oscar_vllm.serving.preflight import check_in_worker
 from oscar_vllm.serving.window_pages import WindowPagesError
@@ -100,7 +100,9 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         # Request rows are < max_num_seqs; a batch padded for a CUDA graph may count more entries.
         self.null_row = vllm_config.scheduler_config.max_num_seqs
         max_batch = max(self.null_row, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
-        split_rows = self.decode_kernel.decode_split_rows(max_batch, self.num_kv_heads, self.num_sms)
+        self.fixed_splits = settings.decode_splits
+        split_rows = decode_split_scratch_rows(self.decode_kernel, self.fixed_splits, max_batch, self.num_kv_heads,
+                                               self.num_sms)
         self.layers = [vllm_config.compilation_config.static_forward_context[name].impl for name in layer_names]
         self.sink = settings.sink_size
         self.decode_read = settings.prefill_read == "decode"
@@ -179,7 +181,8 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
             max_query_len=m.max_query_len,
             num_reqs=m.num_reqs,
             num_decodes=num_decodes,
-            decode_splits=self.decode_kernel.decode_splits(num_decodes, self.num_kv_heads, self.num_sms),
+            decode_splits=self.fixed_splits or self.decode_kernel.decode_splits(num_decodes, self.num_kv_heads,
+                                                                                 self.num_sms),
             prefill_has_prefix=prefill_has_prefix,
             prefill_kv_rows=int(prefill_seq.sum()) if known else -1,
             prefill_max_seq=int(prefill_seq.max()) if known else 0,
@@ -219,6 +222,13 @@ class OscarAttentionBackend(AttentionBackend):
         return [BLOCK_SIZE]
 
     @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        """VLLM_BATCH_INVARIANT=1: only with the settings that make OSCAR's reads batch-invariant
+        (``OscarSettings.batch_invariant``; the startup check names them)."""
+        config = get_current_vllm_config_or_none()
+        return config is not None and OscarSettings.from_vllm_config(config).batch_invariant
+
+    @classmethod
     def get_preferred_block_size(cls, default_block_size: int) -> int:
         return BLOCK_SIZE
 
@@ -232,6 +242,18 @@ class OscarAttentionBackend(AttentionBackend):
         if block_size != BLOCK_SIZE:
             raise ValueError(f"OSCAR kernel blocks hold {BLOCK_SIZE} tokens, vLLM asked for {block_size}")
         return int2_cache_shape(num_blocks, num_kv_heads, head_size)
+
+
+def decode_split_scratch_rows(kernel, fixed_splits: int, max_batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """Rows of split scratch (``requests * splits``) the largest batch needs from ``kernel``
+    (``csrc_triton.oscar_decode`` or ``oscar_attention``): ``fixed_splits`` (the
+    ``decode_splits`` setting) for every batch, or, 0, the kernel's choice per batch size."""
+    if fixed_splits > kernel.MAX_DECODE_SPLITS:
+        raise OscarSettingsError(f"decode_splits {fixed_splits}: {kernel.__name__} splits a request's keys over at "
+                                 f"most {kernel.MAX_DECODE_SPLITS} programs")
+    if fixed_splits:
+        return max_batch * fixed_splits
+    return kernel.decode_split_rows(max_batch, num_kv_heads, num_sms)
 
 
 def uses_gluon_decode(vllm_config: VllmConfig, num_heads: int, num_kv_heads: int, head_size: int, sink: int) -> bool:
@@ -252,14 +274,18 @@ def _flash_attention(scale: float, dtype: torch.dtype):
         return None
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
 
+    from vllm import envs
+
     fa_version = get_flash_attn_version()
-    version = {} if fa_version is None else {"fa_version": fa_version}
+    options = {} if fa_version is None else {"fa_version": fa_version}
+    if envs.VLLM_BATCH_INVARIANT:  # as vLLM's FlashAttention backend: no split-KV chosen by the batch
+        options["num_splits"] = 1
 
     def attend(q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out, return_lse=False, window_left=-1):
         res = flash_attn_varlen_func(
             q=q, k=k, v=v, max_seqlen_q=max_query_len, cu_seqlens_q=cu_q, max_seqlen_k=max_seq_len,
             cu_seqlens_k=cu_k, softmax_scale=scale, causal=True, return_softmax_lse=return_lse, out=out,
-            window_size=[window_left, 0] if window_left >= 0 else None, **version,
+            window_size=[window_left, 0] if window_left >= 0 else None, **options,
         )
         return res[1] if return_lse else None
 
@@ -361,7 +387,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
             vllm_config.model_config.dtype, self.sink, self.recent, self.param_dtype, sched.max_num_seqs,
             sched.max_num_batched_tokens, torch.cuda.get_device_properties(kv_cache.device).multi_processor_count,
             merge_self=self.own_keys_attention is not None, dense=self.dense_kv is not None, gluon=self.gluon_decode,
-            decode_read=self.decode_read,
+            decode_read=self.decode_read, fixed_splits=self.settings.decode_splits,
         )
 
     def dense_prefill(self, md: OscarAttentionMetadata, k: torch.Tensor) -> DensePrefill | None:

@@ -135,6 +135,12 @@ def engine_problems(vllm_config, settings: OscarSettings) -> list[str]:
         problems.append(f"prefill_read 'decode' with a {str(dtype).removeprefix('torch.')} model: it runs on "
                         "FlashAttention, which takes 16-bit models; serve in bfloat16 (--dtype bfloat16) or "
                         "with prefill_read 'chunk'")
+    from vllm import envs
+
+    if envs.VLLM_BATCH_INVARIANT and not settings.batch_invariant:
+        problems.append("VLLM_BATCH_INVARIANT=1 (replies that do not depend on the batch): OSCAR reads its cache "
+                        "that way only with prefill_read 'decode' and a fixed decode_splits; add "
+                        "OSCAR_PREFILL_READ=decode OSCAR_DECODE_SPLITS=16 (or the --oscar-* flags)")
     return problems + window_problems(settings, vllm_config.model_config.max_model_len)
 
 

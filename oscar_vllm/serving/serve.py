@@ -34,6 +34,10 @@ FLAGS = {
                              "prefill queries read their own chunk in BF16 (chunk), or only the last "
                              "recent-size positions, as decode does: replies independent of vLLM's schedule "
                              "(default: chunk)"),
+    "--oscar-decode-splits": ("decode_splits", int, "N",
+                              "programs each decode request's keys are split over: 0 chooses per batch, a "
+                              "power of two fixes it, so a request's decode does not depend on its batch "
+                              "(default: 0)"),
 }
 HELP_FLAGS = ("-h", "--help")
 USAGE = (f"oscar-vllm serve MODEL {' '.join(f'[{flag} {metavar}]' for flag, (_, _, metavar, _) in FLAGS.items())} "

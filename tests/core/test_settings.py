@@ -11,13 +11,21 @@ def test_defaults():
     s = OscarSettings.from_sources({}, environ={})
     assert (s.rotation_path, s.sink_size, s.recent_size, s.clip_ratio_k, s.scale_dtype) == (None, 64, 256, None, "fp16")
     assert s.logit_correction == 0.5  # on by default: it costs no bytes
-    assert s.prefill_read == "chunk"
+    assert s.prefill_read == "chunk" and s.decode_splits == 0 and not s.batch_invariant
 
 
 def test_prefill_read_from_either_source():
     assert OscarSettings.from_sources({}, environ={"OSCAR_PREFILL_READ": "decode"}).prefill_read == "decode"
     assert OscarSettings.from_sources({"oscar": {"prefill_read": "chunk"}},
                                       environ={"OSCAR_PREFILL_READ": "decode"}).prefill_read == "chunk"
+
+
+def test_decode_splits_from_either_source_and_what_makes_reads_batch_invariant():
+    env = {"OSCAR_DECODE_SPLITS": "16", "OSCAR_PREFILL_READ": "decode"}
+    s = OscarSettings.from_sources({}, environ=env)
+    assert s.decode_splits == 16 and s.batch_invariant
+    assert not OscarSettings.from_sources({"oscar": {"decode_splits": 0}}, environ=env).batch_invariant
+    assert not OscarSettings.from_sources({"oscar": {"prefill_read": "chunk"}}, environ=env).batch_invariant
 
 
 def test_logit_correction_from_either_source():
@@ -47,6 +55,9 @@ def test_additional_config_wins_over_environment():
     ({"logit_correction": "strong"}, "logit_correction must be float, got 'strong'"),
     ({"prefill_read": "window"}, r"prefill_read must be one of \('chunk', 'decode'\), got 'window'"),
     ({"logit_correction": True}, "logit_correction must be float, got True"),
+    ({"decode_splits": 12}, r"decode_splits must be 0 \(chosen per batch\) or a power of two, got 12"),
+    ({"decode_splits": -4}, "decode_splits must be 0 .*got -4"),
+    ({"decode_splits": "sixteen"}, "decode_splits must be int, got 'sixteen'"),
 ])
 def test_bad_settings_are_named(given, message):
     with pytest.raises(OscarSettingsError, match=message):
@@ -91,10 +102,12 @@ def test_serve_refuses_conflicts(argv, message):
 def test_serve_passes_every_setting_as_a_flag():
     argv = build_vllm_argv(["serve", "m", "--oscar-rotation-path", "hadamard", "--oscar-clip-ratio-k", "0.9",
                             "--oscar-clip-ratio-v", "0.8", "--oscar-scale-dtype", "bf16",
-                            "--oscar-logit-correction", "0.5"])
+                            "--oscar-logit-correction", "0.5", "--oscar-prefill-read", "decode",
+                            "--oscar-decode-splits", "16"])
     extra = json.loads(argv[argv.index("--additional-config") + 1])
     assert extra == {"oscar": {"rotation_path": "hadamard", "clip_ratio_k": 0.9, "clip_ratio_v": 0.8,
-                               "scale_dtype": "bf16", "logit_correction": 0.5}}
+                               "scale_dtype": "bf16", "logit_correction": 0.5, "prefill_read": "decode",
+                               "decode_splits": 16}}
 
 
 def test_serve_validates_before_starting_vllm():

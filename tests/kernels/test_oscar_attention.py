@@ -100,6 +100,34 @@ def test_mixed_batch_splits_decodes_from_prefills(lam):
     assert_close_to_reference(out, want, torch.bfloat16)
 
 
+def test_fixed_splits_decode_a_request_alike_in_any_batch():
+    """decode_splits fixed: a request's split boundaries and merge follow its own length, so its
+    output is bit for bit the same alone as in a batch; another split count (what a count chosen
+    per batch size gives) changes the last bits, which the comparison sees."""
+    case = (64, 2, 2, 4, 8, [90, 1000, 17], [1, 1, 1])
+    d, hkv, g, sink, recent, prefix, new = case
+    pc, step, q, q_rot, k, v = prepare(*case, torch.bfloat16)
+    hq, scale = hkv * g, 1 / math.sqrt(d)
+    cache, windows, window_pages, window_pos, block_table, seq_lens, cu_q, ring_slots = cache_args(pc, step)
+
+    def decode(rows: slice, splits: int) -> torch.Tensor:
+        n = len(range(*rows.indices(len(prefix))))
+        out = torch.full_like(q[rows], float("nan"))
+        part_out = torch.full((n * hq * splits * d,), float("nan"), device=DEVICE)
+        part_lse = torch.full((n * hq * splits,), float("nan"), device=DEVICE)
+        oscar_decode_attention(out, q[rows], q_rot[rows], k[rows], v[rows], cache, windows, window_pages, window_pos,
+                               block_table[rows], seq_lens[rows], torch.arange(n + 1, dtype=cu_q.dtype, device=DEVICE),
+                               ring_slots[rows], n, scale, sink, recent, num_splits=splits, part_out=part_out,
+                               part_lse=part_lse)
+        return out
+
+    for splits in (4, 16):
+        batch = decode(slice(None), splits)
+        for r in range(len(prefix)):
+            assert torch.equal(decode(slice(r, r + 1), splits)[0], batch[r]), (splits, r)
+    assert not torch.equal(decode(slice(1, 2), 1)[0], decode(slice(None), 4)[1])
+
+
 def test_decode_splits_fill_the_gpu_and_stay_bounded():
     assert decode_splits(1, 8, 132) == MAX_DECODE_SPLITS
     assert decode_splits(1024, 8, 132) == 1

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from csrc_triton.oscar_decode import MAX_SPLITS, decode_splits, supports
+from csrc_triton.oscar_decode import MAX_DECODE_SPLITS, decode_splits, supports
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
 from oscar_vllm.core.quant import clip_index
 from oscar_vllm.reference.oscar_attention import oscar_attention_reference
@@ -46,7 +46,7 @@ def decode_step(case, dtype, write):
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
 @pytest.mark.parametrize("lam", [0.0, 1.0], ids=lambda x: f"lambda{x:g}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("splits", [1, 4, MAX_SPLITS])
+@pytest.mark.parametrize("splits", [1, 4, MAX_DECODE_SPLITS])
 @pytest.mark.parametrize("case", GPU_CASES, ids=gpu_case_id)
 def test_decode_kernel_matches_reference(case, splits, dtype, lam):
     from csrc_triton.oscar_decode import oscar_decode
@@ -72,6 +72,43 @@ def test_decode_kernel_matches_reference(case, splits, dtype, lam):
     want = oscar_decode_reference(q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
                                   step.seq_lens, step.ring_slots, n, scale, sink, recent, logit_correction=lam)
     assert_close_to_reference(out, want, torch.bfloat16)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
+def test_fixed_splits_decode_a_request_alike_in_any_batch():
+    """decode_splits fixed: a request's split boundaries and merge follow its own length, so its
+    output is bit for bit the same alone as in a batch of ten; another split count (what a count
+    chosen per batch size gives) changes the last bits, which the comparison sees."""
+    from csrc_triton.oscar_decode import oscar_decode
+    from csrc_triton.oscar_write import oscar_write
+
+    case = GPU_CASES[0]
+    d, hkv, g, sink, recent, prefix = case
+
+    def write(k, v, rot, step, pc):
+        oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(prefix), pc.cache,
+                    pc.windows, pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink,
+                    recent, num_decodes=len(prefix))
+
+    pc, step, q, q_rot = decode_step(case, torch.bfloat16, write)
+    hq, scale = hkv * g, 1 / math.sqrt(d)
+
+    def decode(rows: slice, splits: int) -> torch.Tensor:
+        n = len(range(*rows.indices(len(prefix))))
+        out = torch.full_like(q[rows], float("nan"))
+        part_out = torch.full((n * hq * splits * d,), float("nan"), device=q.device)
+        part_lse = torch.full((n * hq * splits,), float("nan"), device=q.device)
+        oscar_decode(out, q_rot[rows].contiguous(), pc.cache, pc.windows, pc.window_pages, pc.window_pos,
+                     step.block_table[rows].contiguous(), step.seq_lens[rows].contiguous(),
+                     step.ring_slots[rows].contiguous(), n, scale, sink, recent, num_splits=splits, part_out=part_out,
+                     part_lse=part_lse)
+        return out
+
+    for splits in (4, 16):
+        batch = decode(slice(None), splits)
+        for r in (0, 3, 9):
+            assert torch.equal(decode(slice(r, r + 1), splits)[0], batch[r]), (splits, r)
+    assert not torch.equal(decode(slice(0, 1), 1)[0], decode(slice(None), 4)[0])
 
 
 @pytest.mark.parametrize("lam", [0.0, 1.0], ids=lambda x: f"lambda{x:g}")
@@ -183,9 +220,9 @@ def test_supported_shapes():
 
 
 def test_decode_splits_fill_the_gpu_and_stay_bounded():
-    assert decode_splits(1, 8, 132) == MAX_SPLITS
+    assert decode_splits(1, 8, 132) == MAX_DECODE_SPLITS
     assert decode_splits(1024, 8, 132) == 1
     for n in (1, 3, 32, 100, 1024):
         s = decode_splits(n, 8, 132)
-        assert 1 <= s <= MAX_SPLITS and s & (s - 1) == 0
-        assert n * 8 * s >= 132 or s == MAX_SPLITS
+        assert 1 <= s <= MAX_DECODE_SPLITS and s & (s - 1) == 0
+        assert n * 8 * s >= 132 or s == MAX_DECODE_SPLITS

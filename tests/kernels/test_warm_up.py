@@ -15,7 +15,7 @@ from csrc_triton.oscar_attention import (
 from csrc_triton.oscar_dense_kv import _oscar_dense_kv_kernel, oscar_dense_kv
 from csrc_triton.oscar_write import WRITE_LAUNCH, _oscar_write_kernel, oscar_write
 from csrc_triton.paged_layout import launch_bucket
-from csrc_triton.warm_up import decode_variants, warm_up_kernels
+from csrc_triton.warm_up import decode_variants, gluon_decode_variants, warm_up_kernels
 from kernel_cases import CLIP_K, CLIP_V, DEVICE, ON_GPU, dense_twin, prepare, random_rotation, random_rows
 from oscar_vllm.core.quant import clip_index
 
@@ -30,6 +30,15 @@ def test_decode_variants_cover_every_batch_size():
             key = (*launch_bucket(DECODE_LAUNCH, n)[:2], decode_splits(n, hkv, num_sms))
             assert variants[key] <= n
         assert min(variants.values()) == 1
+
+
+def test_fixed_splits_are_the_only_split_count_warmed_up():
+    """decode_splits fixed: every batch size launches that count, Triton's decode and Gluon's."""
+    fixed = decode_variants(256, 8, 132, fixed_splits=16)
+    assert {splits for *_, splits in fixed} == {16}
+    assert {key[:2] for key in fixed} == {key[:2] for key in decode_variants(256, 8, 132)}
+    assert {splits for _, splits in gluon_decode_variants(256, 8, 132, fixed_splits=16)} == {16}
+    assert len({splits for _, splits in gluon_decode_variants(256, 8, 132)}) > 1
 
 
 def _layer(d=64, hkv=2, g=2, sink=4, recent=8, dtype=torch.float32):

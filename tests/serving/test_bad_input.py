@@ -103,7 +103,8 @@ def test_a_servable_engine_passes_and_its_settings_travel_in_its_config(engine_a
     # folder absolute: a worker started elsewhere has another working directory and environment.
     assert config.additional_config["oscar"] == {"rotation_path": str(rotations), "sink_size": 64,
                                                  "recent_size": 128, "scale_dtype": "fp16",
-                                                 "logit_correction": 0.5, "prefill_read": "chunk"}
+                                                 "logit_correction": 0.5, "prefill_read": "chunk",
+                                                 "decode_splits": 0}
     monkeypatch.delenv("OSCAR_RECENT_SIZE")
     assert OscarSettings.from_vllm_config(config).recent_size == 128
     assert build(engine_args, models / "qwen3", attention_backend="FLASH_ATTN").additional_config == {
@@ -416,6 +417,7 @@ def test_refuses_an_unknown_oscar_setting(engine_args, models):
     ({"logit_correction": -1.0}, r"logit_correction must be a finite number >= 0 \(0 turns it off\), got -1.0"),
     ({"logit_correction": "nan"}, "logit_correction must be a finite number >= 0 .*got nan"),
     ({"prefill_read": "prompt"}, r"prefill_read must be one of \('chunk', 'decode'\), got 'prompt'"),
+    ({"decode_splits": 24}, r"decode_splits must be 0 \(chosen per batch\) or a power of two, got 24"),
 ])
 def test_refuses_a_setting_out_of_range(engine_args, models, given, match):
     refused(engine_args, models / "qwen3", match, OscarSettingsError, oscar={"rotation_path": "hadamard", **given})
@@ -424,6 +426,28 @@ def test_refuses_a_setting_out_of_range(engine_args, models, given, match):
 def test_refuses_an_oscar_entry_that_is_not_an_object(engine_args, models):
     refused(engine_args, models / "qwen3", "'oscar' entry must be a JSON object of settings", OscarSettingsError,
             oscar="hadamard")
+
+
+def test_refuses_batch_invariance_without_the_settings_that_give_it(engine_args, models, monkeypatch):
+    """VLLM_BATCH_INVARIANT=1 asks every backend for replies that do not depend on the batch:
+    OSCAR's default reads depend on it, so the startup check names the two settings that do
+    not, and the backend tells vLLM's selector it supports the mode only with them."""
+    from vllm.config import set_current_vllm_config
+
+    from oscar_vllm.serving.backend import OscarAttentionBackend
+
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    refused(engine_args, models / "qwen3", r"VLLM_BATCH_INVARIANT=1 .*prefill_read 'decode' and a fixed "
+            r"decode_splits; add OSCAR_PREFILL_READ=decode OSCAR_DECODE_SPLITS=16", dtype="bfloat16")
+    refused(engine_args, models / "qwen3", "VLLM_BATCH_INVARIANT=1", dtype="bfloat16",
+            oscar={"rotation_path": "hadamard", "prefill_read": "decode"})
+    config = build(engine_args, models / "qwen3", {"rotation_path": "hadamard", "prefill_read": "decode",
+                                                   "decode_splits": 16}, dtype="bfloat16")
+    with set_current_vllm_config(config):
+        assert OscarAttentionBackend.supports_batch_invariance()
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
+    with set_current_vllm_config(build(engine_args, models / "qwen3", dtype="bfloat16")):
+        assert not OscarAttentionBackend.supports_batch_invariance()
 
 
 def test_refuses_the_decode_read_for_a_float32_model(engine_args, models):

@@ -177,6 +177,19 @@ def builder_state(max_seqs=4, pages=3, layers=2):
     return OscarAttentionMetadataBuilder, state
 
 
+def test_fixed_decode_splits_size_the_scratch_within_the_kernels_reach():
+    from csrc_triton import oscar_attention, oscar_decode
+    from oscar_vllm.core.settings import OscarSettingsError
+    from oscar_vllm.serving.backend import decode_split_scratch_rows
+
+    assert decode_split_scratch_rows(oscar_decode, 16, 256, 8, 132) == 256 * 16
+    assert decode_split_scratch_rows(oscar_decode, 128, 4, 8, 132) == 4 * 128
+    assert decode_split_scratch_rows(oscar_decode, 0, 256, 8, 132) == oscar_decode.decode_split_rows(256, 8, 132)
+    with pytest.raises(OscarSettingsError, match="decode_splits 128: csrc_triton.oscar_attention splits a request's "
+                                                 "keys over at most 64 programs"):
+        decode_split_scratch_rows(oscar_attention, 128, 4, 8, 132)
+
+
 def test_padded_batch_entries_read_the_empty_row():
     cls, b = builder_state()
     b.batch_rows = torch.tensor([2, 0], dtype=torch.int32)
