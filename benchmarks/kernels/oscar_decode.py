@@ -38,12 +38,15 @@ def gluon_data(ctx: list[int], hkv: int, hq: int, d: int, copies: int, seed: int
     return out
 
 
-def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None = -1) -> tuple[list, int]:
+def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None = -1,
+                splits: int = 0) -> tuple[list, int]:
+    """The kernel's launches over ``data``; ``splits`` > 0 fixes the split count (the
+    ``decode_splits`` setting), else the wrapper's choice for the batch size."""
     b, q, _ = data[0]
     n, hq, d = q.shape
     hkv = b.cache.shape[1]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = od.decode_splits(n, hkv, sms, ctas)
+    splits = splits or od.decode_splits(n, hkv, sms, ctas)
     part_out = torch.empty(n * hq * splits * d, device="cuda")
     part_lse = torch.empty(n * hq * splits, device="cuda")
     launch = {} if maxnreg == -1 else {"maxnreg": maxnreg}
@@ -69,10 +72,14 @@ def decode(args, bw: float, env: dict) -> list[dict]:
             osc_bytes = int2_bytes_read(lens, s.num_kv_heads, s.head_dim, SINK, RECENT)
             row = {"shape": s.name, "batch": n, "context": ctx}
             if od.supports(s.num_heads, s.num_kv_heads, s.head_dim, torch.bfloat16, SINK):
-                calls, row["splits"] = gluon_calls(gluon_data(lens, s.num_kv_heads, s.num_heads, s.head_dim,
-                                                              copies_for(osc_bytes)))
+                data = gluon_data(lens, s.num_kv_heads, s.num_heads, s.head_dim, copies_for(osc_bytes))
+                calls, row["splits"] = gluon_calls(data)
                 row["oscar_ms"] = time_calls(calls)
-                del calls
+                if args.fixed_splits:
+                    calls, _ = gluon_calls(data, splits=args.fixed_splits)
+                    row["oscar_fixed_ms"] = time_calls(calls)
+                    row["fixed_vs_chosen"] = row["oscar_fixed_ms"] / row["oscar_ms"]
+                del calls, data
             calls, _ = decode_calls(decode_data(lens, s.num_kv_heads, s.num_heads, s.head_dim, copies_for(osc_bytes)))
             row["oscar_triton_ms"] = time_calls(calls)
             del calls
@@ -102,15 +109,20 @@ def decode(args, bw: float, env: dict) -> list[dict]:
             rows.append(row)
             print(row, flush=True)
             torch.cuda.empty_cache()
-    cols = ["shape", "batch", "context", "oscar_ms", "oscar_triton_ms", "fa3_ms", "triton_ms", "oscar_vs_fa3",
+    cols = ["shape", "batch", "context", "splits", "oscar_ms", "oscar_triton_ms", "fa3_ms", "triton_ms", "oscar_vs_fa3",
             "oscar_GBps", "oscar_pct_copy", "fa3_GBps", "fa3_pct_copy"]
+    notes = []
+    if args.fixed_splits:
+        cols[5:5] = ["oscar_fixed_ms", "fixed_vs_chosen"]
+        notes = [f"oscar_fixed_ms: the Gluon kernel with decode_splits={args.fixed_splits} (every batch split so, "
+                 "replies independent of the batch) against oscar_ms, the split count chosen per batch (splits)"]
     write_reports(Path(args.out), "decode", rows, env, "Decode attention kernel: OSCAR INT2 against vLLM BF16",
                   cols, [f"copy bandwidth in this run: {bw:,.0f} GB/s (read + write)",
                          "oscar_ms: csrc_triton/oscar_decode.py (Gluon) as the backend launches it; "
                          "oscar_triton_ms: the Triton decode kernel it replaces (oscar_attention.py)",
                          "bytes: what each kernel must read (OSCAR: whole INT2 blocks, the BF16 window "
                          "entries; BF16: K and V of every token)",
-                         "oscar_vs_fa3: OSCAR time / FA3 time (lower is faster)"])
+                         "oscar_vs_fa3: OSCAR time / FA3 time (lower is faster)", *notes])
     plot_decode(Path(args.out))
     return rows
 
@@ -156,6 +168,8 @@ def main() -> None:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--contexts", nargs="+", type=int, default=[1024, 8192, 32768, 131072])
     p.add_argument("--max-gb", type=float, default=40.0, help="skip shapes whose BF16 cache exceeds this")
+    p.add_argument("--fixed-splits", type=int, default=0,
+                   help="also time the Gluon kernel at this fixed split count (the decode_splits setting)")
     args = p.parse_args()
     bw = copy_bandwidth_gbs()
     env = environment()
