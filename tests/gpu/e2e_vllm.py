@@ -321,7 +321,11 @@ def cmd_prefix(args) -> None:
     ppl_after = {k: math.exp(sum(r["nll_after"]) / len(r["nll_after"])) for k, r in runs.items()}
     # The gaps' standard errors, paired over the same tokens: how far a rerun may land by chance.
     se = {key: paired_se(off[key], on[key]) for key in ("nll", "nll_after")}
-    result(check="prefix", backend=args.backend, chunk=args.chunk, outputs=report, ppl_caching_off=ppl["off"],
+    from oscar_vllm.core.settings import OscarSettings
+
+    read = OscarSettings.from_sources({}).prefill_read if args.backend == "OSCAR" else None
+    result(check="prefix", backend=args.backend, chunk=args.chunk, prefill_read=read, outputs=report,
+           ppl_caching_off=ppl["off"],
            ppl_caching_on=ppl["on"], decode_ppl_caching_off=ppl_after["off"], decode_ppl_caching_on=ppl_after["on"],
            gap_se=se["nll"], decode_gap_se=se["nll_after"],
            tokens_scored=len(on["nll"]), cached_tokens_on=on["cached_tokens"], cached_tokens_off=off["cached_tokens"])
