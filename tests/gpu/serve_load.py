@@ -66,6 +66,7 @@ BACKENDS = ("FLASH_ATTN", "OSCAR")
 # harness sends each request once, so that every failure it counts is the server's.
 CLIENT_KEEPALIVE_S = 2.0
 SERVER_KEEPALIVE_S = 60
+LAG_TICK_S = 0.1  # the soak's client measures how late its event loop wakes from sleeps this long
 
 
 def result(**kw) -> dict:
@@ -508,6 +509,28 @@ def cmd_plan(args) -> None:
 # ---------------------------------------------------------------------------- soak
 
 
+class ClientHealth:
+    """The client's own health between two ``take()`` calls: the share of a core its process used,
+    and how late its event loop woke at worst. A client whose one loop falls behind reads no stream
+    for that long and leaves pooled connections idle (what the 2026-12-02 soak's stalls looked like)."""
+
+    def __init__(self, tick: float = LAG_TICK_S):
+        self.tick, self.stall = tick, 0.0
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    async def watch(self, stop_at: float) -> None:
+        while time.perf_counter() < stop_at:
+            t = time.perf_counter()
+            await asyncio.sleep(self.tick)
+            self.stall = max(self.stall, time.perf_counter() - t - self.tick)
+
+    def take(self) -> dict:
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = {"client_cpu": (cpu - self.cpu) / max(1e-9, wall - self.wall), "client_stall_s": self.stall}
+        self.wall, self.cpu, self.stall = wall, cpu, 0.0
+        return out
+
+
 async def soak_load(server: Server, args, mix: list[Request]) -> tuple[list[dict], list[dict], dict]:
     client = client_for(server)
     baseline = await idle_state(server, client)
@@ -539,17 +562,20 @@ async def soak_load(server: Server, args, mix: list[Request]) -> tuple[list[dict
                 "kv_cache_usage": prometheus_value(m, "vllm:kv_cache_usage_perc"),
                 "running": prometheus_value(m, "vllm:num_requests_running")}
 
+    health = ClientHealth()
+
     async def sampler():
         k = 1
         while True:
             await asyncio.sleep(max(0.0, t_start + k * args.interval - time.perf_counter()))
+            client = health.take()
             # In a thread: the workers' streams keep being read while /metrics answers.
-            samples.append({"t": time.perf_counter() - t_start, **await asyncio.to_thread(readings)})
+            samples.append({"t": time.perf_counter() - t_start, **client, **await asyncio.to_thread(readings)})
             k += 1
             if time.perf_counter() >= stop_at:
                 return
 
-    await asyncio.gather(sampler(), *(worker() for _ in range(args.concurrency)))
+    await asyncio.gather(sampler(), health.watch(stop_at), *(worker() for _ in range(args.concurrency)))
     idle = await idle_state(server, client)
     await client.close()
     return events, samples, {"baseline": baseline, "idle": idle}
@@ -613,11 +639,13 @@ def soak_markdown(meta: dict) -> str:
     """The soak's report from its RESULT record (``cmd_soak``); the plot is ``soak-BACKEND.png`` beside it."""
     rows, checks, failures = meta["rows"], meta["checks"], meta["failures"]
     table = ["| minute | completed | failed | p50 (s) | p99 (s) | GPU memory (GiB) | server RSS (GiB) | window pages "
-             "| KV usage |", "|---|---|---|---|---|---|---|---|---|"]
+             "| KV usage | client CPU | client stall (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        stall = r.get("client_stall_s")
         table.append(f"| {r['minute']} | {r['completed']} | {r['failed']} | {r['p50_s'] or 0:.2f} | {r['p99_s'] or 0:.2f} "
                      f"| {r['gpu_memory_gib']:.2f} | {r['server_rss_gib']:.2f} | {r['window_pages']} "
-                     f"| {100 * (r['kv_cache_usage'] or 0):.1f}% |")
+                     f"| {100 * (r['kv_cache_usage'] or 0):.1f}% | {100 * r.get('client_cpu', 0):.0f}% "
+                     f"| {'' if stall is None else f'{stall:.2f}'} |")
     idle = checks["idle"]
     return "\n".join([
         f"# Soak: {soak_title(meta['backend'], meta['concurrency'], meta['minutes'])}", "",
@@ -660,9 +688,11 @@ def cmd_soak(args) -> None:
     checks = {"failed_requests": len(failed), "failures_by_error": failure_summary(events),
               "gpu_memory_growth_gib": growth(rows, "gpu_memory_gib"), "rss_growth_gib": growth(rows, "server_rss_gib"),
               "idle": idle}
+    checks["client_stall_max_s"] = max((r.get("client_stall_s") or 0 for r in rows), default=0.0)
     failures = []
     if failed:
-        failures.append(f"{len(failed)} requests failed, first: {failed[0]['error']}")
+        failures.append(f"{len(failed)} requests failed, first: {failed[0]['error']} (the client's event loop stalled "
+                        f"up to {checks['client_stall_max_s']:.1f} s)")
     if (checks["gpu_memory_growth_gib"] or 0) > 0.25:
         failures.append(f"GPU memory grew {checks['gpu_memory_growth_gib']:.2f} GiB after the first interval")
     rss = [r["server_rss_gib"] for r in rows[1:]]

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -255,9 +256,34 @@ def test_failures_are_grouped_by_error(serve_load):
     assert len(table) == 4 + 3 + 1 and "| 2 | 1 | 30.0, 70.0 | 0.02, 0.03 |" in table[4]
 
 
+def test_the_soak_sees_its_client_stall(serve_load):
+    """A loop blocked 0.3 s (as by parsing a burst of streams on one thread) shows as a stall of
+    about that, and the busy wait as CPU; an idle stretch after it shows neither."""
+    import asyncio
+
+    async def run():
+        health = serve_load.ClientHealth(tick=0.02)
+        watching = asyncio.create_task(health.watch(time.perf_counter() + 1.0))
+        await asyncio.sleep(0.05)
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.3:  # busy, not sleeping: the loop cannot wake the watcher
+            pass
+        await asyncio.sleep(0.05)
+        busy = health.take()
+        await asyncio.sleep(0.3)
+        idle = health.take()
+        await watching
+        return busy, idle
+
+    busy, idle = asyncio.run(run())
+    assert 0.25 <= busy["client_stall_s"] < 0.4 and busy["client_cpu"] > 0.5
+    assert idle["client_stall_s"] < 0.1 and idle["client_cpu"] < 0.3
+
+
 def test_the_soak_report_renders_from_its_record(serve_load):
     row = {"minute": 1.0, "completed": 9, "failed": 1, "p50_s": 2.0, "p99_s": None, "gpu_memory_gib": 50.0,
-           "server_rss_gib": 3.0, "window_pages": 40, "kv_cache_usage": 0.5, "running": 7.0}
+           "server_rss_gib": 3.0, "window_pages": 40, "kv_cache_usage": 0.5, "running": 7.0, "client_cpu": 0.93,
+           "client_stall_s": 4.25}
     idle = {"settled": True, "kv_cache_usage": 0.0, "window_pages_last_logged": 0}
     meta = {"backend": "FLASH_ATTN", "concurrency": 256, "minutes": 1.0, "date": "d", "hardware": "h", "command": "c",
             "versions": "v", "requests": 10, "cancelled": 2, "start_seconds": 99.0, "rows": [row],
@@ -266,7 +292,8 @@ def test_the_soak_report_renders_from_its_record(serve_load):
             "failures": ["1 requests failed, first: E"]}
     text = serve_load.soak_markdown(meta)
     assert text.startswith("# Soak: FLASH_ATTN soak, SmolLM2-135M, concurrency 256, 1.0 min")
-    assert "| 1.0 | 9 | 1 | 2.00 | 0.00 | 50.00 | 3.00 | 40 | 50.0% |" in text and "| E | 1 | 0 | 3.0, 3.0 |" in text
+    assert "| 1.0 | 9 | 1 | 2.00 | 0.00 | 50.00 | 3.00 | 40 | 50.0% | 93% | 4.25 |" in text
+    assert "| E | 1 | 0 | 3.0, 3.0 |" in text
     assert text.rstrip().endswith("FAILED: 1 requests failed, first: E") and "![" not in text
 
 
