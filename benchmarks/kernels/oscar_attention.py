@@ -224,7 +224,7 @@ def decode_read_call(b, q, k, v, out, chunk: int, prefix: int, scale: float):
     hkv, d = k.shape[1:]
     buf = [torch.empty(n_int2 + n_window, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     plan = DecodeReadPrefill(k, *buf, n_int2, n_int2, n_window, n_window, seq, write=lambda: None,
-                             attention=_flash_attention(scale, torch.bfloat16), merge=merge_attn_states)
+                             attention=_flash_attention(scale, torch.bfloat16, unsplit=True), merge=merge_attn_states)
     return lambda: oscar_decode_read_prefill(out, q, v, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table,
                                              b.seq_lens, b.cu_q, b.ring_slots, 1, chunk, SINK, RECENT, plan)
 

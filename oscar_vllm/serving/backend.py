@@ -263,11 +263,13 @@ def uses_gluon_decode(vllm_config: VllmConfig, num_heads: int, num_kv_heads: int
         num_heads, num_kv_heads, head_size, vllm_config.model_config.dtype, sink)
 
 
-def _flash_attention(scale: float, dtype: torch.dtype):
+def _flash_attention(scale: float, dtype: torch.dtype, unsplit: bool = False):
     """Varlen causal attention through vLLM's FlashAttention, or None where it cannot run (fp32
     models, no CUDA build): ``(q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out,
     return_lse=False, window_left=-1) -> natural-log LSE [Hq, T] or None``, queries the last
-    positions of keys; ``window_left >= 0``: each query sees that many keys before its own."""
+    positions of keys; ``window_left >= 0``: each query sees that many keys before its own.
+    ``unsplit``: no split-KV, whose count FlashAttention-3 picks from the whole batch's size, so
+    a sequence's sums do not depend on the others (as ``VLLM_BATCH_INVARIANT=1`` asks too)."""
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version, is_flash_attn_varlen_func_available
 
     if dtype not in (torch.float16, torch.bfloat16) or not is_flash_attn_varlen_func_available():
@@ -278,7 +280,7 @@ def _flash_attention(scale: float, dtype: torch.dtype):
 
     fa_version = get_flash_attn_version()
     options = {} if fa_version is None else {"fa_version": fa_version}
-    if envs.VLLM_BATCH_INVARIANT:  # as vLLM's FlashAttention backend: no split-KV chosen by the batch
+    if unsplit or envs.VLLM_BATCH_INVARIANT:  # as vLLM's FlashAttention backend in that mode
         options["num_splits"] = 1
 
     def attend(q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out, return_lse=False, window_left=-1):
@@ -340,7 +342,9 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         # Prefill runs through FlashAttention where it can: over a cached prefix dequantized
         # into dense_kv (shared by all layers, given by vllm_hooks.prepare_model), or, where the
         # batch does not fit it, over the chunk's own keys with the INT2 kernel adding the prefix.
-        self.flash_attention = _flash_attention(self.scale, vllm_config.model_config.dtype)
+        # prefill_read="decode" reads so that no schedule changes a request's sums: no split-KV either.
+        self.decode_read = self.settings.prefill_read == "decode"
+        self.flash_attention = _flash_attention(self.scale, vllm_config.model_config.dtype, unsplit=self.decode_read)
         self.own_keys_attention = None
         if self.flash_attention is not None:
             self.own_keys_attention = functools.partial(_own_keys, self.flash_attention)
@@ -348,7 +352,6 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         self.gluon_decode = uses_gluon_decode(vllm_config, num_heads, num_kv_heads, head_size, self.sink)
         # prefill_read="decode": prefill queries read as decode does (oscar_decode_read_prefill),
         # over dense_kv, merging FlashAttention's two passes with vLLM's merge_attn_states.
-        self.decode_read = self.settings.prefill_read == "decode"
         self.merge_attention = None
         if self.decode_read:
             from vllm.v1.attention.ops.merge_attn_states import merge_attn_states

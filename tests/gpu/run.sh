@@ -31,7 +31,8 @@
 #           against the same requests alone, idle KV blocks and window pages after load and
 #           cancellations, the same batch 20 times, CUDA graphs against eager (OSCAR_LOAD_ARGS;
 #           --backends FLASH_ATTN, then --backends OSCAR, splits it into two calls)
-#   soak    OSCAR_SOAK_MINUTES (8) of mixed load on an OSCAR server: soak-OSCAR.csv, .png, .md; with
+#   soak    the client's own rate (client-rate), then OSCAR_SOAK_MINUTES (8) of mixed load on an OSCAR
+#           server: soak-OSCAR.csv, .png, .md (client CPU and stalls per minute among the columns); with
 #           OSCAR_SOAK_ARGS="--backend FLASH_ATTN" the same for FLASH_ATTN, the comparison
 #   tp2     TP=2 against TP=1, seeded Qwen3-architecture checkpoint (needs 2 GPUs; OSCAR_TP2_ARGS)
 #           (these four: tests/gpu/serve_load.py, docs/reliability.md; output in OUT_DIR/reliability)
@@ -162,6 +163,8 @@ for stage in $stages; do
       minutes=${OSCAR_SOAK_MINUTES:-8}
       {
         [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
+        # What one client process can read on this machine (CPU, about 20 s), beside the soak's client health.
+        timeout 120 python3 tests/gpu/serve_load.py client-rate --out "$out/reliability"
         timeout $(( ${minutes%.*} * 60 + 360 )) python3 tests/gpu/serve_load.py soak --minutes "$minutes" \
           --model "$work/smollm2" --rotations "$smol_rot" --out "$out/reliability" ${OSCAR_SOAK_ARGS:-}
       } 2>&1 | tee "$out/soak.log" || status=1 ;;

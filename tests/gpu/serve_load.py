@@ -17,6 +17,8 @@ markdown summary (and its data) into ``--out``; it exits non-zero when a check f
           seed, served at TP=1 and TP=2 with FLASH_ATTN and with OSCAR (per-layer and per-head
           rotations): OSCAR's TP=2 against TP=1 agreement against FLASH_ATTN's; each rank's capacity
   plan    the load mix's sizes, without a GPU
+  client-rate  streamed chunks a second one process of this client reads from a local server
+          (CPU): what the soak's client can take
 
 The SmolLM2 model folder comes from `tests/gpu/e2e_vllm.py prepare`; the text is the evaluation
 corpus (OSCAR_CORPUS_DIR).
@@ -245,6 +247,9 @@ async def send(client, req: Request, stream: bool | None = None) -> dict:
                 for choice in chunk.choices:
                     add_choice(replies, choice)
                 chunks += 1
+                # A stream whose chunks are already buffered is read without giving the event loop
+                # back; one that yields each chunk lets the other streams (and the pool) run.
+                await asyncio.sleep(0)
                 if req.kind == "cancel" and chunks >= req.cancel_after:
                     await response.close()
                     return {"index": req.index, "ok": True, "cancelled": True, "latency": time.perf_counter() - t0}
@@ -712,6 +717,94 @@ def cmd_soak(args) -> None:
         raise SystemExit("soak: " + "; ".join(failures))
 
 
+# ---------------------------------------------------------------------------- client rate
+
+
+def stand_in_app(chunk_yield: int = 8):
+    """An OpenAI-style ``/v1/completions`` that streams ``max_tokens`` chunks (each with its token
+    id, as vLLM sends them with ``return_token_ids``) as fast as it can: what the harness's
+    client is measured against in ``client-rate``, never a stand-in for vLLM in a check."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        async def chunks():
+            for i in range(body.get("max_tokens", 16)):
+                choice = {"index": 0, "text": " x", "logprobs": None, "finish_reason": None, "token_ids": [i]}
+                yield "data: " + json.dumps({"id": "c", "object": "text_completion", "created": 0,
+                                             "model": SERVED_NAME, "choices": [choice]}) + "\n\n"
+                if i % chunk_yield == 0:
+                    await asyncio.sleep(0)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    return app
+
+
+def cmd_stand_in_server(args) -> None:
+    import uvicorn
+
+    uvicorn.run(stand_in_app(), host="127.0.0.1", port=args.port, log_level="warning")
+
+
+def cmd_client_rate(args) -> None:
+    """How many streamed chunks a second this harness's client (one process, ``send``) reads, from
+    a local server in another process that streams as fast as it can: the most a soak's client
+    can take before its event loop falls behind (``ClientHealth``). CPU only."""
+    import socket
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, __file__, "stand-in-server", "--port", str(port)])
+    try:
+        for _ in range(300):
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/docs", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        reqs = [Request(i, [1, 2, 3], args.tokens, stream=True, logprobs=False) for i in range(args.requests)]
+        target = type("Target", (), {"url": f"http://127.0.0.1:{port}"})
+
+        async def run():
+            client = client_for(target)
+            health = ClientHealth()
+            watching = asyncio.create_task(health.watch(float("inf")))
+            t0 = time.perf_counter()
+            results = await send_all(client, reqs, args.concurrency)
+            seconds = time.perf_counter() - t0
+            watching.cancel()
+            await client.close()
+            return results, seconds, health.take()
+
+        results, seconds, health = asyncio.run(run())
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    chunks = sum(len(c.ids) for r in results if r["ok"] for c in r["choices"])
+    meta = result(check="client-rate", requests=args.requests, concurrency=args.concurrency, tokens=args.tokens,
+                  failed=sum(not r["ok"] for r in results), chunks=chunks, seconds=round(seconds, 2),
+                  chunks_per_s=round(chunks / seconds), client_cpu=round(health["client_cpu"], 2),
+                  client_stall_s=round(health["client_stall_s"], 3), cpus=os.cpu_count())
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "client_rate.md").write_text("\n".join([
+            "# What one client process reads", "",
+            f"{meta['date']}, {meta['hardware']} ({meta['cpus']} CPUs, the local server's process among their "
+            f"users), `{meta['command']}`; {meta['versions']}", "",
+            "| streams | concurrency | chunks each | failed | seconds | chunks/s | client CPU | client stall (s) |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| {args.requests} | {args.concurrency} | {args.tokens} | {meta['failed']} | {meta['seconds']} "
+            f"| {meta['chunks_per_s']:,} | {100 * meta['client_cpu']:.0f}% | {meta['client_stall_s']} |", ""]))
+
+
 # ---------------------------------------------------------------------------- refuse
 
 
@@ -1061,6 +1154,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--concurrency", type=int, default=256, help="(default: %(default)s)")
     s.add_argument("--max-output", type=int, default=512, help="longest output of the soak mix (default: %(default)s)")
     s.add_argument("--backend", choices=BACKENDS, default="OSCAR", help="(default: %(default)s)")
+    s = sub.add_parser("client-rate", help="streamed chunks/s one client process reads (CPU, a local server)")
+    s.add_argument("--requests", type=int, default=512, help="(default: %(default)s)")
+    s.add_argument("--concurrency", type=int, default=256, help="(default: %(default)s)")
+    s.add_argument("--tokens", type=int, default=256, help="chunks per stream (default: %(default)s)")
+    s.add_argument("--out", default="", help="folder for client_rate.md (default: none, the RESULT line only)")
+    s = sub.add_parser("stand-in-server", help="client-rate's local server (internal)")
+    s.add_argument("--port", type=int, required=True)
     s = sub.add_parser("tp2")
     s.add_argument("--work", default="/tmp/oscar-e2e", help="where the checkpoint and rotations are written (default: %(default)s)")
     s.add_argument("--out", default="results/reliability", help="(default: %(default)s)")

@@ -530,3 +530,17 @@ def test_a_failed_request_names_what_the_client_error_wraps(serve_load):
         except Exception as e:
             err = e
     assert serve_load.error_chain(err).endswith("<- BrokenResourceError:  <- ConnectionResetError: ConnectionResetError")
+
+
+def test_client_rate_reads_every_chunk_of_a_local_server(tmp_path):
+    """`serve_load.py client-rate` (what one process of the harness's client can read) runs on
+    any machine: every chunk of every stream comes back through the harness's own send()."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "gpu" / "serve_load.py"), "client-rate", "--requests",
+                          "12", "--concurrency", "4", "--tokens", "9", "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    line = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    assert (line["failed"], line["chunks"]) == (0, 12 * 9) and line["chunks_per_s"] > 0
+    assert f"| 12 | 4 | 9 | 0 | {line['seconds']} |" in (tmp_path / "client_rate.md").read_text()
