@@ -157,6 +157,11 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         if num_entries > n:
             self.ring_slots[n:num_entries].fill_(self.null_row)
 
+    def decode_splits(self, num_decodes: int) -> int:
+        """Programs each decode request's keys are split over: the ``decode_splits`` setting, or
+        (0) the kernel's choice for this batch size."""
+        return self.fixed_splits or self.decode_kernel.decode_splits(num_decodes, self.num_kv_heads, self.num_sms)
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> OscarAttentionMetadata:
         m = common_attn_metadata
@@ -181,8 +186,7 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
             max_query_len=m.max_query_len,
             num_reqs=m.num_reqs,
             num_decodes=num_decodes,
-            decode_splits=self.fixed_splits or self.decode_kernel.decode_splits(num_decodes, self.num_kv_heads,
-                                                                                 self.num_sms),
+            decode_splits=self.decode_splits(num_decodes),
             prefill_has_prefix=prefill_has_prefix,
             prefill_kv_rows=int(prefill_seq.sum()) if known else -1,
             prefill_max_seq=int(prefill_seq.max()) if known else 0,

@@ -188,6 +188,13 @@ def test_fixed_decode_splits_size_the_scratch_within_the_kernels_reach():
     with pytest.raises(OscarSettingsError, match="decode_splits 128: csrc_triton.oscar_attention splits a request's "
                                                  "keys over at most 64 programs"):
         decode_split_scratch_rows(oscar_attention, 128, 4, 8, 132)
+    # Each batch's count: the setting's for every batch size, else the kernel's per size.
+    cls, b = builder_state()
+    b.decode_kernel, b.num_kv_heads, b.num_sms, b.fixed_splits = oscar_decode, 8, 132, 16
+    assert {cls.decode_splits(b, n) for n in (1, 7, 64, 256)} == {16}
+    b.fixed_splits = 0
+    assert [cls.decode_splits(b, n) for n in (1, 256)] == [oscar_decode.decode_splits(n, 8, 132) for n in (1, 256)]
+    assert len({cls.decode_splits(b, n) for n in (1, 7, 64, 256)}) > 1
 
 
 def test_padded_batch_entries_read_the_empty_row():
