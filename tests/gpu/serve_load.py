@@ -602,6 +602,8 @@ def soak_plot(rows: list[dict], path: Path, title: str) -> None:
     ax = axes[0][1]
     ax.plot(x, [r["p50_s"] for r in rows], "o-", label="p50")
     ax.plot(x, [r["p99_s"] for r in rows], "o-", label="p99")
+    if any("client_stall_s" in r for r in rows):  # the client's longest event-loop stall: its own delay
+        ax.plot(x, [r.get("client_stall_s") or 0 for r in rows], "^:", color="black", label="client stall (longest)")
     ax.set_ylabel("latency (s)")
     ax.legend()
     ax = axes[1][0]

@@ -302,6 +302,10 @@ def test_the_soak_plot_is_written(serve_load, tmp_path):
              "server_rss_gib": 3.1, "window_pages": 4000, "kv_cache_usage": 0.2, "running": 256} for m in (1, 2, 3)]
     serve_load.soak_plot(rows, tmp_path / "soak.png", "test")
     assert (tmp_path / "soak.png").read_bytes()[:4] == b"\x89PNG"
+    for r in rows:
+        r.update(client_cpu=0.9, client_stall_s=2.5)
+    serve_load.soak_plot(rows, tmp_path / "soak-client.png", "test")
+    assert (tmp_path / "soak-client.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # ---------------------------------------------------------------------------- the stages
