@@ -265,8 +265,8 @@ def test_the_soak_sees_its_client_stall(serve_load):
         health = serve_load.ClientHealth(tick=0.02)
         watching = asyncio.create_task(health.watch(time.perf_counter() + 1.0))
         await asyncio.sleep(0.05)
-        t = time.perf_counter()
-        while time.perf_counter() - t < 0.3:  # busy, not sleeping: the loop cannot wake the watcher
+        cpu = time.process_time()
+        while time.process_time() - cpu < 0.3:  # busy, not sleeping: the loop cannot wake the watcher
             pass
         await asyncio.sleep(0.05)
         busy = health.take()
@@ -276,8 +276,9 @@ def test_the_soak_sees_its_client_stall(serve_load):
         return busy, idle
 
     busy, idle = asyncio.run(run())
-    assert 0.25 <= busy["client_stall_s"] < 0.4 and busy["client_cpu"] > 0.5
-    assert idle["client_stall_s"] < 0.1 and idle["client_cpu"] < 0.3
+    # 0.3 s of the process's CPU: at least that long a stall, however busy the machine is.
+    assert busy["client_stall_s"] >= 0.28 and busy["client_cpu"] > idle["client_cpu"]
+    assert idle["client_stall_s"] < 0.2 and idle["client_cpu"] < 0.3
 
 
 def test_the_soak_report_renders_from_its_record(serve_load):
