@@ -491,11 +491,15 @@ def test_replies_are_read_from_vllms_responses_through_the_openai_types(serve_lo
     assert stream.ids == [1, 2, 3] and [sorted(t) for t in stream.top] == [[1, 42], [2, 42], [3, 42]]
 
 
-def test_vllm_process_bytes_counts_the_cached_rope_tables(serve_load):
+def test_vllm_process_bytes_counts_the_cached_rope_tables(serve_load, monkeypatch):
     """What the refusal check forgives is exactly the RoPE tables vLLM caches for the process."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT, get_rope
+    from vllm.platforms import current_platform
 
+    # VllmConfig() needs a device type, which a machine without a GPU lacks (the test passed
+    # only after another had set one).
+    monkeypatch.setattr(current_platform, "device_type", "cpu")
     before = serve_load.vllm_process_bytes("cpu")
     with set_current_vllm_config(VllmConfig()):
         rope = get_rope(64, 8191, dtype=torch.bfloat16)
