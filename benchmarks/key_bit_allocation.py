@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -105,18 +104,15 @@ class EigenBitKeys:
         x = x.float()
         mu, col_var = self.mu.to(x.device).float(), self.col_var.to(x.device).float()
         centered = x - mu
-        row_scale = centered.abs().amax(-1, keepdim=True).to(torch.float16).float().clamp(min=1e-8)
+        if self.ratios is not None:
+            row_scale = centered.abs().amax(-1, keepdim=True).to(torch.float16).float().clamp(min=1e-8)
         out, var = torch.empty_like(x), torch.empty_like(x)
         for g, (cols, bits) in enumerate(self.groups):
             c = centered[..., cols]
             if bits == 0:
                 out[..., cols], var[..., cols] = mu[cols].expand_as(c), col_var[cols].expand_as(c)
-                continue
-            if self.ratios is None:
-                half = c.abs().mean(-1, keepdim=True) if bits == 1 else None
-            else:
-                half = row_scale * self.ratios[g]
-            if bits == 1:  # sign around the mean; |x| Gaussian-like: E[(x - a·sign x)²] = a²(π/2 - 1)
+            elif bits == 1:  # sign around the mean; |x| Gaussian-like: E[(x - a·sign x)²] = a²(π/2 - 1)
+                half = c.abs().mean(-1, keepdim=True) if self.ratios is None else row_scale * self.ratios[g]
                 half = half.to(torch.float16).float()
                 out[..., cols] = torch.where(c >= 0, half, -half) + mu[cols]
                 var[..., cols] = (half.square() * (torch.pi / 2 - 1)).expand_as(c)
@@ -126,6 +122,7 @@ class EigenBitKeys:
                 out[..., cols] = minmax_dequantize(codes, scale, low) + mu[cols]
                 var[..., cols] = (scale.float().square() / 12).expand_as(c)
             else:
+                half = row_scale * self.ratios[g]
                 step = 2 * half / ((1 << bits) - 1)
                 codes = torch.clamp(torch.round((c + half) / step), 0, (1 << bits) - 1)
                 out[..., cols] = codes * step - half + mu[cols]
