@@ -487,15 +487,28 @@ def _merge_splits_kernel(
     D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):
+    # Splits without keys (a log-sum-exp of -inf) write no partial output: it is never read. The
+    # partials go in chunks of at most 32 splits, a chunk with no used split skipped, so a split
+    # count sized for long requests (Gluon decode: 256 for one request) costs short ones little
+    # and holds no [NUM_SPLITS, D] tile in registers.
+    CHUNK: tl.constexpr = NUM_SPLITS if NUM_SPLITS < 32 else 32
     t = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1)
-    part = (t * HQ + hq) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    lse = tl.load(part_lse_ptr + part)
-    used = lse > float("-inf")
-    mx = tl.max(lse)
-    w = tl.where(used, tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx)), 0.0)
-    o = tl.load(part_out_ptr + part[:, None] * D + tl.arange(0, D)[None, :], mask=used[:, None], other=0.0)
-    o = tl.sum(w[:, None] * o, axis=0) / tl.maximum(tl.sum(w), 1e-30)
+    first = (t * HQ + hq) * NUM_SPLITS
+    mx = tl.max(tl.load(part_lse_ptr + first + tl.arange(0, NUM_SPLITS)))
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    o = tl.zeros([D], tl.float32)
+    w_sum = 0.0
+    for c in range(0, NUM_SPLITS, CHUNK):
+        part = first + c + tl.arange(0, CHUNK)
+        lse = tl.load(part_lse_ptr + part)
+        used = lse > float("-inf")
+        if tl.max(used.to(tl.int32), axis=0) > 0:
+            w = tl.where(used, tl.exp2(lse - mx), 0.0)
+            x = tl.load(part_out_ptr + part[:, None] * D + tl.arange(0, D)[None, :], mask=used[:, None], other=0.0)
+            o += tl.sum(w[:, None] * x, axis=0)
+            w_sum += tl.sum(w, axis=0)
+    o = o / tl.maximum(w_sum, 1e-30)
     tl.store(out_ptr + t * stride_ot + hq * stride_oh + tl.arange(0, D), o.to(out_ptr.dtype.element_ty))
 
 

@@ -48,15 +48,17 @@ from csrc_triton.paged_layout import (
 
 LOG2E = 1.4426950408889634
 WINDOW_ENTRIES = gl.constexpr(_WINDOW_ENTRIES)
-MAX_DECODE_SPLITS = 128
+MAX_DECODE_SPLITS = 256
 TILE = gl.constexpr(64)  # keys per step: one INT2 block, or 8 ring pages
 MIN_SPLIT_TILES = gl.constexpr(1)  # a split reads at least this many tiles (one: short contexts gain from more programs)
 # Launch by batch size (the largest key <= requests): (registers a thread may use, one-warp
-# programs the split count aims for per SM). Uncapped, ptxas takes 255 registers (the ring
-# tile's loads), 8 warps an SM: one request's splits fit in one wave and run fastest so; from 8
-# requests on, 168 registers (12 warps an SM, a few bytes of spills outside the INT2 loop) and
-# more, shorter splits win. H200, Qwen3-8B shape: `benchmarks/kernels/oscar_decode.py sweep`.
-DECODE_LAUNCH = {1: (None, 8), 8: (168, 16)}
+# programs the split count aims for per SM, the INT2 block prefetched into L2 this many steps
+# ahead). Uncapped, ptxas takes 255 registers (the ring tile's loads), 8 warps an SM: one
+# request's splits fit in one wave and run fastest so, with 256 splits and blocks 4 ahead in L2
+# (a split's loads then wait for L2, not DRAM). From 8 requests on, 168 registers (12 warps an SM,
+# a few bytes of spills outside the INT2 loop), more and shorter splits, and 2 blocks ahead. H200,
+# Qwen3-8B shape: `benchmarks/kernels/oscar_decode.py sweep` (results/kernels/prefetch/).
+DECODE_LAUNCH = {1: (None, 8, 4), 8: (168, 16, 2)}
 
 # PTX: a word of packed codes -> each byte's code of each quarter i (bits 2i, 2i+1) as an fp16
 # subnormal. Two byte permutes put bytes (0, 1) and (2, 3) into the low halves of 16-bit lanes,
@@ -79,6 +81,13 @@ UNIT_0 = gl.constexpr(2.0 ** -24)
 UNIT_1 = gl.constexpr(2.0 ** -22)
 UNIT_2 = gl.constexpr(2.0 ** -20)
 UNIT_3 = gl.constexpr(2.0 ** -18)
+
+
+@gluon.constexpr_function
+def _prefetch_asm(nbytes):
+    """PTX: bring ``nbytes`` of the cache from an address into L2 (sm_90's bulk prefetch: no
+    register waits on it). Inline asm must return a value: ``$0`` is a dummy."""
+    return f"cp.async.bulk.prefetch.L2.global [$1], {nbytes};\nmov.b32 $0, 0;"
 
 
 @gluon.constexpr_function
@@ -235,6 +244,17 @@ def _load_int2_block(codes_ptr, params_ptr, bt_ptr, blk, h, stride_cb, Q: gl.con
                       + gl.arange(0, TILE // 4, layout=gl.SliceLayout(0, V_WORDS))[None, :])
     p = params_ptr + (base + 2 * TILE * Q) // 2 + gl.arange(0, TILE, layout=P_TOK)
     return k_words, v_words, gl.load(p), gl.load(p + TILE), gl.load(p + 2 * TILE), gl.load(p + 3 * TILE)
+
+
+@gluon.jit
+def _prefetch_int2_block(codes_ptr, bt_ptr, blk, h, stride_cb, Q: gl.constexpr):
+    """Logical block ``blk`` of KV head ``h`` into L2, one bulk prefetch of its whole region (one
+    address for the warp: lanes with addresses of their own become a loop, one prefetch a lane):
+    its loads a few steps later then wait for L2, not DRAM (registers hold one block ahead only)."""
+    REGION: gl.constexpr = TILE * (2 * Q + 8)
+    base = gl.load(bt_ptr + blk).to(gl.int64) * stride_cb + h * REGION
+    gl.inline_asm_elementwise(_prefetch_asm(REGION), "=r,l", [codes_ptr + base], dtype=gl.int32, is_pure=False,
+                              pack=1)
 
 
 @gluon.jit
@@ -466,6 +486,7 @@ def _oscar_decode_kernel(
     SINK: gl.constexpr,
     RECENT: gl.constexpr,
     SPLIT: gl.constexpr,
+    PREFETCH: gl.constexpr,  # the INT2 block this many steps ahead goes into L2 (< 2: none; the next is in registers)
 ):
     Q: gl.constexpr = D // 4
     HQ: gl.constexpr = HKV * G
@@ -485,6 +506,13 @@ def _oscar_decode_kernel(
         # As many splits as the request is long, at most num_splits: computed here so that the
         # launch depends on the batch size only (CUDA graphs).
         active = gl.minimum(num_splits, gl.maximum(1, gl.cdiv(tiles, MIN_SPLIT_TILES)))
+        if split >= active:
+            # No keys here: only the log-sum-exp the merge weighs by (its partial output is never
+            # read), so a split count sized for long requests costs short ones little.
+            n = gl.arange(0, N, layout=COLS)
+            part = ((r * HQ + h * G + n) * num_splits + split).to(gl.int64)
+            gl.store(part_lse_ptr + part, gl.full([N], float("-inf"), gl.float32, layout=COLS), mask=n < G)
+            return
         per_split = gl.cdiv(tiles, active)
         lo = split * per_split
         hi = gl.minimum(tiles, lo + per_split)
@@ -538,7 +566,11 @@ def _oscar_decode_kernel(
         # the next block's codes), not carried: that leaves the registers q_corr takes, and the
         # 168-register launch does not spill in this loop.
         kc, vc, ks, km, _, _ = _load_int2_block(codes_ptr, params_ptr, bt_ptr, p_lo, h, stride_cb, Q, N)
+        for i in gl.static_range(2, PREFETCH):
+            _prefetch_int2_block(codes_ptr, bt_ptr, gl.minimum(p_lo + i, p_hi - 1), h, stride_cb, Q)
         for blk in range(p_lo, p_hi):
+            if PREFETCH > 1:
+                _prefetch_int2_block(codes_ptr, bt_ptr, gl.minimum(blk + PREFETCH, p_hi - 1), h, stride_cb, Q)
             vs, vm = _load_v_params(params_ptr, bt_ptr, blk, h, stride_cb, Q)
             kc2, vc2, ks2, km2, _, _ = _load_int2_block(codes_ptr, params_ptr, bt_ptr,
                                                         gl.minimum(blk + 1, p_hi - 1), h, stride_cb, Q, N)
@@ -568,17 +600,19 @@ def _oscar_decode_kernel(
         gl.store(part_lse_ptr + part, lse, mask=n < G)
 
 
-def decode_launch(num_reqs: int) -> tuple[int | None, int]:
-    """``(maxnreg, ctas_per_sm)`` for a decode batch of ``num_reqs`` requests."""
+def decode_launch(num_reqs: int) -> tuple[int | None, int, int]:
+    """``(maxnreg, ctas_per_sm, prefetch)`` for a decode batch of ``num_reqs`` requests."""
     return launch_bucket(DECODE_LAUNCH, num_reqs)
 
 
-def decode_splits(num_reqs: int, num_kv_heads: int, num_sms: int, ctas_per_sm: int | None = None) -> int:
+def decode_splits(num_reqs: int, num_kv_heads: int, num_sms: int, ctas_per_sm: int | None = None,
+                  max_splits: int | None = None) -> int:
     """Most splits a decode batch of ``num_reqs`` requests uses (a power of two, >= 1): enough
-    one-warp programs for ``ctas_per_sm`` (else ``DECODE_LAUNCH``'s) per SM."""
+    one-warp programs for ``ctas_per_sm`` (else ``DECODE_LAUNCH``'s) per SM, at most
+    ``max_splits`` (else ``MAX_DECODE_SPLITS``)."""
     ctas = ctas_per_sm or decode_launch(num_reqs)[1]
     want = triton.cdiv(ctas * num_sms, max(1, num_reqs * num_kv_heads))
-    return max(1, min(MAX_DECODE_SPLITS, triton.next_power_of_2(want)))
+    return max(1, min(max_splits or MAX_DECODE_SPLITS, triton.next_power_of_2(want)))
 
 
 def decode_split_rows(max_num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -614,6 +648,7 @@ def oscar_decode(
     part_lse: torch.Tensor | None = None,
     maxnreg: int | None = -1,
     logit_correction: float = 0.0,
+    prefetch: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``num_reqs`` requests, one query each (row r of ``q_rot``
     ``[>= num_reqs, Hq, d]``, key-rotated basis), over positions ``[0, seq_lens[r])`` of the
@@ -624,6 +659,8 @@ def oscar_decode(
     ``[>= num_reqs * Hq * num_splits]``, merged by ``_merge_splits_kernel``. ``maxnreg``:
     registers per thread (None: no cap), else from ``DECODE_LAUNCH``. ``logit_correction``: λ,
     INT2 keys' logits lowered by λ/2 times their expected rounding variance (``logit_coef``).
+    ``prefetch``: the INT2 block that many steps ahead is prefetched into L2 (< 2: none; None:
+    ``DECODE_LAUNCH``'s).
     """
     if num_reqs == 0:
         return out
@@ -641,6 +678,8 @@ def oscar_decode(
     n_pad = 8 if g <= 8 else 16
     if maxnreg == -1:
         maxnreg = decode_launch(num_reqs)[0] if n_pad == 8 else None
+    if prefetch is None:
+        prefetch = decode_launch(num_reqs)[2]
     split = num_splits > 1
     if split:
         part_out = part_out.view(-1)[: num_reqs * hq * num_splits * d]
@@ -651,7 +690,7 @@ def oscar_decode(
         num_splits, scale * LOG2E, coef,
         q_rot.stride(0), q_rot.stride(1), out.stride(0), out.stride(1), block_table.stride(0), cache.stride(0),
         win["stride_wp"], win["stride_page"],
-        HKV=hkv, G=g, N=n_pad, D=d, SINK=sink, RECENT=recent, SPLIT=split, num_warps=1,
+        HKV=hkv, G=g, N=n_pad, D=d, SINK=sink, RECENT=recent, SPLIT=split, PREFETCH=prefetch, num_warps=1,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     if split:

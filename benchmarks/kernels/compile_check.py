@@ -81,7 +81,9 @@ def write_consts(args) -> dict:
 
 
 def gluon_decode_consts(args) -> dict:
-    return dict(HKV=8, G=args.g, N=8 if args.g <= 8 else 16, D=args.d, SINK=64, RECENT=256, SPLIT=True)
+    return dict(HKV=8, G=args.g, N=8 if args.g <= 8 else 16, D=args.d, SINK=64, RECENT=256, SPLIT=True,
+                PREFETCH=args.prefetch if args.prefetch is not None
+                else oscar_decode.decode_launch(8 if args.maxnreg else 1)[2])
 
 
 def write_decode_consts(args) -> dict:
@@ -131,6 +133,8 @@ def main() -> None:
     p.add_argument("--no-asm", action="store_true")
     p.add_argument("--bf16-params", action="store_true", help="write: bf16 scales and mins")
     p.add_argument("--maxnreg", type=int, help="registers a thread may use (gluon_decode: as DECODE_LAUNCH has it)")
+    p.add_argument("--prefetch", type=int,
+                   help="gluon_decode: INT2 blocks prefetched into L2 ahead (default: DECODE_LAUNCH's for the cap)")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--dump", help="write the SASS here")
     args = p.parse_args()

@@ -39,17 +39,19 @@ def gluon_data(ctx: list[int], hkv: int, hq: int, d: int, copies: int, seed: int
 
 
 def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None = -1,
-                splits: int = 0) -> tuple[list, int]:
+                splits: int = 0, prefetch: int | None = None, max_splits: int | None = None) -> tuple[list, int]:
     """The kernel's launches over ``data``; ``splits`` > 0 fixes the split count (the
-    ``decode_splits`` setting), else the wrapper's choice for the batch size."""
+    ``decode_splits`` setting), else the wrapper's choice for the batch size (``max_splits``
+    instead of ``MAX_DECODE_SPLITS`` as its cap). ``maxnreg`` and ``prefetch``: the wrapper's
+    choice unless given."""
     b, q, _ = data[0]
     n, hq, d = q.shape
     hkv = b.cache.shape[1]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = splits or od.decode_splits(n, hkv, sms, ctas)
+    splits = splits or od.decode_splits(n, hkv, sms, ctas, max_splits)
     part_out = torch.empty(n * hq * splits * d, device="cuda")
     part_lse = torch.empty(n * hq * splits, device="cuda")
-    launch = {} if maxnreg == -1 else {"maxnreg": maxnreg}
+    launch = ({} if maxnreg == -1 else {"maxnreg": maxnreg}) | ({} if prefetch is None else {"prefetch": prefetch})
     calls = [lambda b=b, q=q, out=out: od.oscar_decode(
         out, q, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table, b.seq_lens, b.ring_slots, n,
         d ** -0.5, SINK, RECENT, num_splits=splits, part_out=part_out, part_lse=part_lse, **launch)
@@ -128,15 +130,17 @@ def decode(args, bw: float, env: dict) -> list[dict]:
 
 
 def sweep(args, bw: float, env: dict) -> None:
-    """Register cap and programs per SM, every batch and context; each variant checked against
-    the first (same inputs, same answer)."""
+    """Register cap, programs per SM, split cap and L2 prefetch depth, every batch and context;
+    each variant checked against the first (same inputs, same answer). Variants that launch the
+    same kernel with the same split count at a shape are timed once."""
     s = SHAPES[args.shapes[0]]
     hkv, hq, d = s.num_kv_heads, s.num_heads, s.head_dim
-    variants = [(maxnreg, ctas) for maxnreg in (None, 168, 128) for ctas in (4, 8, 16)]
+    variants = list(itertools.product(args.maxnreg, args.ctas, args.max_splits, args.prefetch))
     check = gluon_data([3000, 700, 9000], hkv, hq, d, 1, seed=7)
     ref, ok = None, []
     for var in variants:
-        calls, _ = gluon_calls(check, var[1], var[0])
+        maxnreg, ctas, cap, prefetch = var
+        calls, _ = gluon_calls(check, ctas, maxnreg, prefetch=prefetch, max_splits=cap)
         calls[0]()
         out = check[0][2].float()
         ref = out.clone() if ref is None else ref
@@ -147,17 +151,25 @@ def sweep(args, bw: float, env: dict) -> None:
         lens = [ctx] * n
         nbytes = int2_bytes_read(lens, hkv, d, SINK, RECENT)
         data = gluon_data(lens, hkv, hq, d, copies_for(nbytes))
-        for maxnreg, ctas in ok:
-            calls, splits = gluon_calls(data, ctas, maxnreg)
-            ms = time_calls(calls, rep_ms=30)
+        timed = {}
+        for maxnreg, ctas, cap, prefetch in ok:
+            splits = od.decode_splits(n, hkv, torch.cuda.get_device_properties(0).multi_processor_count, ctas, cap)
+            key = (maxnreg, prefetch, splits)
+            if key not in timed:
+                calls, _ = gluon_calls(data, ctas, maxnreg, prefetch=prefetch, max_splits=cap)
+                timed[key] = time_calls(calls, rep_ms=30)
+            ms = timed[key]
             rows.append({"batch": n, "context": ctx, "maxnreg": maxnreg or "none", "ctas_per_sm": ctas,
-                         "splits": splits, "ms": ms, "GBps": nbytes / ms / 1e6, "pct_copy": 100 * nbytes / ms / 1e6 / bw})
+                         "max_splits": cap, "prefetch": prefetch, "splits": splits, "ms": ms,
+                         "GBps": nbytes / ms / 1e6, "pct_copy": 100 * nbytes / ms / 1e6 / bw})
             print(rows[-1], flush=True)
         del data
         torch.cuda.empty_cache()
     write_reports(Path(args.out), "sweep_gluon_decode", rows, env, f"Gluon decode launch sweep, {s.name}",
-                  ["batch", "context", "maxnreg", "ctas_per_sm", "splits", "ms", "GBps", "pct_copy"],
-                  [f"copy bandwidth: {bw:,.0f} GB/s"])
+                  ["batch", "context", "maxnreg", "ctas_per_sm", "max_splits", "prefetch", "splits", "ms", "GBps",
+                   "pct_copy"],
+                  [f"copy bandwidth: {bw:,.0f} GB/s",
+                   "prefetch: INT2 blocks ahead brought into L2 (0: none); max_splits: the cap on the split count"])
 
 
 def main() -> None:
@@ -168,6 +180,11 @@ def main() -> None:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--contexts", nargs="+", type=int, default=[1024, 8192, 32768, 131072])
     p.add_argument("--max-gb", type=float, default=40.0, help="skip shapes whose BF16 cache exceeds this")
+    p.add_argument("--maxnreg", nargs="+", type=lambda v: None if v == "none" else int(v), default=[None, 168, 128],
+                   help="sweep: register caps ('none': uncapped)")
+    p.add_argument("--ctas", nargs="+", type=int, default=[4, 8, 16], help="sweep: one-warp programs per SM aimed for")
+    p.add_argument("--max-splits", nargs="+", type=int, default=[od.MAX_DECODE_SPLITS], help="sweep: split caps")
+    p.add_argument("--prefetch", nargs="+", type=int, default=[0], help="sweep: INT2 blocks prefetched into L2 ahead")
     p.add_argument("--fixed-splits", type=int, default=0,
                    help="also time the Gluon kernel at this fixed split count (the decode_splits setting)")
     args = p.parse_args()

@@ -88,6 +88,8 @@ def test_gluon_decode_int2_loop_is_loads_unpacking_and_tensor_cores(shape):
     # 16-byte loads: the V codes (d/32 rows of 16 bytes) and the four parameter vectors.
     assert loop.get("LDG.E.128", 0) >= d // 32 + 4, loop
     assert not any(op.startswith(("LDS", "STS", "BAR", "STL", "I2F")) for op in loop), loop
+    # One bulk L2 prefetch a step from one address (lanes with their own would loop over them).
+    assert loop.get("UBLKPF.L2", 0) == 1 and not loop.get("BRA.U.ANY"), loop
     # Capped at 168 registers, a few loop-invariant values are reloaded from L1 (never stored).
     assert sum(n for op, n in loop.items() if op.startswith("LDL")) <= 8, loop
     assert sum(loop.values()) < 1000, loop

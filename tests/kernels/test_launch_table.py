@@ -42,3 +42,19 @@ def test_write_table_covers_every_token_count():
     assert min(WRITE_LAUNCH) == 1
     # tl.dot takes tiles of 16 rows and more; warps a power of two.
     assert all(t in (16, 32, 64, 128) and w in (4, 8, 16, 32) for t, w in WRITE_LAUNCH.values())
+
+
+def test_gluon_decode_table_covers_every_batch_with_valid_choices():
+    """The Gluon decode kernel's table: register cap (None: ptxas's choice), programs per SM, and
+    the L2 prefetch depth; its split scratch covers every batch up to the largest."""
+    from csrc_triton import oscar_decode as od
+
+    assert min(od.DECODE_LAUNCH) == 1
+    for n in range(1, 2049):
+        maxnreg, ctas, prefetch = od.decode_launch(n)
+        assert (maxnreg is None or 128 <= maxnreg <= 255) and ctas >= 1 and 0 <= prefetch <= 8
+    for hkv in (1, 2, 4, 8):
+        rows = od.decode_split_rows(256, hkv, 132)
+        splits = [od.decode_splits(n, hkv, 132) for n in range(1, 257)]
+        assert all(triton.next_power_of_2(s) == s <= od.MAX_DECODE_SPLITS for s in splits)
+        assert all(n * s <= rows for n, s in zip(range(1, 257), splits))

@@ -357,3 +357,29 @@ def test_a_hit_reads_the_shared_sink_pages_in_bf16(new):
     other = oscar_attention_reference(q, q @ rot, k, v, pc.cache, pc.windows, pc.window_pages, int2_sink,
                                       *args[4:], 1, 0.125, sink, recent)
     assert (other - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("num_splits", [1, 4, 64, 256])
+def test_merge_splits_weighs_partials_by_their_log_sum_exp(num_splits):
+    """The split merge against log-sum-exp weighting in PyTorch: splits without keys (lse -inf)
+    leave NaN partial outputs that must not be read, whole chunks of them included, and a row
+    whose splits all lack keys gives zeros."""
+    from csrc_triton.oscar_attention import _merge_splits_kernel
+
+    t, hq, d = 3, 2, 64
+    g = torch.Generator().manual_seed(num_splits)
+    lse = torch.randn(t, hq, num_splits, generator=g) * 4
+    used = torch.rand(t, hq, num_splits, generator=g) < 0.6
+    used[0, 0] = False
+    used[1, 0] = torch.arange(num_splits) == num_splits - 1  # one used split, in the last chunk
+    used[1, 1, 0] = True
+    lse[~used] = float("-inf")
+    part_out = torch.randn(t, hq, num_splits, d, generator=g)
+    part_out[~used] = float("nan")
+    w = torch.where(used, torch.exp2(lse - lse.amax(-1, keepdim=True).clamp_min(-1e30)), 0.0)
+    want = (w[..., None] * torch.nan_to_num(part_out)).sum(2) / w.sum(2, keepdim=True).clamp_min(1e-30)
+    out = torch.full((t, hq, d), float("nan"), dtype=torch.float32, device=DEVICE)
+    _merge_splits_kernel[(t, hq)](out_ptr=out, part_out_ptr=part_out.to(DEVICE), part_lse_ptr=lse.to(DEVICE),
+                                  stride_ot=out.stride(0), stride_oh=out.stride(1), HQ=hq, D=d, NUM_SPLITS=num_splits)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[0, 0].cpu(), torch.zeros(d))

@@ -43,18 +43,13 @@ def decode_step(case, dtype, write):
     return pc, step, q, q_rot
 
 
-@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
-@pytest.mark.parametrize("lam", [0.0, 1.0], ids=lambda x: f"lambda{x:g}")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("splits", [1, 4, MAX_DECODE_SPLITS])
-@pytest.mark.parametrize("case", GPU_CASES, ids=gpu_case_id)
-def test_decode_kernel_matches_reference(case, splits, dtype, lam):
+def check_decode_kernel(case, splits, dtype, lam, **launch):
+    """The Gluon decode kernel (``launch``: its launch arguments) against the reference on a
+    written step of ``case``, outputs and split scratch NaN before it runs."""
     from csrc_triton.oscar_decode import oscar_decode
     from csrc_triton.oscar_write import oscar_write
 
     d, hkv, g, sink, recent, prefix = case
-    if dtype == torch.float16 and case is not GPU_CASES[0]:
-        pytest.skip("fp16 models: one case")
 
     def write(k, v, rot, step, pc):
         oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(prefix), pc.cache,
@@ -68,10 +63,30 @@ def test_decode_kernel_matches_reference(case, splits, dtype, lam):
     part_lse = torch.full((n * hq * splits,), float("nan"), device=q.device)
     oscar_decode(out, q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table, step.seq_lens,
                  step.ring_slots, n, scale, sink, recent, num_splits=splits, part_out=part_out, part_lse=part_lse,
-                 logit_correction=lam)
+                 logit_correction=lam, **launch)
     want = oscar_decode_reference(q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
                                   step.seq_lens, step.ring_slots, n, scale, sink, recent, logit_correction=lam)
     assert_close_to_reference(out, want, torch.bfloat16)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
+@pytest.mark.parametrize("lam", [0.0, 1.0], ids=lambda x: f"lambda{x:g}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("splits", [1, 4, MAX_DECODE_SPLITS])
+@pytest.mark.parametrize("case", GPU_CASES, ids=gpu_case_id)
+def test_decode_kernel_matches_reference(case, splits, dtype, lam):
+    if dtype == torch.float16 and case is not GPU_CASES[0]:
+        pytest.skip("fp16 models: one case")
+    check_decode_kernel(case, splits, dtype, lam)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
+@pytest.mark.parametrize(("splits", "prefetch"), [(1, 5), (4, 2)], ids=["splits1-ahead5", "splits4-ahead2"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=gpu_case_id)
+def test_decode_kernel_with_l2_prefetch_matches_reference(case, splits, prefetch):
+    """Prefetching INT2 blocks ahead into L2 changes no result: the prefetch of a split's last
+    blocks clamps to them, and a split shorter than the depth prefetches what it has."""
+    check_decode_kernel(case, splits, torch.bfloat16, 0.5, prefetch=prefetch)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
