@@ -867,6 +867,10 @@ def _load(out: Path) -> tuple[dict, dict, dict, dict | None]:
     runs, sweep = {}, {}
     for p in sorted(out.glob("run_*.json")):
         r = json.loads(p.read_text())
+        if "running" in r and "error" not in r:
+            # The harness itself was ended (a GPU call's limit) before its worker's result was
+            # finished: the scenarios done stand, the one under way gets no row.
+            r["error"] = f"ended from outside in {r['running']}, before a result (see log_{r['config']}.txt)"
         if r.get("sweep_max_num_seqs"):
             sweep[(r["sweep_max_num_seqs"], r["config"])] = r
         else:

@@ -53,12 +53,16 @@ TILE = gl.constexpr(64)  # keys per step: one INT2 block, or 8 ring pages
 MIN_SPLIT_TILES = gl.constexpr(1)  # a split reads at least this many tiles (one: short contexts gain from more programs)
 # Launch by batch size (the largest key <= requests): (registers a thread may use, one-warp
 # programs the split count aims for per SM, the INT2 block prefetched into L2 this many steps
-# ahead). Uncapped, ptxas takes 255 registers (the ring tile's loads), 8 warps an SM: one
-# request's splits fit in one wave and run fastest so, with 256 splits and blocks 4 ahead in L2
-# (a split's loads then wait for L2, not DRAM). From 8 requests on, 168 registers (12 warps an SM,
-# a few bytes of spills outside the INT2 loop), more and shorter splits, and 2 blocks ahead. H200,
-# Qwen3-8B shape: `benchmarks/kernels/oscar_decode.py sweep` (results/kernels/prefetch/).
-DECODE_LAUNCH = {1: (None, 8, 4), 8: (168, 16, 2)}
+# ahead, INT2 blocks a BF16 ring tile counts as when the splits share a request's keys).
+# Uncapped, ptxas takes 255 registers (the ring tile's loads), 8 warps an SM: one request's
+# splits fit in one wave and run fastest so, with 256 splits and blocks 4 ahead in L2 (a split's
+# loads then wait for L2, not DRAM). From 8 requests on, 168 registers (12 warps an SM, a few
+# bytes of spills outside the INT2 loop), more and shorter splits, and 2 blocks ahead. The ring
+# tile's weight: counted as one block, the split holding the five ring tiles was the one the
+# others waited for (1 x 32K 41 us, 28 at 4); from 16 requests the programs run in several
+# waves and 2 is best or within 3%. H200, Qwen3-8B shape: `benchmarks/kernels/oscar_decode.py
+# sweep` (results/kernels/prefetch/, results/kernels/ring/).
+DECODE_LAUNCH = {1: (None, 8, 4, 4), 8: (168, 16, 2, 4), 16: (168, 16, 2, 2)}
 
 # PTX: a word of packed codes -> each byte's code of each quarter i (bits 2i, 2i+1) as an fp16
 # subnormal. Two byte permutes put bytes (0, 1) and (2, 3) into the low halves of 16-bit lanes,
@@ -452,6 +456,44 @@ def _store_output(o, n, d, out_ptr, part_out_ptr, part_lse_ptr, l_i, m_i, a_min,
                  x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@gluon.jit
+def _split_ring(active, n_blocks, RING_TILES: gl.constexpr, RING_COST: gl.constexpr):
+    """A split's share of the cost (a ring tile counting ``RING_COST`` blocks), the ring tiles a
+    split takes (as many as fit in a share, at least one) and how many splits hold ring tiles."""
+    per = gl.cdiv(RING_TILES * RING_COST + n_blocks, active)
+    k = gl.maximum(per // RING_COST, gl.cdiv(RING_TILES, active))
+    return per, k, gl.cdiv(RING_TILES, k)
+
+
+@gluon.jit
+def _split_tiles(split, active, n_blocks, RING_TILES: gl.constexpr, RING_COST: gl.constexpr):
+    """Ring tiles ``[t_lo, t_hi)`` of split ``split`` of ``active`` (``split_shares``: the Python twin)."""
+    _, k, _ = _split_ring(active, n_blocks, RING_TILES, RING_COST)
+    t_lo = gl.minimum(split * k, RING_TILES)
+    return t_lo, gl.minimum(t_lo + k, RING_TILES)
+
+
+@gluon.jit
+def _split_blocks(split, active, n_blocks, RING_TILES: gl.constexpr, RING_COST: gl.constexpr):
+    """INT2 blocks ``[b_lo, b_hi)`` of split ``split`` of ``active``: the splits that hold ring tiles
+    are topped up with blocks to a share, the others take a whole share each. Arithmetic, not
+    branches: with branches the INT2 loop's trip count went to 64 bits and spilled at 168 registers."""
+    per, k, ring_splits = _split_ring(active, n_blocks, RING_TILES, RING_COST)
+    fill = gl.maximum(per - k * RING_COST, 0)
+    last_fill = gl.maximum(per - (RING_TILES - (ring_splits - 1) * k) * RING_COST, 0)
+    b_lo = _blocks_before(split, per, fill, last_fill, ring_splits)
+    b_hi = _blocks_before(split + 1, per, fill, last_fill, ring_splits)
+    return gl.minimum(b_lo, n_blocks), gl.minimum(b_hi, n_blocks)
+
+
+@gluon.jit
+def _blocks_before(s, per, fill, last_fill, ring_splits):
+    """Blocks splits ``[0, s)`` hold: ``fill`` for each ring split but the last, ``last_fill`` for
+    the last, ``per`` for each split past the ring."""
+    return gl.minimum(s, ring_splits - 1) * fill + gl.maximum(s - ring_splits + 1, 0) * last_fill \
+        + gl.maximum(s - ring_splits, 0) * (per - last_fill)
+
+
 # Batch-dependent counts and strides change every step: unspecialized, one compiled variant per
 # launch configuration (csrc_triton/warm_up.py compiles them all before serving).
 @gluon.jit(
@@ -487,6 +529,7 @@ def _oscar_decode_kernel(
     RECENT: gl.constexpr,
     SPLIT: gl.constexpr,
     PREFETCH: gl.constexpr,  # the INT2 block this many steps ahead goes into L2 (< 2: none; the next is in registers)
+    RING_COST: gl.constexpr,  # INT2 blocks a ring tile counts as when splits share the keys (DECODE_LAUNCH)
 ):
     Q: gl.constexpr = D // 4
     HQ: gl.constexpr = HKV * G
@@ -513,12 +556,9 @@ def _oscar_decode_kernel(
             part = ((r * HQ + h * G + n) * num_splits + split).to(gl.int64)
             gl.store(part_lse_ptr + part, gl.full([N], float("-inf"), gl.float32, layout=COLS), mask=n < G)
             return
-        per_split = gl.cdiv(tiles, active)
-        lo = split * per_split
-        hi = gl.minimum(tiles, lo + per_split)
+        t_lo, t_hi = _split_tiles(split, active, n_blocks, RING_TILES, RING_COST)
     else:
-        lo = 0
-        hi = tiles
+        t_lo, t_hi = 0, RING_TILES
     ring = gl.load(ring_slot_ptr + r).to(gl.int64)
     bt_ptr = block_table_ptr + r.to(gl.int64) * stride_bt
     q_base = q_rot_ptr + r.to(gl.int64) * stride_qt + (h * G) * stride_qh
@@ -537,7 +577,7 @@ def _oscar_decode_kernel(
     o2 = gl.zeros([Q, N], gl.float32, layout=ACC)
     o3 = gl.zeros([Q, N], gl.float32, layout=ACC)
 
-    for tile in range(lo, gl.minimum(hi, RING_TILES)):
+    for tile in range(t_lo, t_hi):
         m_i, l_i, a_min, o0, o1, o2, o3 = _attend_ring_tile(
             m_i, l_i, a_min, o0, o1, o2, o3, tile, ring, h, last, qk_scale, q_base, stride_qh,
             window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page,
@@ -548,8 +588,10 @@ def _oscar_decode_kernel(
     o2 = o2 * UNIT_2
     o3 = o3 * UNIT_3
 
-    b_lo = gl.maximum(lo, RING_TILES) - RING_TILES
-    b_hi = hi - RING_TILES
+    if SPLIT:
+        b_lo, b_hi = _split_blocks(split, active, n_blocks, RING_TILES, RING_COST)
+    else:
+        b_lo, b_hi = 0, n_blocks
     # Blocks [0, SINK_BLOCKS) meet the sink, blocks from recent_start the recent window or
     # seq_len; the ones between are INT2 for every key and take the loop without masks.
     window_start = gl.maximum(last - RECENT + 1, 0)
@@ -600,8 +642,25 @@ def _oscar_decode_kernel(
         gl.store(part_lse_ptr + part, lse, mask=n < G)
 
 
-def decode_launch(num_reqs: int) -> tuple[int | None, int, int]:
-    """``(maxnreg, ctas_per_sm, prefetch)`` for a decode batch of ``num_reqs`` requests."""
+def split_shares(n_blocks: int, active: int, ring_tiles: int, ring_cost: int) -> list[tuple[int, int, int, int]]:
+    """``(t_lo, t_hi, b_lo, b_hi)`` of each of ``active`` splits, as the kernel divides a request:
+    ring tiles first, ``k`` a split (as many as fit in a share of the cost, a ring tile counting
+    ``ring_cost`` blocks, at least one), the splits holding ring tiles topped up with blocks to a
+    share, every other split a whole share of blocks. The Python twin of ``_split_tiles`` and
+    ``_split_blocks``."""
+    per = -(-(ring_tiles * ring_cost + n_blocks) // active)
+    k = max(per // ring_cost, -(-ring_tiles // active))
+    ring_splits = -(-ring_tiles // k)
+    fill = max(per - k * ring_cost, 0)
+    last_fill = max(per - (ring_tiles - (ring_splits - 1) * k) * ring_cost, 0)
+    before = [min(s, ring_splits - 1) * fill + max(s - ring_splits + 1, 0) * last_fill
+              + max(s - ring_splits, 0) * (per - last_fill) for s in range(active + 1)]
+    return [(min(s * k, ring_tiles), min(s * k + k, ring_tiles), min(before[s], n_blocks), min(before[s + 1], n_blocks))
+            for s in range(active)]
+
+
+def decode_launch(num_reqs: int) -> tuple[int | None, int, int, int]:
+    """``(maxnreg, ctas_per_sm, prefetch, ring_cost)`` for a decode batch of ``num_reqs`` requests."""
     return launch_bucket(DECODE_LAUNCH, num_reqs)
 
 
@@ -649,6 +708,7 @@ def oscar_decode(
     maxnreg: int | None = -1,
     logit_correction: float = 0.0,
     prefetch: int | None = None,
+    ring_cost: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``num_reqs`` requests, one query each (row r of ``q_rot``
     ``[>= num_reqs, Hq, d]``, key-rotated basis), over positions ``[0, seq_lens[r])`` of the
@@ -660,7 +720,8 @@ def oscar_decode(
     registers per thread (None: no cap), else from ``DECODE_LAUNCH``. ``logit_correction``: λ,
     INT2 keys' logits lowered by λ/2 times their expected rounding variance (``logit_coef``).
     ``prefetch``: the INT2 block that many steps ahead is prefetched into L2 (< 2: none; None:
-    ``DECODE_LAUNCH``'s).
+    ``DECODE_LAUNCH``'s). ``ring_cost``: INT2 blocks a ring tile counts as in the split partition
+    (None: ``DECODE_LAUNCH``'s; 1 counts every tile alike).
     """
     if num_reqs == 0:
         return out
@@ -690,7 +751,8 @@ def oscar_decode(
         num_splits, scale * LOG2E, coef,
         q_rot.stride(0), q_rot.stride(1), out.stride(0), out.stride(1), block_table.stride(0), cache.stride(0),
         win["stride_wp"], win["stride_page"],
-        HKV=hkv, G=g, N=n_pad, D=d, SINK=sink, RECENT=recent, SPLIT=split, PREFETCH=prefetch, num_warps=1,
+        HKV=hkv, G=g, N=n_pad, D=d, SINK=sink, RECENT=recent, SPLIT=split, PREFETCH=prefetch,
+        RING_COST=ring_cost or decode_launch(num_reqs)[3], num_warps=1,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     if split:

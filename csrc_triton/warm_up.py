@@ -40,11 +40,12 @@ def decode_variants(max_num_seqs: int, num_kv_heads: int, num_sms: int, fixed_sp
 
 def gluon_decode_variants(max_num_seqs: int, num_kv_heads: int, num_sms: int,
                           fixed_splits: int = 0) -> dict[tuple, int]:
-    """The same for ``oscar_decode``: ``{(maxnreg, prefetch, splits): smallest batch that takes it}``."""
+    """The same for ``oscar_decode``: ``{(maxnreg, prefetch, ring_cost, splits): smallest batch
+    that takes it}``."""
     variants: dict[tuple, int] = {}
     for n in range(1, max_num_seqs + 1):
-        maxnreg, _, prefetch = gluon_decode.decode_launch(n)
-        key = (maxnreg, prefetch, fixed_splits or gluon_decode.decode_splits(n, num_kv_heads, num_sms))
+        maxnreg, _, prefetch, ring_cost = gluon_decode.decode_launch(n)
+        key = (maxnreg, prefetch, ring_cost, fixed_splits or gluon_decode.decode_splits(n, num_kv_heads, num_sms))
         variants.setdefault(key, n)
     return variants
 
@@ -122,7 +123,7 @@ def _warm_up_gluon_decode(cache, windows, window_pages, window_pos, rot_k, num_h
     oscar_write_decode(rows(1, hkv), rows(1, hkv), q, q.clone(), decode_rotation(rot_k), padding, seq_lens,
                        ring_slots, cache, windows, window_pages, window_pos, 0, 0, sink, recent, param_dtype)
     launches += 1
-    for (_, _, splits), n in gluon_decode_variants(max_num_seqs, hkv, num_sms, fixed_splits).items():
+    for (_, _, _, splits), n in gluon_decode_variants(max_num_seqs, hkv, num_sms, fixed_splits).items():
         q = rows(n, num_heads)
         part_out = torch.empty(n * num_heads * splits * d, dtype=torch.float32, device=dev)
         part_lse = torch.empty(n * num_heads * splits, dtype=torch.float32, device=dev)

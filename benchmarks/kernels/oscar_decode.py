@@ -38,12 +38,13 @@ def gluon_data(ctx: list[int], hkv: int, hq: int, d: int, copies: int, seed: int
     return out
 
 
-def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None = -1,
-                splits: int = 0, prefetch: int | None = None, max_splits: int | None = None) -> tuple[list, int]:
+def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None = -1, splits: int = 0,
+                prefetch: int | None = None, max_splits: int | None = None,
+                ring_cost: int | None = None) -> tuple[list, int]:
     """The kernel's launches over ``data``; ``splits`` > 0 fixes the split count (the
     ``decode_splits`` setting), else the wrapper's choice for the batch size (``max_splits``
-    instead of ``MAX_DECODE_SPLITS`` as its cap). ``maxnreg`` and ``prefetch``: the wrapper's
-    choice unless given."""
+    instead of ``MAX_DECODE_SPLITS`` as its cap). ``maxnreg``, ``prefetch`` and ``ring_cost``: the
+    wrapper's choice unless given."""
     b, q, _ = data[0]
     n, hq, d = q.shape
     hkv = b.cache.shape[1]
@@ -51,7 +52,8 @@ def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None 
     splits = splits or od.decode_splits(n, hkv, sms, ctas, max_splits)
     part_out = torch.empty(n * hq * splits * d, device="cuda")
     part_lse = torch.empty(n * hq * splits, device="cuda")
-    launch = ({} if maxnreg == -1 else {"maxnreg": maxnreg}) | ({} if prefetch is None else {"prefetch": prefetch})
+    launch = ({} if maxnreg == -1 else {"maxnreg": maxnreg}) | ({} if prefetch is None else {"prefetch": prefetch}) \
+        | {"ring_cost": ring_cost}
     calls = [lambda b=b, q=q, out=out: od.oscar_decode(
         out, q, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table, b.seq_lens, b.ring_slots, n,
         d ** -0.5, SINK, RECENT, num_splits=splits, part_out=part_out, part_lse=part_lse, **launch)
@@ -130,17 +132,18 @@ def decode(args, bw: float, env: dict) -> list[dict]:
 
 
 def sweep(args, bw: float, env: dict) -> None:
-    """Register cap, programs per SM, split cap and L2 prefetch depth, every batch and context;
+    """Register cap, programs per SM, split cap, L2 prefetch depth and the ring tile's weight in the
+    split partition, every batch and context;
     each variant checked against the first (same inputs, same answer). Variants that launch the
     same kernel with the same split count at a shape are timed once."""
     s = SHAPES[args.shapes[0]]
     hkv, hq, d = s.num_kv_heads, s.num_heads, s.head_dim
-    variants = list(itertools.product(args.maxnreg, args.ctas, args.max_splits, args.prefetch))
+    variants = list(itertools.product(args.maxnreg, args.ctas, args.max_splits, args.prefetch, args.ring_cost))
     check = gluon_data([3000, 700, 9000], hkv, hq, d, 1, seed=7)
     ref, ok = None, []
     for var in variants:
-        maxnreg, ctas, cap, prefetch = var
-        calls, _ = gluon_calls(check, ctas, maxnreg, prefetch=prefetch, max_splits=cap)
+        maxnreg, ctas, cap, prefetch, ring_cost = var
+        calls, _ = gluon_calls(check, ctas, maxnreg, prefetch=prefetch, max_splits=cap, ring_cost=ring_cost)
         calls[0]()
         out = check[0][2].float()
         ref = out.clone() if ref is None else ref
@@ -152,24 +155,26 @@ def sweep(args, bw: float, env: dict) -> None:
         nbytes = int2_bytes_read(lens, hkv, d, SINK, RECENT)
         data = gluon_data(lens, hkv, hq, d, copies_for(nbytes))
         timed = {}
-        for maxnreg, ctas, cap, prefetch in ok:
+        for maxnreg, ctas, cap, prefetch, ring_cost in ok:
             splits = od.decode_splits(n, hkv, torch.cuda.get_device_properties(0).multi_processor_count, ctas, cap)
-            key = (maxnreg, prefetch, splits)
+            key = (maxnreg, prefetch, splits, ring_cost)
             if key not in timed:
-                calls, _ = gluon_calls(data, ctas, maxnreg, prefetch=prefetch, max_splits=cap)
+                calls, _ = gluon_calls(data, ctas, maxnreg, prefetch=prefetch, max_splits=cap, ring_cost=ring_cost)
                 timed[key] = time_calls(calls, rep_ms=30)
             ms = timed[key]
             rows.append({"batch": n, "context": ctx, "maxnreg": maxnreg or "none", "ctas_per_sm": ctas,
-                         "max_splits": cap, "prefetch": prefetch, "splits": splits, "ms": ms,
+                         "max_splits": cap, "prefetch": prefetch, "ring_cost": ring_cost or od.decode_launch(n)[3],
+                         "splits": splits, "ms": ms,
                          "GBps": nbytes / ms / 1e6, "pct_copy": 100 * nbytes / ms / 1e6 / bw})
             print(rows[-1], flush=True)
         del data
         torch.cuda.empty_cache()
     write_reports(Path(args.out), "sweep_gluon_decode", rows, env, f"Gluon decode launch sweep, {s.name}",
-                  ["batch", "context", "maxnreg", "ctas_per_sm", "max_splits", "prefetch", "splits", "ms", "GBps",
-                   "pct_copy"],
+                  ["batch", "context", "maxnreg", "ctas_per_sm", "max_splits", "prefetch", "ring_cost", "splits", "ms",
+                   "GBps", "pct_copy"],
                   [f"copy bandwidth: {bw:,.0f} GB/s",
-                   "prefetch: INT2 blocks ahead brought into L2 (0: none); max_splits: the cap on the split count"])
+                   "prefetch: INT2 blocks ahead brought into L2 (0: none); max_splits: the cap on the split count; "
+                   "ring_cost: INT2 blocks a ring tile counts as in the split partition (1: all alike)"])
 
 
 def main() -> None:
@@ -185,6 +190,8 @@ def main() -> None:
     p.add_argument("--ctas", nargs="+", type=int, default=[4, 8, 16], help="sweep: one-warp programs per SM aimed for")
     p.add_argument("--max-splits", nargs="+", type=int, default=[od.MAX_DECODE_SPLITS], help="sweep: split caps")
     p.add_argument("--prefetch", nargs="+", type=int, default=[0], help="sweep: INT2 blocks prefetched into L2 ahead")
+    p.add_argument("--ring-cost", nargs="+", type=int, default=[None],
+                   help="sweep: INT2 blocks a ring tile counts as in the split partition (default: DECODE_LAUNCH's)")
     p.add_argument("--fixed-splits", type=int, default=0,
                    help="also time the Gluon kernel at this fixed split count (the decode_splits setting)")
     args = p.parse_args()

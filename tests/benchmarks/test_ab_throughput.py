@@ -437,6 +437,17 @@ def test_a_partial_result_keeps_its_scenarios_on_timeout(ab, tmp_path, capsys):
     assert "failed: timed out after 1.5 s in overflow" in capsys.readouterr().out
 
 
+def test_report_names_a_run_ended_from_outside_the_harness(ab, tmp_path):
+    """A worker's result still ``running`` a scenario (the harness itself was killed, so nobody
+    finished the file) is a failure in that scenario; what it measured before stands."""
+    write_runs(tmp_path, {"FLASH_ATTN": run(500_000, 20.0, 300.0, 100.0),
+                          "int4": {"kv_cache_tokens": 1_900_000, "max_num_seqs": 1024, "running": "prefill"}})
+    text = ab.report(tmp_path)
+    assert table_row(text, "KV cache capacity")[1] == "1,900,000 (3.80x)"
+    assert table_row(text, "time per output token")[1] == "failed"
+    assert "\n**int4 failed:** `ended from outside in prefill, before a result (see log_int4.txt)`" in text
+
+
 # --- the report of issue 18's workloads -------------------------------------------------------
 
 def issue18_run(kv, scale, window=0):

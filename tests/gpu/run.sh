@@ -5,7 +5,7 @@
 #   kernels the kernel benchmarks (decode, prefill, write) against vLLM's FA3 and Triton
 #           attention, with the copy bandwidth of the same run; instruction mix of the kernels
 #   sweep   the launch sweeps behind the launch tables: the Gluon decode kernel's (oscar_decode.py: register
-#           cap, programs per SM, split cap, L2 prefetch depth),
+#           cap, programs per SM, split cap, L2 prefetch depth, a ring tile's weight in the split partition),
 #           then the Triton kernels' (oscar_attention.py)
 #   ab      benchmarks/ab_throughput.py: OSCAR against vLLM's KV caches, one engine each
 #   profile where a decode step's time goes inside vLLM, OSCAR and FLASH_ATTN (profile_decode.py)
@@ -76,7 +76,8 @@ for stage in $stages; do
     sweep)
       (cd benchmarks/kernels &&
        python3 oscar_decode.py sweep --out "$out/sweep" --shapes qwen3-8b --batches 1 8 32 64 \
-         --contexts 1024 8192 32768 131072 --maxnreg none 168 --ctas 8 16 --max-splits 128 256 --prefetch 0 2 4 &&
+         --contexts 1024 8192 32768 131072 --maxnreg none 168 --ctas 8 16 --max-splits 128 256 --prefetch 0 2 4 \
+         --ring-cost 1 7 &&
        python3 oscar_attention.py sweep --out "$out/sweep" --batches 1 8 32 \
          --contexts 8192 32768 131072) 2>&1 | grep --line-buffered -v '^{' | tee "$out/sweep.log" || status=1 ;;
     profile)

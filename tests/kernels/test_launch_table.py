@@ -45,14 +45,14 @@ def test_write_table_covers_every_token_count():
 
 
 def test_gluon_decode_table_covers_every_batch_with_valid_choices():
-    """The Gluon decode kernel's table: register cap (None: ptxas's choice), programs per SM, and
-    the L2 prefetch depth; its split scratch covers every batch up to the largest."""
+    """The Gluon decode kernel's table: register cap (None: ptxas's choice), programs per SM, the
+    L2 prefetch depth and a ring tile's weight; its split scratch covers every batch up to the largest."""
     from csrc_triton import oscar_decode as od
 
     assert min(od.DECODE_LAUNCH) == 1
     for n in range(1, 2049):
-        maxnreg, ctas, prefetch = od.decode_launch(n)
-        assert (maxnreg is None or 128 <= maxnreg <= 255) and ctas >= 1 and 0 <= prefetch <= 8
+        maxnreg, ctas, prefetch, ring_cost = od.decode_launch(n)
+        assert (maxnreg is None or 128 <= maxnreg <= 255) and ctas >= 1 and 0 <= prefetch <= 8 and ring_cost >= 1
     for hkv in (1, 2, 4, 8):
         rows = od.decode_split_rows(256, hkv, 132)
         splits = [od.decode_splits(n, hkv, 132) for n in range(1, 257)]

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from csrc_triton.oscar_decode import MAX_DECODE_SPLITS, decode_splits, supports
+from csrc_triton.oscar_decode import MAX_DECODE_SPLITS, decode_splits, split_shares, supports
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
 from oscar_vllm.core.quant import clip_index
 from oscar_vllm.reference.oscar_attention import oscar_attention_reference
@@ -87,6 +87,16 @@ def test_decode_kernel_with_l2_prefetch_matches_reference(case, splits, prefetch
     """Prefetching INT2 blocks ahead into L2 changes no result: the prefetch of a split's last
     blocks clamps to them, and a split shorter than the depth prefetches what it has."""
     check_decode_kernel(case, splits, torch.bfloat16, 0.5, prefetch=prefetch)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
+@pytest.mark.parametrize(("splits", "ring_cost"), [(2, 7), (8, 7), (16, 7), (64, 7), (16, 1), (8, 3)],
+                         ids=lambda x: str(x))
+@pytest.mark.parametrize("case", GPU_CASES[:2] + GPU_CASES[5:], ids=gpu_case_id)
+def test_decode_kernel_weighs_ring_tiles_and_matches_reference(case, splits, ring_cost):
+    """Every way the ring tiles and blocks divide over the splits (ring splits topped up with
+    blocks, several ring tiles to a split, blocks only) reads each key once."""
+    check_decode_kernel(case, splits, torch.bfloat16, 0.5, ring_cost=ring_cost)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
@@ -241,3 +251,42 @@ def test_decode_splits_fill_the_gpu_and_stay_bounded():
         s = decode_splits(n, 8, 132)
         assert 1 <= s <= MAX_DECODE_SPLITS and s & (s - 1) == 0
         assert n * 8 * s >= 132 or s == MAX_DECODE_SPLITS
+
+
+@pytest.mark.parametrize("ring_tiles", [1, 2, 5])
+@pytest.mark.parametrize("ring_cost", [1, 3, 7])
+def test_split_shares_read_every_tile_once_and_balance_the_cost(ring_tiles, ring_cost):
+    for n_blocks in (1, 2, 5, 16, 63, 64, 65, 128, 512, 2048):
+        for active in sorted({1, 2, 3, 4, 5, 8, 16, 21, 64, 256, ring_tiles + n_blocks} & set(
+                range(1, ring_tiles + n_blocks + 1))):
+            shares = split_shares(n_blocks, active, ring_tiles, ring_cost)
+            tiles = [t for t_lo, t_hi, _, _ in shares for t in range(t_lo, t_hi)]
+            blocks = [b for _, _, b_lo, b_hi in shares for b in range(b_lo, b_hi)]
+            assert tiles == list(range(ring_tiles)) and blocks == list(range(n_blocks)), (n_blocks, active)
+            per = -(-(ring_tiles * ring_cost + n_blocks) // active)
+            bound = max(per, ring_cost * -(-ring_tiles // active))
+            cost = max((t_hi - t_lo) * ring_cost + b_hi - b_lo for t_lo, t_hi, b_lo, b_hi in shares)
+            assert cost <= bound, (n_blocks, active, shares)
+
+
+def test_split_shares_at_ring_cost_one_are_the_even_division_of_tiles():
+    """Counting a ring tile as one block gives the partition the kernel had before it weighed them:
+    the tiles (ring, then blocks) in runs of ``ceil(tiles / splits)``."""
+    for n_blocks, active in [(512, 64), (128, 16), (16, 21), (2048, 8)]:
+        tiles = 5 + n_blocks
+        per = -(-tiles // active)
+        even = [list(range(lo, min(lo + per, tiles))) for lo in range(0, per * active, per)]
+        got = [list(range(t_lo, t_hi)) + [5 + b for b in range(b_lo, b_hi)]
+               for t_lo, t_hi, b_lo, b_hi in split_shares(n_blocks, active, 5, 1)]
+        assert got == even
+
+
+def test_split_shares_keep_the_ring_off_the_critical_path():
+    """At 8 x 32K (64 splits) and 32 x 8K (16), counting ring tiles as one put all five on split 0,
+    4.3x and 3.5x the cost of the others; weighed, no split exceeds an even share."""
+    for n_blocks, active in [(512, 64), (128, 16)]:
+        even = split_shares(n_blocks, active, 5, 1)
+        weighed = split_shares(n_blocks, active, 5, 7)
+        cost = lambda shares: [7 * (t_hi - t_lo) + b_hi - b_lo for t_lo, t_hi, b_lo, b_hi in shares]  # noqa: E731
+        assert max(cost(even)) > 3 * -(-(35 + n_blocks) // active)
+        assert max(cost(weighed)) == -(-(35 + n_blocks) // active)
