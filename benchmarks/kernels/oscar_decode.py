@@ -10,11 +10,13 @@ shuffled order, over enough copies of the data that L2 serves nothing.
     python benchmarks/kernels/oscar_decode.py decode --out results/kernels
     python benchmarks/kernels/oscar_decode.py sweep  --out results/kernels/sweep
 
-``sweep`` times the launch choices (register cap, programs per SM) the wrapper fixes.
+``sweep`` times the launch choices (register cap, programs per SM) the wrapper fixes;
+``against --baseline OLD.py`` times this tree's kernel beside an earlier version of its module.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 from pathlib import Path
 
@@ -40,21 +42,22 @@ def gluon_data(ctx: list[int], hkv: int, hq: int, d: int, copies: int, seed: int
 
 def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None = -1, splits: int = 0,
                 prefetch: int | None = None, max_splits: int | None = None,
-                ring_cost: int | None = None) -> tuple[list, int]:
+                ring_cost: int | None = None, module=od) -> tuple[list, int]:
     """The kernel's launches over ``data``; ``splits`` > 0 fixes the split count (the
     ``decode_splits`` setting), else the wrapper's choice for the batch size (``max_splits``
     instead of ``MAX_DECODE_SPLITS`` as its cap). ``maxnreg``, ``prefetch`` and ``ring_cost``: the
-    wrapper's choice unless given."""
+    wrapper's choice unless given. ``module``: the decode module whose wrapper launches (``against``:
+    an earlier version of it)."""
     b, q, _ = data[0]
     n, hq, d = q.shape
     hkv = b.cache.shape[1]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = splits or od.decode_splits(n, hkv, sms, ctas, max_splits)
+    splits = splits or module.decode_splits(n, hkv, sms, ctas, max_splits)
     part_out = torch.empty(n * hq * splits * d, device="cuda")
     part_lse = torch.empty(n * hq * splits, device="cuda")
     launch = ({} if maxnreg == -1 else {"maxnreg": maxnreg}) | ({} if prefetch is None else {"prefetch": prefetch}) \
-        | {"ring_cost": ring_cost}
-    calls = [lambda b=b, q=q, out=out: od.oscar_decode(
+        | ({} if ring_cost is None else {"ring_cost": ring_cost})
+    calls = [lambda b=b, q=q, out=out: module.oscar_decode(
         out, q, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table, b.seq_lens, b.ring_slots, n,
         d ** -0.5, SINK, RECENT, num_splits=splits, part_out=part_out, part_lse=part_lse, **launch)
         for b, q, out in data]
@@ -177,9 +180,53 @@ def sweep(args, bw: float, env: dict) -> None:
                    "ring_cost: INT2 blocks a ring tile counts as in the split partition (1: all alike)"])
 
 
+def against(args, bw: float, env: dict) -> None:
+    """The decode kernel as the backend launches it against an earlier version of its module
+    (``--baseline``, e.g. ``git show REV:csrc_triton/oscar_decode.py > old.py``), each at its
+    own launch table, on the same data in the same run: the comparison across GPU calls cannot
+    make, since one-request times differ by up to 25% between machines. Timed in turn, twice
+    each, the faster of each kernel's two kept; outputs must agree."""
+    spec = importlib.util.spec_from_file_location("oscar_decode_baseline", args.baseline)
+    base = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(base)
+    s = SHAPES[args.shapes[0]]
+    hkv, hq, d = s.num_kv_heads, s.num_heads, s.head_dim
+    rows = []
+    for n, ctx in itertools.product(args.batches, args.contexts):
+        lens = [ctx] * n
+        nbytes = int2_bytes_read(lens, hkv, d, SINK, RECENT)
+        data = gluon_data(lens, hkv, hq, d, copies_for(nbytes))
+        now, splits = gluon_calls(data)
+        then, base_splits = gluon_calls(data, module=base)
+        now[0]()
+        want = data[0][2].float().clone()
+        then[0]()
+        rel = ((data[0][2].float() - want).abs().max() / want.abs().max()).item()
+        if rel > 1e-2:
+            raise AssertionError(f"{n} x {ctx}: the two versions differ (rel err {rel:.2e})")
+        times = {"now": [], "baseline": []}
+        for _ in range(2):
+            times["now"].append(time_calls(now, rep_ms=30))
+            times["baseline"].append(time_calls(then, rep_ms=30))
+        row = {"batch": n, "context": ctx, "splits": splits, "baseline_splits": base_splits,
+               "ms": min(times["now"]), "baseline_ms": min(times["baseline"])}
+        row["vs_baseline"] = row["ms"] / row["baseline_ms"]
+        row["pct_copy"] = 100 * nbytes / row["ms"] / 1e6 / bw
+        rows.append(row)
+        print(row, flush=True)
+        del data, now, then
+        torch.cuda.empty_cache()
+    write_reports(Path(args.out), "against_baseline", rows, env,
+                  f"Gluon decode against an earlier version, {s.name}",
+                  ["batch", "context", "splits", "baseline_splits", "ms", "baseline_ms", "vs_baseline", "pct_copy"],
+                  [f"baseline: {args.baseline}", f"copy bandwidth: {bw:,.0f} GB/s",
+                   "vs_baseline: this tree's time / the baseline's (lower is faster); each the faster of two "
+                   "timings taken in turn"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["decode", "sweep"])
+    p.add_argument("mode", choices=["decode", "sweep", "against"])
     p.add_argument("--out", default="results/kernels")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
@@ -192,13 +239,14 @@ def main() -> None:
     p.add_argument("--prefetch", nargs="+", type=int, default=[0], help="sweep: INT2 blocks prefetched into L2 ahead")
     p.add_argument("--ring-cost", nargs="+", type=int, default=[None],
                    help="sweep: INT2 blocks a ring tile counts as in the split partition (default: DECODE_LAUNCH's)")
+    p.add_argument("--baseline", help="against: an earlier csrc_triton/oscar_decode.py to time beside this tree's")
     p.add_argument("--fixed-splits", type=int, default=0,
                    help="also time the Gluon kernel at this fixed split count (the decode_splits setting)")
     args = p.parse_args()
     bw = copy_bandwidth_gbs()
     env = environment()
     print(f"{env}; copy bandwidth {bw:,.0f} GB/s", flush=True)
-    {"decode": decode, "sweep": sweep}[args.mode](args, bw, env)
+    {"decode": decode, "sweep": sweep, "against": against}[args.mode](args, bw, env)
 
 
 if __name__ == "__main__":
