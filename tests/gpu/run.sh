@@ -7,6 +7,8 @@
 #   sweep   the launch sweeps behind the launch tables: the Gluon decode kernel's (oscar_decode.py: register
 #           cap, programs per SM, split cap, L2 prefetch depth, a ring tile's weight in the split partition),
 #           then the Triton kernels' (oscar_attention.py)
+#   against the Gluon decode kernel beside an earlier version of its module on the same data
+#           (OSCAR_DECODE_BASELINE: a copy of that csrc_triton/oscar_decode.py, e.g. from git show)
 #   ab      benchmarks/ab_throughput.py: OSCAR against vLLM's KV caches, one engine each
 #   profile where a decode step's time goes inside vLLM, OSCAR and FLASH_ATTN (profile_decode.py)
 #   ncu     Nsight Compute at batch 1 (Qwen3-8B shape): the decode write against reshape_and_cache_flash,
@@ -96,6 +98,11 @@ for stage in $stages; do
               python3 oscar_decode.py decode --shapes qwen3-8b --batches 1 --contexts 1024 --out /tmp/oscar-ncu || exit 1
           done
       ) > "$out/ncu.txt" 2>&1 || status=1 ;;
+    against)
+      (cd benchmarks/kernels &&
+       python3 oscar_decode.py against --baseline "$(realpath "${OSCAR_DECODE_BASELINE:?a copy of an earlier oscar_decode.py}")" \
+         --out "$out/against" --shapes qwen3-8b --batches 1 8 32 64 --contexts 1024 8192 32768 131072) 2>&1 |
+        grep --line-buffered -v '^{' | tee "$out/against.log" || status=1 ;;
     ab)
       python3 benchmarks/ab_throughput.py --out "$out/ab" ${OSCAR_AB_ARGS:-} 2>&1 | tee "$out/ab.log" || status=1 ;;
     ppl)
