@@ -737,10 +737,11 @@ def oscar_decode(
     if win.pop("WIN_E") != _WINDOW_ENTRIES:
         raise ValueError(f"oscar_decode reads rings of {_WINDOW_ENTRIES} entries per page")
     n_pad = 8 if g <= 8 else 16
+    table_maxnreg, _, table_prefetch, table_ring_cost = decode_launch(num_reqs)
     if maxnreg == -1:
-        maxnreg = decode_launch(num_reqs)[0] if n_pad == 8 else None
+        maxnreg = table_maxnreg if n_pad == 8 else None
     if prefetch is None:
-        prefetch = decode_launch(num_reqs)[2]
+        prefetch = table_prefetch
     split = num_splits > 1
     if split:
         part_out = part_out.view(-1)[: num_reqs * hq * num_splits * d]
@@ -752,7 +753,7 @@ def oscar_decode(
         q_rot.stride(0), q_rot.stride(1), out.stride(0), out.stride(1), block_table.stride(0), cache.stride(0),
         win["stride_wp"], win["stride_page"],
         HKV=hkv, G=g, N=n_pad, D=d, SINK=sink, RECENT=recent, SPLIT=split, PREFETCH=prefetch,
-        RING_COST=ring_cost or decode_launch(num_reqs)[3], num_warps=1,
+        RING_COST=ring_cost or table_ring_cost, num_warps=1,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     if split:

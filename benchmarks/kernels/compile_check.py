@@ -81,10 +81,9 @@ def write_consts(args) -> dict:
 
 
 def gluon_decode_consts(args) -> dict:
+    _, _, prefetch, ring_cost = oscar_decode.decode_launch(8 if args.maxnreg else 1)
     return dict(HKV=8, G=args.g, N=8 if args.g <= 8 else 16, D=args.d, SINK=64, RECENT=256, SPLIT=True,
-                PREFETCH=args.prefetch if args.prefetch is not None
-                else oscar_decode.decode_launch(8 if args.maxnreg else 1)[2],
-                RING_COST=oscar_decode.decode_launch(8 if args.maxnreg else 1)[3])
+                PREFETCH=prefetch if args.prefetch is None else args.prefetch, RING_COST=ring_cost)
 
 
 def write_decode_consts(args) -> dict:

@@ -153,13 +153,14 @@ def sweep(args, bw: float, env: dict) -> None:
         rel = ((out - ref).abs().max() / ref.abs().max()).item()
         ok.append(var) if rel < 1e-2 else print(f"variant {var} wrong: rel err {rel:.2e}", flush=True)
     rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for n, ctx in itertools.product(args.batches, args.contexts):
         lens = [ctx] * n
         nbytes = int2_bytes_read(lens, hkv, d, SINK, RECENT)
         data = gluon_data(lens, hkv, hq, d, copies_for(nbytes))
         timed = {}
         for maxnreg, ctas, cap, prefetch, ring_cost in ok:
-            splits = od.decode_splits(n, hkv, torch.cuda.get_device_properties(0).multi_processor_count, ctas, cap)
+            splits = od.decode_splits(n, hkv, sms, ctas, cap)
             key = (maxnreg, prefetch, splits, ring_cost)
             if key not in timed:
                 calls, _ = gluon_calls(data, ctas, maxnreg, prefetch=prefetch, max_splits=cap, ring_cost=ring_cost)
