@@ -63,6 +63,11 @@ MIN_SPLIT_TILES = gl.constexpr(1)  # a split reads at least this many tiles (one
 # waves and 2 is best or within 3%. H200, Qwen3-8B shape: `benchmarks/kernels/oscar_decode.py
 # sweep` (results/kernels/prefetch/, results/kernels/ring/).
 DECODE_LAUNCH = {1: (None, 8, 4, 4), 8: (168, 16, 2, 4), 16: (168, 16, 2, 2)}
+# A fixed split count (the backend's decode_splits setting: replies that do not depend on the
+# batch) needs split boundaries that do not follow the batch size either: one ring weight for
+# every batch, the table's from 16 requests up. With the table's, a request's boundaries, hence
+# its merged sums, moved as its batch crossed 16 requests.
+FIXED_SPLITS_RING_COST = 2
 
 # PTX: a word of packed codes -> each byte's code of each quarter i (bits 2i, 2i+1) as an fp16
 # subnormal. Two byte permutes put bytes (0, 1) and (2, 3) into the low halves of 16-bit lanes,
@@ -662,6 +667,13 @@ def split_shares(n_blocks: int, active: int, ring_tiles: int, ring_cost: int) ->
 def decode_launch(num_reqs: int) -> tuple[int | None, int, int, int]:
     """``(maxnreg, ctas_per_sm, prefetch, ring_cost)`` for a decode batch of ``num_reqs`` requests."""
     return launch_bucket(DECODE_LAUNCH, num_reqs)
+
+
+def decode_ring_cost(num_reqs: int, fixed_splits: int = 0) -> int:
+    """INT2 blocks a ring tile counts as when a batch of ``num_reqs`` requests splits their keys:
+    ``DECODE_LAUNCH``'s, or ``FIXED_SPLITS_RING_COST`` for every batch when the split count is
+    fixed (``fixed_splits`` > 0)."""
+    return FIXED_SPLITS_RING_COST if fixed_splits else decode_launch(num_reqs)[3]
 
 
 def decode_splits(num_reqs: int, num_kv_heads: int, num_sms: int, ctas_per_sm: int | None = None,

@@ -44,8 +44,9 @@ def gluon_decode_variants(max_num_seqs: int, num_kv_heads: int, num_sms: int,
     that takes it}``."""
     variants: dict[tuple, int] = {}
     for n in range(1, max_num_seqs + 1):
-        maxnreg, _, prefetch, ring_cost = gluon_decode.decode_launch(n)
-        key = (maxnreg, prefetch, ring_cost, fixed_splits or gluon_decode.decode_splits(n, num_kv_heads, num_sms))
+        maxnreg, _, prefetch, _ = gluon_decode.decode_launch(n)
+        key = (maxnreg, prefetch, gluon_decode.decode_ring_cost(n, fixed_splits),
+               fixed_splits or gluon_decode.decode_splits(n, num_kv_heads, num_sms))
         variants.setdefault(key, n)
     return variants
 
@@ -123,13 +124,14 @@ def _warm_up_gluon_decode(cache, windows, window_pages, window_pos, rot_k, num_h
     oscar_write_decode(rows(1, hkv), rows(1, hkv), q, q.clone(), decode_rotation(rot_k), padding, seq_lens,
                        ring_slots, cache, windows, window_pages, window_pos, 0, 0, sink, recent, param_dtype)
     launches += 1
-    for (_, _, _, splits), n in gluon_decode_variants(max_num_seqs, hkv, num_sms, fixed_splits).items():
+    for (_, _, ring_cost, splits), n in gluon_decode_variants(max_num_seqs, hkv, num_sms, fixed_splits).items():
         q = rows(n, num_heads)
         part_out = torch.empty(n * num_heads * splits * d, dtype=torch.float32, device=dev)
         part_lse = torch.empty(n * num_heads * splits, dtype=torch.float32, device=dev)
         block_table, seq_lens, _, ring_slots = batch(n, 1)
         gluon_decode.oscar_decode(q.clone(), q, cache, windows, window_pages, window_pos, block_table, seq_lens,
-                                  ring_slots, n, 1.0, sink, recent, param_dtype, splits, part_out, part_lse)
+                                  ring_slots, n, 1.0, sink, recent, param_dtype, splits, part_out, part_lse,
+                                  ring_cost=ring_cost)
         launches += 1
     return launches
 

@@ -83,7 +83,8 @@ def decode(args, bw: float, env: dict) -> list[dict]:
                 calls, row["splits"] = gluon_calls(data)
                 row["oscar_ms"] = time_calls(calls)
                 if args.fixed_splits:
-                    calls, _ = gluon_calls(data, splits=args.fixed_splits)
+                    calls, _ = gluon_calls(data, splits=args.fixed_splits,
+                                           ring_cost=od.decode_ring_cost(n, args.fixed_splits))
                     row["oscar_fixed_ms"] = time_calls(calls)
                     row["fixed_vs_chosen"] = row["oscar_fixed_ms"] / row["oscar_ms"]
                 del calls, data

@@ -64,6 +64,7 @@ class OscarAttentionMetadata:
     num_reqs: int
     num_decodes: int  # the batch's first requests, one query token each (vLLM orders them so)
     decode_splits: int  # most programs a decode request's prefix is split over
+    decode_ring_cost: int  # INT2 blocks a ring tile counts as in that split (the Gluon kernel's partition)
     prefill_has_prefix: bool  # some prefill request has cached tokens (or may: an upper bound)
     prefill_kv_rows: int  # sum of the prefill requests' lengths (-1: unknown)
     prefill_max_seq: int  # longest prefill request (upper bound)
@@ -187,6 +188,7 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
             num_reqs=m.num_reqs,
             num_decodes=num_decodes,
             decode_splits=self.decode_splits(num_decodes),
+            decode_ring_cost=gluon_decode.decode_ring_cost(num_decodes, self.fixed_splits),
             prefill_has_prefix=prefill_has_prefix,
             prefill_kv_rows=int(prefill_seq.sum()) if known else -1,
             prefill_max_seq=int(prefill_seq.max()) if known else 0,
@@ -461,7 +463,8 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
                                self.clip_idx_k, self.clip_idx_v, self.sink, self.recent, self.param_dtype)
             oscar_decode(out[:nd], q_rot[:nd], kv_cache, windows, md.window_pages, self.window_pos, md.block_table,
                          md.seq_lens, md.ring_slots, nd, self.scale, self.sink, self.recent, self.param_dtype,
-                         md.decode_splits, md.part_out, md.part_lse, logit_correction=self.logit_correction)
+                         md.decode_splits, md.part_out, md.part_lse, logit_correction=self.logit_correction,
+                         ring_cost=md.decode_ring_cost)
         if nd < num_reqs:
             q_rot[nd:] = self.rotate(q[nd:])
             if self.decode_read:

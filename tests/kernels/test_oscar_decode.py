@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 
-from csrc_triton.oscar_decode import MAX_DECODE_SPLITS, decode_splits, split_shares, supports
+from csrc_triton.oscar_decode import (
+    DECODE_LAUNCH, MAX_DECODE_SPLITS, decode_launch, decode_ring_cost, decode_splits, split_shares, supports,
+)
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
 from oscar_vllm.core.quant import clip_index
 from oscar_vllm.reference.oscar_attention import oscar_attention_reference
@@ -102,13 +104,15 @@ def test_decode_kernel_weighs_ring_tiles_and_matches_reference(case, splits, rin
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
 def test_fixed_splits_decode_a_request_alike_in_any_batch():
     """decode_splits fixed: a request's split boundaries and merge follow its own length, so its
-    output is bit for bit the same alone as in a batch of ten; another split count (what a count
-    chosen per batch size gives) changes the last bits, which the comparison sees."""
+    output is bit for bit the same alone as in a batch of twenty (across the launch table's
+    buckets, whose ring weights differ: the backend passes ``decode_ring_cost``); another split
+    count or ring weight changes the last bits, which the comparison sees."""
     from csrc_triton.oscar_decode import oscar_decode
     from csrc_triton.oscar_write import oscar_write
 
-    case = GPU_CASES[0]
-    d, hkv, g, sink, recent, prefix = case
+    d, hkv, g, sink, recent, prefix = GPU_CASES[0]
+    prefix = prefix * 2
+    case = (d, hkv, g, sink, recent, prefix)
 
     def write(k, v, rot, step, pc):
         oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(prefix), pc.cache,
@@ -118,7 +122,7 @@ def test_fixed_splits_decode_a_request_alike_in_any_batch():
     pc, step, q, q_rot = decode_step(case, torch.bfloat16, write)
     hq, scale = hkv * g, 1 / math.sqrt(d)
 
-    def decode(rows: slice, splits: int) -> torch.Tensor:
+    def decode(rows: slice, splits: int, ring_cost: int | None = None) -> torch.Tensor:
         n = len(range(*rows.indices(len(prefix))))
         out = torch.full_like(q[rows], float("nan"))
         part_out = torch.full((n * hq * splits * d,), float("nan"), device=q.device)
@@ -126,14 +130,16 @@ def test_fixed_splits_decode_a_request_alike_in_any_batch():
         oscar_decode(out, q_rot[rows].contiguous(), pc.cache, pc.windows, pc.window_pages, pc.window_pos,
                      step.block_table[rows].contiguous(), step.seq_lens[rows].contiguous(),
                      step.ring_slots[rows].contiguous(), n, scale, sink, recent, num_splits=splits, part_out=part_out,
-                     part_lse=part_lse)
+                     part_lse=part_lse, ring_cost=ring_cost or decode_ring_cost(n, splits))
         return out
 
+    assert decode_launch(1)[3] != decode_launch(len(prefix))[3]
     for splits in (4, 16):
         batch = decode(slice(None), splits)
-        for r in (0, 3, 9):
+        for r in (0, 3, 9, 13):
             assert torch.equal(decode(slice(r, r + 1), splits)[0], batch[r]), (splits, r)
     assert not torch.equal(decode(slice(0, 1), 1)[0], decode(slice(None), 4)[0])
+    assert not torch.equal(decode(slice(0, 1), 16, decode_launch(1)[3])[0], decode(slice(None), 16)[0])
 
 
 @pytest.mark.parametrize("lam", [0.0, 1.0], ids=lambda x: f"lambda{x:g}")
@@ -279,6 +285,20 @@ def test_split_shares_at_ring_cost_one_are_the_even_division_of_tiles():
         got = [list(range(t_lo, t_hi)) + [5 + b for b in range(b_lo, b_hi)]
                for t_lo, t_hi, b_lo, b_hi in split_shares(n_blocks, active, 5, 1)]
         assert got == even
+
+
+def test_a_fixed_split_count_splits_a_request_alike_in_every_batch():
+    """decode_splits fixed (batch-invariant replies): a request's split boundaries, hence the order
+    its partial sums merge in, are the same whatever the batch size; the launch table's ring
+    weights alone would move them where the batch crosses a bucket."""
+    costs = {decode_launch(n)[3] for n in range(1, 513)}
+    assert len(costs) > 1 and {decode_ring_cost(n) for n in range(1, 513)} == costs
+    assert {decode_ring_cost(n, fixed_splits=16) for n in range(1, 513)} == {decode_ring_cost(512, 16)}
+    for n_blocks in (11, 100, 512, 2047):
+        active = min(16, 5 + n_blocks)
+        assert len({tuple(split_shares(n_blocks, active, 5, decode_ring_cost(n, 16))) for n in DECODE_LAUNCH}) == 1
+        if n_blocks >= 100:  # from 6,400 tokens on, 16 splits of 5 ring tiles and these blocks
+            assert len({tuple(split_shares(n_blocks, active, 5, c)) for c in costs}) > 1
 
 
 def test_split_shares_keep_the_ring_off_the_critical_path():

@@ -12,6 +12,7 @@ from csrc_triton.oscar_attention import (
     decode_splits,
     oscar_attention,
 )
+from csrc_triton.oscar_decode import DECODE_LAUNCH as GLUON_DECODE_LAUNCH, FIXED_SPLITS_RING_COST
 from csrc_triton.oscar_dense_kv import _oscar_dense_kv_kernel, oscar_dense_kv
 from csrc_triton.oscar_write import WRITE_LAUNCH, _oscar_write_kernel, oscar_write
 from csrc_triton.paged_layout import launch_bucket
@@ -39,6 +40,15 @@ def test_fixed_splits_are_the_only_split_count_warmed_up():
     assert {key[:2] for key in fixed} == {key[:2] for key in decode_variants(256, 8, 132)}
     assert {splits for *_, splits in gluon_decode_variants(256, 8, 132, fixed_splits=16)} == {16}
     assert len({splits for *_, splits in gluon_decode_variants(256, 8, 132)}) > 1
+
+
+def test_fixed_splits_warm_up_the_one_ring_weight_they_launch():
+    """The Gluon kernel's ring weight is a compile-time constant: with decode_splits fixed every
+    batch takes FIXED_SPLITS_RING_COST, so that is the only weight warmed up; else the table's."""
+    fixed = gluon_decode_variants(256, 8, 132, fixed_splits=16)
+    assert {ring_cost for _, _, ring_cost, _ in fixed} == {FIXED_SPLITS_RING_COST}
+    chosen = gluon_decode_variants(256, 8, 132)
+    assert {ring_cost for _, _, ring_cost, _ in chosen} == {launch[3] for launch in GLUON_DECODE_LAUNCH.values()}
 
 
 def _layer(d=64, hkv=2, g=2, sink=4, recent=8, dtype=torch.float32):
