@@ -17,6 +17,7 @@ and rank when it cannot (``rotation_source.rotations_in_process``).
 """
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import contextmanager
 from dataclasses import fields
@@ -27,6 +28,8 @@ import torch
 from oscar_vllm.core.errors import OscarError
 from oscar_vllm.core.settings import ADDITIONAL_CONFIG_KEY, HADAMARD, OscarSettings
 from oscar_vllm.serving.vllm_hooks import SUPPORTED_MODEL_TYPES, engine_uses_oscar
+
+logger = logging.getLogger("vllm.oscar_vllm")
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # what the kernels are built for (the backend's supported sizes)
 WINDOW_BLOCK_TOKENS = 64  # csrc_triton.paged_layout.BLOCK_SIZE: tokens of one INT2 page
@@ -170,6 +173,20 @@ def check_engine_config(vllm_config, rotations: bool = True) -> OscarSettings | 
     return settings
 
 
+def warn_prefix_caching_under_batch_invariance(vllm_config, settings: OscarSettings) -> None:
+    """VLLM_BATCH_INVARIANT=1 with prefix caching: say that a prefix-cache hit still changes a
+    reply. The tokens after a hit find no BF16 ring for the tokens just before it and read those
+    in 2 bits, where the same prompt uncached reads them in BF16; which request caches a shared
+    prompt first is up to the schedule."""
+    from vllm import envs
+
+    if envs.VLLM_BATCH_INVARIANT and vllm_config.cache_config.enable_prefix_caching:
+        logger.warning("OSCAR with VLLM_BATCH_INVARIANT=1 and prefix caching: the tokens after a prefix-cache hit "
+                       "read the up to %d tokens just before it in 2 bits, uncached in BF16, so a reply can still "
+                       "depend on which request cached its prompt first; --no-enable-prefix-caching removes this",
+                       settings.recent_size)
+
+
 @contextmanager
 def torch_single_threaded():
     """Run torch's CPU ops on this thread only, leaving no OpenMP thread pool behind.
@@ -219,6 +236,7 @@ def install_startup_check(engine_args_cls) -> None:
         settings = check_engine_config(vllm_config)
         if settings is not None:
             pin_settings(vllm_config, settings)
+            warn_prefix_caching_under_batch_invariance(vllm_config, settings)
         return vllm_config
 
     create_engine_config.__wrapped__ = original

@@ -451,6 +451,24 @@ def test_refuses_batch_invariance_without_the_settings_that_give_it(engine_args,
         assert not OscarAttentionBackend.supports_batch_invariance()
 
 
+def test_batch_invariance_with_prefix_caching_warns_that_hits_still_change_replies(engine_args, models, monkeypatch):
+    """Accepted (prefix caching is vLLM's default), but a prefix-cache hit changes what the tokens
+    after it read, so the start says so and names the flag that removes it."""
+    from oscar_vllm.serving import preflight
+
+    said = []
+    monkeypatch.setattr(preflight.logger, "warning", lambda msg, *args: said.append(msg % args))
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    invariant = {"rotation_path": "hadamard", "prefill_read": "decode", "decode_splits": 16}
+    build(engine_args, models / "qwen3", invariant, dtype="bfloat16")
+    assert len(said) == 1 and "the up to 256 tokens just before it in 2 bits" in said[0]
+    assert "--no-enable-prefix-caching" in said[0]
+    build(engine_args, models / "qwen3", invariant, dtype="bfloat16", enable_prefix_caching=False)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT")
+    build(engine_args, models / "qwen3", invariant, dtype="bfloat16")
+    assert len(said) == 1
+
+
 def test_refuses_the_decode_read_for_a_float32_model(engine_args, models):
     refused(engine_args, models / "qwen3", r"prefill_read 'decode' with a float32 model: it runs on FlashAttention",
             oscar={"rotation_path": "hadamard", "prefill_read": "decode"}, dtype="float32")
