@@ -83,7 +83,8 @@ def write_consts(args) -> dict:
 def gluon_decode_consts(args) -> dict:
     _, _, prefetch, ring_cost = oscar_decode.decode_launch(8 if args.maxnreg else 1)
     return dict(HKV=8, G=args.g, N=8 if args.g <= 8 else 16, D=args.d, SINK=64, RECENT=256, SPLIT=True,
-                PREFETCH=prefetch if args.prefetch is None else args.prefetch, RING_COST=ring_cost)
+                PREFETCH=prefetch if args.prefetch is None else args.prefetch,
+                RING_COST=ring_cost if args.ring_cost is None else args.ring_cost)
 
 
 def write_decode_consts(args) -> dict:
@@ -135,6 +136,8 @@ def main() -> None:
     p.add_argument("--maxnreg", type=int, help="registers a thread may use (gluon_decode: as DECODE_LAUNCH has it)")
     p.add_argument("--prefetch", type=int,
                    help="gluon_decode: INT2 blocks prefetched into L2 ahead (default: DECODE_LAUNCH's for the cap)")
+    p.add_argument("--ring-cost", type=int,
+                   help="gluon_decode: INT2 blocks a ring tile counts as in the split partition (default: DECODE_LAUNCH's)")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--dump", help="write the SASS here")
     args = p.parse_args()
