@@ -65,9 +65,9 @@ MIN_SPLIT_TILES = gl.constexpr(1)  # a split reads at least this many tiles (one
 DECODE_LAUNCH = {1: (None, 8, 4, 4), 8: (168, 16, 2, 4), 16: (168, 16, 2, 2)}
 # A fixed split count (the backend's decode_splits setting: replies that do not depend on the
 # batch) needs split boundaries that do not follow the batch size either: one ring weight for
-# every batch, the table's from 16 requests up. With the table's, a request's boundaries, hence
-# its merged sums, moved as its batch crossed 16 requests.
-FIXED_SPLITS_RING_COST = 2
+# every batch, the table's largest bucket's. With the table's per batch, a request's boundaries,
+# hence its merged sums, moved as its batch crossed 16 requests.
+FIXED_SPLITS_RING_COST = DECODE_LAUNCH[max(DECODE_LAUNCH)][3]
 
 # PTX: a word of packed codes -> each byte's code of each quarter i (bits 2i, 2i+1) as an fp16
 # subnormal. Two byte permutes put bytes (0, 1) and (2, 3) into the low halves of 16-bit lanes,
