@@ -561,9 +561,13 @@ def _oscar_decode_kernel(
             part = ((r * HQ + h * G + n) * num_splits + split).to(gl.int64)
             gl.store(part_lse_ptr + part, gl.full([N], float("-inf"), gl.float32, layout=COLS), mask=n < G)
             return
+        # Both ranges here, before the query operands are live: computed after the ring loop
+        # they cost the INT2 loop two more reloads (compile_check).
         t_lo, t_hi = _split_tiles(split, active, n_blocks, RING_TILES, RING_COST)
+        b_lo, b_hi = _split_blocks(split, active, n_blocks, RING_TILES, RING_COST)
     else:
         t_lo, t_hi = 0, RING_TILES
+        b_lo, b_hi = 0, n_blocks
     ring = gl.load(ring_slot_ptr + r).to(gl.int64)
     bt_ptr = block_table_ptr + r.to(gl.int64) * stride_bt
     q_base = q_rot_ptr + r.to(gl.int64) * stride_qt + (h * G) * stride_qh
@@ -593,10 +597,6 @@ def _oscar_decode_kernel(
     o2 = o2 * UNIT_2
     o3 = o3 * UNIT_3
 
-    if SPLIT:
-        b_lo, b_hi = _split_blocks(split, active, n_blocks, RING_TILES, RING_COST)
-    else:
-        b_lo, b_hi = 0, n_blocks
     # Blocks [0, SINK_BLOCKS) meet the sink, blocks from recent_start the recent window or
     # seq_len; the ones between are INT2 for every key and take the loop without masks.
     window_start = gl.maximum(last - RECENT + 1, 0)
