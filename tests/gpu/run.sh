@@ -60,8 +60,14 @@ zoo=${OSCAR_ROTATIONZOO_DIR:-../shared/data/rotationzoo}/Qwen3-8B-LongBench
 smol_rot=${OSCAR_SMOLLM2_ROTATIONS:-results/smollm2_rotations}
 e2e="timeout 420 python3 tests/gpu/e2e_vllm.py"
 status=0
-# Kernel tests compile many variants: spread them over processes when pytest-xdist is there.
-xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8")
+# Kernel tests are bound by compiling their many variants on the CPU (over half an hour of one
+# core on the H200 machine, 2026-12-03): spread them over all cores but two with pytest-xdist. A machine
+# without it and without network installs it from OSCAR_WHEELS (a folder from
+# `pip download pytest-xdist -d DIR`), if given.
+if ! python3 -c 'import xdist' 2>/dev/null && [ -d "${OSCAR_WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --find-links "$OSCAR_WHEELS" pytest-xdist
+fi
+xdist=$(python3 -c 'import xdist' 2>/dev/null && echo "-n $(( $(nproc) > 4 ? $(nproc) - 2 : 2 ))")
 for stage in $stages; do
   case $stage in
     tests)
