@@ -13,6 +13,10 @@ launches here, at λ = 0, compile what serving runs at any λ.
 Nothing here writes to the cache or the windows: the attention kernels only read them, and
 the write kernel is given padding slots (``-1``), which it skips.
 """
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from csrc_triton.oscar_attention import (
@@ -70,6 +74,7 @@ def warm_up_kernels(
     gluon: bool = False,
     decode_read: bool = False,
     fixed_splits: int = 0,
+    threads: int = 1,
 ) -> int:
     """Launch each kernel variant once on one-block scratch inputs; returns the launches.
 
@@ -80,6 +85,7 @@ def warm_up_kernels(
     ``decode_read``: prefills read as decode does (the dense fills of ``oscar_decode_read_prefill``);
     ``fixed_splits`` > 0: every decode batch splits its requests that many ways (``decode_splits``).
     ``max_num_seqs`` and ``max_num_tokens`` bound the batches (requests, tokens per step).
+    ``threads`` > 1: launch (so compile) that many variants at a time (``launch_all``).
     """
     dev = cache.device
     hkv, d = cache.shape[1], rot_k.shape[-1]
@@ -95,79 +101,87 @@ def warm_up_kernels(
         cu_q = torch.arange(0, n * q_len + 1, q_len, **i32)
         return block_table, seq_lens, cu_q, torch.zeros(n, **i32)
 
-    launches = 0
-    if gluon:
-        return launches + _warm_up_gluon_decode(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype,
-                                                sink, recent, param_dtype, max_num_seqs, num_sms, rows, batch,
-                                                fixed_splits) \
-            + _warm_up_prefill(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype, sink, recent,
-                               param_dtype, max_num_tokens, merge_self, dense, rows, batch, decode_read)
-    for (*_, splits), n in decode_variants(max_num_seqs, hkv, num_sms, fixed_splits).items():
-        q = rows(n, num_heads)
-        part_out = torch.empty(n * num_heads * splits * d, dtype=torch.float32, device=dev)
-        part_lse = torch.empty(n * num_heads * splits, dtype=torch.float32, device=dev)
-        oscar_decode_attention(q.clone(), q, q, rows(n, hkv), rows(n, hkv), cache, windows, window_pages,
-                               window_pos, *batch(n, 1), n, 1.0, sink, recent, param_dtype, splits, part_out, part_lse)
-        launches += 1
-    return launches + _warm_up_prefill(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype, sink, recent,
-                                       param_dtype, max_num_tokens, merge_self, dense, rows, batch, decode_read)
+    def split_parts(n: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.empty(n * num_heads * splits * d, dtype=torch.float32, device=dev),
+                torch.empty(n * num_heads * splits, dtype=torch.float32, device=dev))
 
+    def decode_write() -> None:  # padding slots: it writes nothing
+        padding = torch.full((1,), -1, dtype=torch.int64, device=dev)
+        _, seq_lens, _, ring_slots = batch(1, 1)
+        q = rows(1, num_heads)
+        oscar_write_decode(rows(1, hkv), rows(1, hkv), q, q.clone(), decode_rotation(rot_k), padding, seq_lens,
+                           ring_slots, cache, windows, window_pages, window_pos, 0, 0, sink, recent, param_dtype)
 
-def _warm_up_gluon_decode(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype, sink, recent, param_dtype,
-                          max_num_seqs, num_sms, rows, batch, fixed_splits) -> int:
-    """The decode write (padding slots: it writes nothing) and every ``oscar_decode`` launch."""
-    dev, hkv, d = cache.device, cache.shape[1], rot_k.shape[-1]
-    launches = 0
-    padding = torch.full((1,), -1, dtype=torch.int64, device=dev)
-    _, seq_lens, _, ring_slots = batch(1, 1)
-    q = rows(1, num_heads)
-    oscar_write_decode(rows(1, hkv), rows(1, hkv), q, q.clone(), decode_rotation(rot_k), padding, seq_lens,
-                       ring_slots, cache, windows, window_pages, window_pos, 0, 0, sink, recent, param_dtype)
-    launches += 1
-    for (_, _, ring_cost, splits), n in gluon_decode_variants(max_num_seqs, hkv, num_sms, fixed_splits).items():
+    def gluon_decode_attention(n: int, splits: int, ring_cost: int) -> None:
         q = rows(n, num_heads)
-        part_out = torch.empty(n * num_heads * splits * d, dtype=torch.float32, device=dev)
-        part_lse = torch.empty(n * num_heads * splits, dtype=torch.float32, device=dev)
         block_table, seq_lens, _, ring_slots = batch(n, 1)
         gluon_decode.oscar_decode(q.clone(), q, cache, windows, window_pages, window_pos, block_table, seq_lens,
-                                  ring_slots, n, 1.0, sink, recent, param_dtype, splits, part_out, part_lse,
+                                  ring_slots, n, 1.0, sink, recent, param_dtype, splits, *split_parts(n, splits),
                                   ring_cost=ring_cost)
-        launches += 1
-    return launches
 
+    def triton_decode_attention(n: int, splits: int) -> None:
+        q = rows(n, num_heads)
+        oscar_decode_attention(q.clone(), q, q, rows(n, hkv), rows(n, hkv), cache, windows, window_pages,
+                               window_pos, *batch(n, 1), n, 1.0, sink, recent, param_dtype, splits,
+                               *split_parts(n, splits))
 
-def _warm_up_prefill(cache, windows, window_pages, window_pos, rot_k, num_heads, dtype, sink, recent, param_dtype,
-                     max_num_tokens, merge_self, dense, rows, batch, decode_read) -> int:
-    """The prefill kernels and every write launch."""
-    dev, hkv = cache.device, cache.shape[1]
-    i32 = dict(dtype=torch.int32, device=dev)
-    launches = 0
     q_len = 2
-    q = rows(q_len, num_heads)
-    block_table, seq_lens, cu_q, ring_slots = batch(1, q_len)
-    self_lse = torch.zeros(num_heads, q_len, dtype=torch.float32, device=dev) if merge_self else None
-    oscar_prefill_attention(q.clone(), q, q, rows(q_len, hkv), rows(q_len, hkv), cache, windows, window_pages,
-                            window_pos, block_table, seq_lens, cu_q, ring_slots, 1, 1.0, sink, recent, param_dtype,
-                            self_lse=self_lse)
-    launches += 1
-    if dense:
+
+    def prefill_attention() -> None:
+        q = rows(q_len, num_heads)
+        self_lse = torch.zeros(num_heads, q_len, dtype=torch.float32, device=dev) if merge_self else None
+        oscar_prefill_attention(q.clone(), q, q, rows(q_len, hkv), rows(q_len, hkv), cache, windows, window_pages,
+                                window_pos, *batch(1, q_len), 1, 1.0, sink, recent, param_dtype, self_lse=self_lse)
+
+    def dense_fill(**kw) -> None:
+        block_table, seq_lens, cu_q, ring_slots = batch(1, q_len)
         cu_k = torch.tensor([0, q_len + 1], **i32)
         oscar_dense_kv(rows(q_len + 1, hkv), rows(q_len + 1, hkv), rows(q_len, hkv), rows(q_len, hkv), cache,
                        windows, window_pages, window_pos, block_table, seq_lens, cu_q, cu_k, ring_slots, 1, q_len + 1,
-                       sink, recent, param_dtype)
-        launches += 1
-    if decode_read:  # its window's rows, and the INT2 rows after the write
-        cu_k = torch.tensor([0, q_len + 1], **i32)
-        for kw in (dict(first_pos=torch.zeros(1, **i32)), dict(drop_last=recent, ring_recent=False)):
-            oscar_dense_kv(rows(q_len + 1, hkv), rows(q_len + 1, hkv), rows(q_len, hkv), rows(q_len, hkv), cache,
-                           windows, window_pages, window_pos, block_table, seq_lens, cu_q, cu_k, ring_slots, 1,
-                           q_len + 1, sink, recent, param_dtype, **kw)
-            launches += 1
+                       sink, recent, param_dtype, **kw)
 
-    for t in sorted(k for k in WRITE_LAUNCH if k <= max(1, max_num_tokens)):
+    def prefill_write(t: int) -> None:  # padding slots: it writes nothing
         padding = torch.full((t,), -1, dtype=torch.int64, device=dev)
         _, seq_lens, cu_q, ring_slots = batch(t, 1)
         oscar_write(rows(t, hkv), rows(t, hkv), rot_k, padding, cu_q, seq_lens, ring_slots, t, cache, windows,
                     window_pages, window_pos, 0, 0, sink, recent, param_dtype, t)
-        launches += 1
-    return launches
+
+    launches: list[Callable[[], None]] = []
+    if gluon:
+        launches.append(decode_write)
+        launches += [functools.partial(gluon_decode_attention, n, splits, ring_cost) for (_, _, ring_cost, splits), n
+                     in gluon_decode_variants(max_num_seqs, hkv, num_sms, fixed_splits).items()]
+    else:
+        launches += [functools.partial(triton_decode_attention, n, splits)
+                     for (*_, splits), n in decode_variants(max_num_seqs, hkv, num_sms, fixed_splits).items()]
+    launches.append(prefill_attention)
+    if dense:
+        launches.append(dense_fill)
+    if decode_read:  # its window's rows, and the INT2 rows after the write
+        launches += [functools.partial(dense_fill, first_pos=torch.zeros(1, **i32)),
+                     functools.partial(dense_fill, drop_last=recent, ring_recent=False)]
+    launches += [functools.partial(prefill_write, t)
+                 for t in sorted(k for k in WRITE_LAUNCH if k <= max(1, max_num_tokens))]
+    launch_all(launches, threads if cache.is_cuda else 1)
+    return len(launches)
+
+
+def launch_all(launches: list[Callable[[], None]], threads: int) -> None:
+    """Run ``launches``, ``threads`` at a time where > 1. Triton compiles a variant mostly outside
+    the GIL (its compiler passes, ptxas), so a start's variants compile side by side. Every
+    thread launches on the caller's device and stream: the scratch inputs are then allocated,
+    used and freed in one stream's order, as with one thread. (Triton's interpreter is not
+    thread-safe: tensors on the CPU take one thread.)"""
+    if threads <= 1 or len(launches) < 2:
+        for launch in launches:
+            launch()
+        return
+    device, stream = torch.cuda.current_device(), torch.cuda.current_stream()
+
+    def on_callers_stream(launch: Callable[[], None]) -> None:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            launch()
+
+    with ThreadPoolExecutor(min(threads, len(launches)), thread_name_prefix="oscar-warm-up") as pool:
+        for done in [pool.submit(on_callers_stream, launch) for launch in launches]:
+            done.result()

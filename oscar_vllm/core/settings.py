@@ -31,7 +31,7 @@ HOW_TO_GET_ROTATIONS = (
 
 
 FLOATS = ("logit_correction",)  # float settings besides the clip ratios
-INTS = ("decode_splits",)  # int settings besides the *_size ones
+INTS = ("decode_splits", "warm_up_threads")  # int settings besides the *_size ones
 
 
 class OscarSettingsError(OscarError, ValueError):
@@ -56,6 +56,10 @@ class OscarSettings:
     # runs in; a power of two fixes it for every batch (replies independent of the batch, with
     # prefill_read "decode"; docs/backend.md).
     decode_splits: int = 0
+    # Threads that compile the kernels' serving variants at startup (csrc_triton.warm_up.launch_all).
+    # 1 until a GPU run has checked more (results/kernels/warm_up_compile: the decode kernel's
+    # compiles for sm_90 took 0.67x the time in two threads on two CPU cores).
+    warm_up_threads: int = 1
 
     def __post_init__(self) -> None:
         if self.sink_size < 0:
@@ -73,6 +77,8 @@ class OscarSettings:
         if self.decode_splits < 0 or self.decode_splits & (self.decode_splits - 1):
             raise OscarSettingsError(f"decode_splits must be 0 (chosen per batch) or a power of two, "
                                      f"got {self.decode_splits}")
+        if self.warm_up_threads < 1:
+            raise OscarSettingsError(f"warm_up_threads must be >= 1, got {self.warm_up_threads}")
         if not (math.isfinite(self.logit_correction) and self.logit_correction >= 0):
             raise OscarSettingsError(f"logit_correction must be a finite number >= 0 (0 turns it off), "
                                      f"got {self.logit_correction}")

@@ -397,6 +397,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
             sched.max_num_batched_tokens, torch.cuda.get_device_properties(kv_cache.device).multi_processor_count,
             merge_self=self.own_keys_attention is not None, dense=self.dense_kv is not None, gluon=self.gluon_decode,
             decode_read=self.decode_read, fixed_splits=self.settings.decode_splits,
+            threads=self.settings.warm_up_threads,
         )
 
     def dense_prefill(self, md: OscarAttentionMetadata, k: torch.Tensor) -> DensePrefill | None:

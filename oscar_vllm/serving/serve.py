@@ -38,6 +38,8 @@ FLAGS = {
                               "programs each decode request's keys are split over: 0 chooses per batch, a "
                               "power of two fixes it, so a request's decode does not depend on its batch "
                               "(default: 0)"),
+    "--oscar-warm-up-threads": ("warm_up_threads", int, "N",
+                                "threads compiling the kernels' variants at startup (default: 1)"),
 }
 HELP_FLAGS = ("-h", "--help")
 USAGE = (f"oscar-vllm serve MODEL {' '.join(f'[{flag} {metavar}]' for flag, (_, _, metavar, _) in FLAGS.items())} "

@@ -20,6 +20,13 @@ def test_prefill_read_from_either_source():
                                       environ={"OSCAR_PREFILL_READ": "decode"}).prefill_read == "chunk"
 
 
+def test_warm_up_threads_from_either_source():
+    assert OscarSettings.from_sources({}, environ={}).warm_up_threads == 1
+    assert OscarSettings.from_sources({}, environ={"OSCAR_WARM_UP_THREADS": "8"}).warm_up_threads == 8
+    assert OscarSettings.from_sources({"oscar": {"warm_up_threads": 4}},
+                                      environ={"OSCAR_WARM_UP_THREADS": "8"}).warm_up_threads == 4
+
+
 def test_decode_splits_from_either_source_and_what_makes_reads_batch_invariant():
     env = {"OSCAR_DECODE_SPLITS": "16", "OSCAR_PREFILL_READ": "decode"}
     s = OscarSettings.from_sources({}, environ=env)
@@ -58,6 +65,7 @@ def test_additional_config_wins_over_environment():
     ({"decode_splits": 12}, r"decode_splits must be 0 \(chosen per batch\) or a power of two, got 12"),
     ({"decode_splits": -4}, "decode_splits must be 0 .*got -4"),
     ({"decode_splits": "sixteen"}, "decode_splits must be int, got 'sixteen'"),
+    ({"warm_up_threads": 0}, "warm_up_threads must be >= 1, got 0"),
 ])
 def test_bad_settings_are_named(given, message):
     with pytest.raises(OscarSettingsError, match=message):

@@ -12,11 +12,12 @@ from csrc_triton.oscar_attention import (
     decode_splits,
     oscar_attention,
 )
+from csrc_triton import oscar_decode as gluon_decode
 from csrc_triton.oscar_decode import DECODE_LAUNCH as GLUON_DECODE_LAUNCH, FIXED_SPLITS_RING_COST
 from csrc_triton.oscar_dense_kv import _oscar_dense_kv_kernel, oscar_dense_kv
-from csrc_triton.oscar_write import WRITE_LAUNCH, _oscar_write_kernel, oscar_write
+from csrc_triton.oscar_write import WRITE_LAUNCH, _oscar_write_decode_kernel, _oscar_write_kernel, oscar_write
 from csrc_triton.paged_layout import launch_bucket
-from csrc_triton.warm_up import decode_variants, gluon_decode_variants, warm_up_kernels
+from csrc_triton.warm_up import decode_variants, gluon_decode_variants, launch_all, warm_up_kernels
 from kernel_cases import CLIP_K, CLIP_V, DEVICE, ON_GPU, dense_twin, prepare, random_rotation, random_rows
 from oscar_vllm.core.quant import clip_index
 
@@ -133,3 +134,43 @@ def test_serving_after_warm_up_compiles_nothing(dtype):
                     torch.float16, num_decodes)
     torch.cuda.synchronize()
     assert _compiled() == compiled, f"compiled while serving: {compiled} -> {_compiled()} ({WRITE_LAUNCH=})"
+
+
+def test_launch_all_runs_every_launch_once_in_order_on_one_thread():
+    ran = []
+    launch_all([lambda i=i: ran.append(i) for i in range(5)], threads=1)
+    assert ran == list(range(5))
+    with pytest.raises(ZeroDivisionError):
+        launch_all([lambda: 1 / 0], threads=1)
+
+
+WARMED_UP = KERNELS + (gluon_decode._oscar_decode_kernel, gluon_decode._merge_splits_kernel,
+                       _oscar_write_decode_kernel)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled-kernel caches exist on a GPU only")
+@pytest.mark.parametrize("gluon", [True, False])
+def test_warm_up_in_threads_compiles_what_one_thread_does(gluon, tmp_path, monkeypatch):
+    """Each run compiles from an empty Triton cache (on disk and in memory), so the threads
+    compile side by side; they must leave every kernel with the same variants, the cache as it was."""
+    d, hkv, g, sink, recent = 128, 8, 4, 64, 256
+    pc, _, _, _, _, _ = prepare(d, hkv, g, sink, recent, [700, 3], [1, 1], torch.bfloat16)
+    rot = random_rotation(d).to(DEVICE)
+    before = [t.clone() for t in (pc.cache, pc.windows, pc.window_pages, pc.window_pos)]
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    compiled = {}
+    for threads in (1, 6):
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / f"threads{threads}"))
+        for kernel in WARMED_UP:
+            kernel.device_caches.clear()
+        n = warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, hkv * g, torch.bfloat16, sink,
+                            recent, torch.float16, 256, 8192, num_sms, merge_self=True, dense=True, gluon=gluon,
+                            decode_read=True, threads=threads)
+        torch.cuda.synchronize()
+        dev = torch.cuda.current_device()
+        compiled[threads] = (n, {k.fn.__qualname__ + k.fn.__module__: sorted(k.device_caches[dev][0])
+                                 for k in WARMED_UP})
+    assert compiled[6] == compiled[1]
+    assert sum(map(len, compiled[6][1].values())) >= compiled[6][0] // 2  # the launches did compile
+    for b, a in zip(before, (pc.cache, pc.windows, pc.window_pages, pc.window_pos)):
+        assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))

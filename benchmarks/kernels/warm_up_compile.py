@@ -1,0 +1,78 @@
+"""How long a server start spends compiling the Gluon decode kernel's serving variants for
+Hopper (sm_90), in one thread and in several (``warm_up_threads``), each run from an empty
+Triton cache. No GPU needed: this is the compiler's share of the warm-up, which threads can
+shorten only as far as Triton compiles outside the GIL.
+
+    python benchmarks/kernels/warm_up_compile.py --threads 1 2 --out results/kernels/warm_up_compile
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import triton
+
+from compile_check import compile_kernel
+from csrc_triton import oscar_decode
+from csrc_triton.warm_up import gluon_decode_variants
+
+
+def decode_variants(max_num_seqs: int, num_sms: int) -> list[tuple[int | None, dict]]:
+    """The distinct compiles among a Qwen3-8B-shaped server's decode launches: ``(maxnreg, consts)``."""
+    compiles = {}
+    for maxnreg, prefetch, ring_cost, splits in gluon_decode_variants(max_num_seqs, 8, num_sms):
+        consts = dict(HKV=8, G=4, N=8, D=128, SINK=64, RECENT=256, SPLIT=splits > 1, PREFETCH=prefetch,
+                      RING_COST=ring_cost)
+        compiles.setdefault((maxnreg, *consts.values()), (maxnreg, consts))
+    return list(compiles.values())
+
+
+def compile_all(variants: list[tuple[int | None, dict]], threads: int) -> float:
+    """Seconds to compile ``variants`` ``threads`` at a time into a new, empty Triton cache."""
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"oscar-warm-up-{threads}-")
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda v: compile_kernel(oscar_decode._oscar_decode_kernel, v[1], 1, 1, v[0]), variants))
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--max-num-seqs", type=int, default=1024, help="vLLM's max_num_seqs (its default: 1024)")
+    p.add_argument("--num-sms", type=int, default=132, help="the GPU's SMs (H200: 132)")
+    p.add_argument("--out", type=Path, help="folder for warm_up_compile.json and .md")
+    args = p.parse_args()
+    variants = decode_variants(args.max_num_seqs, args.num_sms)
+    rows = [{"threads": t, "variants": len(variants), "seconds": round(compile_all(variants, t), 2)}
+            for t in args.threads]
+    meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores (compiling for sm_90)",
+            "command": shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+            "versions": f"torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}"}
+    print(json.dumps(meta))
+    for row in rows:
+        print(json.dumps(row))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "warm_up_compile.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+        lines = [f"# Compiling the Gluon decode kernel's serving variants in threads\n",
+                 *[f"- {k}: {v}" for k, v in meta.items()], "",
+                 "| threads | variants | seconds | vs one thread |", "|---|---|---|---|"]
+        lines += [f"| {r['threads']} | {r['variants']} | {r['seconds']:.2f} | {r['seconds'] / rows[0]['seconds']:.2f} |"
+                  for r in rows]
+        (args.out / "warm_up_compile.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

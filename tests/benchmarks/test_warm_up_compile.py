@@ -1,0 +1,33 @@
+"""benchmarks/kernels/warm_up_compile.py: the compiles it times are the warm-up's own."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks" / "kernels"))
+
+import warm_up_compile  # noqa: E402
+from csrc_triton.warm_up import gluon_decode_variants  # noqa: E402
+
+
+def test_the_variants_are_the_warm_ups_distinct_compiles():
+    variants = warm_up_compile.decode_variants(1024, 132)
+    launches = gluon_decode_variants(1024, 8, 132)
+    # one compile per (register cap, prefetch, ring weight, split or not); the split count is a runtime value
+    assert len(variants) == len({(m, p, c, s > 1) for m, p, c, s in launches}) == 4
+    assert {(m, c["PREFETCH"], c["RING_COST"], c["SPLIT"]) for m, c in variants} == \
+        {(m, p, c, s > 1) for m, p, c, s in launches}
+
+
+def test_a_run_compiles_and_writes_its_table(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile, for sm_90
+    proc = subprocess.run([sys.executable, "warm_up_compile.py", "--threads", "1", "2", "--max-num-seqs", "1",
+                           "--out", str(tmp_path)], cwd=REPO / "benchmarks" / "kernels", capture_output=True, text=True,
+                          env={**env, "PYTHONPATH": str(REPO)}, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "warm_up_compile.json").read_text())
+    assert [(r["threads"], r["variants"]) for r in result["rows"]] == [(1, 1), (2, 1)]
+    assert all(r["seconds"] > 0 for r in result["rows"])
+    assert "| 2 | 1 |" in (tmp_path / "warm_up_compile.md").read_text()
