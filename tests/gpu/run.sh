@@ -63,7 +63,7 @@ status=0
 # Kernel tests are bound by compiling their many variants on the CPU (over half an hour of one
 # core on the H200 machine, 2026-12-03): spread them over all cores but two with pytest-xdist. A machine
 # without it and without network installs it from OSCAR_WHEELS (a folder from
-# `pip download pytest-xdist -d DIR`), if given.
+# `pip download --no-deps pytest-xdist execnet -d DIR`), if given.
 if ! python3 -c 'import xdist' 2>/dev/null && [ -d "${OSCAR_WHEELS:-}" ]; then
   python3 -m pip install -q --no-index --find-links "$OSCAR_WHEELS" pytest-xdist
 fi
