@@ -24,20 +24,18 @@ from tqdm import tqdm
 from oscar_vllm.calibration import corpus
 from oscar_vllm.calibration.calibrate import split_sequences
 from oscar_vllm.calibration.evaluate import (
-    DTYPES,
     METHODS_BY_NAME,
     REFERENCE,
     add_served_arguments,
     environment,
     layer_specs,
+    load_served,
     report_header,
     save_report,
 )
-from oscar_vllm.calibration.models import MixedCacheHook, attention_hooks, load_model
-from oscar_vllm.core.rotation_io import load_rotations
+from oscar_vllm.calibration.models import MixedCacheHook, attention_hooks
 
 SINK, RECENT = 64, 256  # the backend's defaults
-SERVED = "oscar-int2-fit-debiased-half"  # the backend's defaults: fitted clip, logit correction 0.5
 EPS = (2.0 ** -9, 2.0 ** -12)
 
 
@@ -108,11 +106,8 @@ def main() -> None:
     p.add_argument("--eps", type=float, nargs="+", default=list(EPS), help="relative perturbations to apply")
     args = p.parse_args()
 
-    loaded = load_model(None, None, args.device, DTYPES[args.dtype])
-    rotations = load_rotations(args.rotations, loaded.shape)
-    layers = list(range(loaded.shape.num_layers))
-    specs = {"bf16": layer_specs(METHODS_BY_NAME[REFERENCE], {}, layers),
-             "oscar": layer_specs(METHODS_BY_NAME[SERVED], {"oscar": rotations}, layers)}
+    loaded, method, oscar = load_served(args)
+    specs = {"bf16": layer_specs(METHODS_BY_NAME[REFERENCE], {}, list(oscar)), "oscar": oscar}
     ids = corpus.tokenize(loaded.tokenizer, corpus.evaluation_text())
     windows = [w for w in split_sequences(ids, args.context) if w.numel() == args.context][: args.windows]
     sums = {f"{c}@{eps}": {"flips": 0, "kl_sum": 0.0, "flip_margins": []} for c in specs for eps in args.eps}
@@ -136,7 +131,7 @@ def main() -> None:
                      "median_flip_margin": float(torch.tensor(s["flip_margins"]).median()) if s["flip_margins"]
                      else float("nan")} for name, s in sums.items()}
     meta = {**environment("python benchmarks/noise_sensitivity.py"), "model": loaded.name, "dtype": args.dtype,
-            "rotations": str(args.rotations), "method": SERVED, "sink": SINK, "recent": RECENT,
+            "rotations": str(args.rotations), "method": method.name, "sink": SINK, "recent": RECENT,
             "context": args.context, "windows": len(windows), "eps": args.eps, "tokens": tokens}
     save_report(args.out, "noise_sensitivity", {"meta": meta, **result}, report(result, meta), indent=1)
 

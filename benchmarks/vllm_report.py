@@ -24,16 +24,25 @@ def load(folder: Path) -> tuple[list[dict], dict]:
     return rows, ref
 
 
+def oscar_method(results: dict) -> str:
+    """The OSCAR method a reference run scored beside ``bf16`` (the one the backend served then)."""
+    names = [name for name in results if name != "bf16"]
+    if len(names) != 1:
+        raise ValueError(f"expected bf16 and one OSCAR method in the reference run, got {list(results)}")
+    return names[0]
+
+
 def ppl_table(rows: list[dict], ref: dict) -> list[str]:
     sim = ref["results"]
-    want = sim["oscar-int2-fit"]["ppl"]
+    method = oscar_method(sim)
+    want = sim[method]["ppl"]
     chunk = ref.get("meta", {}).get("prefill_chunk") or 0
     how = f", prefilled in chunks of {chunk}" if chunk else ""
     out = ["| run | PPL | vs the reference simulation of OSCAR |", "|---|---|---|",
            f"| reference simulation, BF16 cache (`oscar-evaluate`, fp32 model) | {sim['bf16']['ppl']:.3f} | |",
-           f"| reference simulation, OSCAR INT2 (`oscar-int2-fit`{how}) | {want:.3f} | |"]
+           f"| reference simulation, OSCAR INT2 (`{method}`{how}) | {want:.3f} | |"]
     if "decode_semantics" in ref:
-        other = ref["decode_semantics"]["results"]["oscar-int2-fit"]["ppl"]
+        other = ref["decode_semantics"]["results"][method]["ppl"]
         out.append(f"| reference simulation, OSCAR INT2, every token as decode reads it | {other:.3f} | |")
     for r in (r for r in rows if r["check"] == "ppl"):
         mode = "eager" if r["eager"] else "torch.compile + CUDA graphs"

@@ -45,6 +45,7 @@ from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
 from oscar_vllm.core.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
 from oscar_vllm.core.rotation_io import OscarRotations, hadamard_rotation_sets, load_rotations
+from oscar_vllm.core.settings import OscarSettings
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +92,11 @@ METHODS = [
     Method("oscar-int2-softmax", "oscar-softmax", "int2"),
 ]
 # Not in the default table (the README's main job): quantized logits corrected for their rounding
-# variance, which the serving kernels do not do yet (docs/quality.md).
+# variance (docs/quality.md); the backend serves λ = OscarSettings.logit_correction (0.5).
 EXTRA_METHODS = [
     Method("oscar-int2-fit-debiased", "oscar", "int2", clip="fitted", logit_correction=1.0),
     Method("oscar-int2-fit-debiased-half", "oscar", "int2", clip="fitted", logit_correction=0.5),
+    Method("oscar-int2-debiased-half", "oscar", "int2", logit_correction=0.5),
 ]
 METHODS_BY_NAME = {m.name: m for m in METHODS + EXTRA_METHODS}
 
@@ -122,10 +124,20 @@ def layer_specs(method: Method, rotations: dict[str, OscarRotations], layer_ids:
     return specs
 
 
+def served_method(rotations: OscarRotations) -> Method:
+    """The method the backend serves ``rotations`` with by default: the file's fitted clip ratios
+    where it has them, else the reference's; FP16 scales; the default logit correction."""
+    clip, correction = "fitted" if rotations.clip_ratios_k else "reference", OscarSettings().logit_correction
+    for m in METHODS + EXTRA_METHODS:
+        if (m.rotation, m.quant, m.clip, m.windows, m.scale_dtype, m.logit_correction) == (
+                "oscar", "int2", clip, True, torch.float16, correction):
+            return m
+    raise LookupError(f"no method in METHODS_BY_NAME serves clip {clip!r} with logit correction {correction}")
+
+
 def served_specs(rotations: OscarRotations, num_layers: int) -> tuple[Method, dict[int, LayerCacheSpec]]:
-    """The reference cache as the backend serves ``rotations``: the file's fitted clip ratios
-    where it has them (``oscar-int2-fit``), else the reference's (``oscar-int2``); FP16 scales."""
-    method = METHODS_BY_NAME["oscar-int2-fit" if rotations.clip_ratios_k else "oscar-int2"]
+    """The reference cache as the backend serves ``rotations`` (``served_method``)."""
+    method = served_method(rotations)
     return method, layer_specs(method, {"oscar": rotations}, list(range(num_layers)))
 
 

@@ -208,3 +208,25 @@ def test_error_measure_is_the_mean_squared_logit_error():
         brute += ((queries @ delta[:, h].T) ** 2).mean(0).sum().item()
     assert em.key_error(delta) == pytest.approx(brute / t, rel=1e-9)
     assert em.value_error(torch.ones(t, hkv, d)) == pytest.approx(d * hkv, rel=1e-9)  # weights have mean 1
+
+
+def test_the_reference_cache_as_served_uses_the_serving_defaults():
+    """Benchmarks that read 'OSCAR as served' in the reference cache take the backend's default
+    logit correction and the rotation file's clip, so they score what vLLM serves."""
+    import dataclasses
+    from pathlib import Path
+
+    from oscar_vllm.calibration.evaluate import served_method, served_specs
+    from oscar_vllm.core.rotation_io import load_rotations
+    from oscar_vllm.core.settings import OscarSettings
+
+    committed = load_rotations(Path(__file__).resolve().parents[2] / "results" / "smollm2_rotations")
+    correction = OscarSettings().logit_correction
+    fitted = served_method(committed)
+    assert (fitted.clip, fitted.logit_correction, fitted.scale_dtype) == ("fitted", correction, torch.float16)
+    plain = served_method(dataclasses.replace(committed, clip_ratios_k=None, clip_ratios_v=None))
+    assert (plain.clip, plain.logit_correction) == ("reference", correction)
+    method, specs = served_specs(committed, 30)
+    assert method == fitted and len(specs) == 30
+    assert all(s.logit_correction == correction for s in specs.values())
+    assert specs[3].key_quant.clip_ratio == committed.clip_ratio("key", 3)
