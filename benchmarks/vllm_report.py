@@ -13,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+from oscar_vllm.calibration.evaluate import METHODS_BY_NAME
+
 
 def load(folder: Path) -> tuple[list[dict], dict]:
     rows = [json.loads(line.split(" ", 1)[1]) for line in (folder / "results.jsonl").read_text().splitlines()
@@ -24,29 +26,38 @@ def load(folder: Path) -> tuple[list[dict], dict]:
     return rows, ref
 
 
-def oscar_method(results: dict) -> str:
-    """The OSCAR method a reference run scored beside ``bf16`` (the one the backend served then)."""
-    names = [name for name in results if name != "bf16"]
-    if len(names) != 1:
-        raise ValueError(f"expected bf16 and one OSCAR method in the reference run, got {list(results)}")
-    return names[0]
+def reference_of(run: dict, methods: list[str]) -> str:
+    """The reference method a vLLM OSCAR run's prompt perplexity is held against, of those a
+    reference run scored. Prompt tokens are prefilled: in 16 bits a chunk over a cached prefix
+    takes the dense FA3 path, which applies no logit correction (docs/kernels.md), in float32 the
+    INT2 kernel, which applies the served one."""
+    if len(methods) == 1:
+        return methods[0]
+    corrected = run["dtype"] == "float32"
+    found = [m for m in methods if (METHODS_BY_NAME[m].logit_correction > 0) == corrected]
+    if len(found) != 1:
+        raise ValueError(f"no single reference for a {run['dtype']} run among {methods}")
+    return found[0]
 
 
 def ppl_table(rows: list[dict], ref: dict) -> list[str]:
     sim = ref["results"]
-    method = oscar_method(sim)
-    want = sim[method]["ppl"]
+    methods = [name for name in sim if name != "bf16"]
     chunk = ref.get("meta", {}).get("prefill_chunk") or 0
     how = f", prefilled in chunks of {chunk}" if chunk else ""
     out = ["| run | PPL | vs the reference simulation of OSCAR |", "|---|---|---|",
-           f"| reference simulation, BF16 cache (`oscar-evaluate`, fp32 model) | {sim['bf16']['ppl']:.3f} | |",
-           f"| reference simulation, OSCAR INT2 (`{method}`{how}) | {want:.3f} | |"]
+           f"| reference simulation, BF16 cache (`oscar-evaluate`, fp32 model) | {sim['bf16']['ppl']:.3f} | |"]
+    out += [f"| reference simulation, OSCAR INT2 (`{m}`{how}) | {sim[m]['ppl']:.3f} | |" for m in methods]
     if "decode_semantics" in ref:
-        other = ref["decode_semantics"]["results"][method]["ppl"]
-        out.append(f"| reference simulation, OSCAR INT2, every token as decode reads it | {other:.3f} | |")
+        decode = ref["decode_semantics"]["results"]
+        out += [f"| reference simulation, OSCAR INT2 (`{m}`), every token as decode reads it | {decode[m]['ppl']:.3f} | |"
+                for m in methods if m in decode]
     for r in (r for r in rows if r["check"] == "ppl"):
         mode = "eager" if r["eager"] else "torch.compile + CUDA graphs"
-        delta = f"{100 * (r['ppl'] / want - 1):+.3f}%" if r["backend"] == "OSCAR" else ""
+        delta = ""
+        if r["backend"] == "OSCAR":
+            m = reference_of(r, methods)
+            delta = f"{100 * (r['ppl'] / sim[m]['ppl'] - 1):+.3f}%" + (f" (`{m}`)" if len(methods) > 1 else "")
         out.append(f"| vLLM {r['backend']}, {r['dtype']}, {mode}, chunked prefill {r['chunk']} | {r['ppl']:.3f} | {delta} |")
     return out
 

@@ -120,12 +120,13 @@ for stage in $stages; do
     suite)
       python3 -m pytest -q tests 2>&1 | tee "$out/pytest_suite.log" || status=1 ;;
     e2e)
-      # The reference simulation of what the backend serves by default (evaluate.served_method:
-      # fitted clip, logit correction 0.5), which vLLM's OSCAR perplexity is held against.
+      # The reference simulation without and with the served logit correction (0.5): vLLM's
+      # bf16 prompt scores are held against the first (their chunks over a cached prefix take the
+      # dense FA3 path, uncorrected), its fp32 ones against the second (benchmarks/vllm_report.py).
       {
         [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
         python3 -m oscar_vllm.calibration.evaluate --model-path "$work/smollm2" --rotations "$smol_rot" \
-          --methods bf16,oscar-int2-fit-debiased-half --context 2048 --eval-tokens 16384 --prefill-chunk 256 --device cuda \
+          --methods bf16,oscar-int2-fit,oscar-int2-fit-debiased-half --context 2048 --eval-tokens 16384 --prefill-chunk 256 --device cuda \
           --output-dir "$work/reference" && cp "$work/reference/fidelity.json" "$out/reference_fidelity.json"
         $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype float32 --eager
         $e2e qwen3 --model "$work/qwen3-8b-shape" --rotations "$zoo" --eager
