@@ -75,7 +75,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk of the chunked reads (default: %(default)s)")
     args = p.parse_args()
 
-    loaded, method, oscar = load_served(args)
+    loaded, method, oscar = load_served(args, dense_prefill=True)  # prompt chunks of a 16-bit model
     _, shared, windows = cached_prefix_workload(corpus.tokenize(loaded.tokenizer, corpus.evaluation_text()).tolist())
     windows = windows[: args.windows]
     nll = cached_prefix_reads(loaded, windows, len(shared), oscar, chunk=args.chunk)

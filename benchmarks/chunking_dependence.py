@@ -96,7 +96,7 @@ def main() -> None:
     p.add_argument("--chunks", type=int, nargs="+", default=list(CHUNKS), help="prefill chunk sizes to compare")
     args = p.parse_args()
 
-    loaded, method, oscar = load_served(args)
+    loaded, method, oscar = load_served(args, dense_prefill=True)  # prompt chunks of a 16-bit model
     bf16 = layer_specs(METHODS_BY_NAME[REFERENCE], {}, list(oscar))
     ids = corpus.tokenize(loaded.tokenizer, corpus.evaluation_text())
     windows = [w for w in split_sequences(ids, args.context) if w.numel() == args.context][: args.windows]

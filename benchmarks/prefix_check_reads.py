@@ -165,7 +165,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk, vLLM's max_num_batched_tokens (default: 256)")
     args = p.parse_args()
 
-    loaded, method, oscar = load_served(args)
+    loaded, method, oscar = load_served(args, dense_prefill=True)  # prompt chunks of a 16-bit model
     _, _, windows = cached_prefix_workload(corpus.tokenize(loaded.tokenizer, corpus.evaluation_text()).tolist())
     cuts = len(CACHED_PREFIX_CUTS)
     result = {}

@@ -124,10 +124,13 @@ def layer_specs(method: Method, rotations: dict[str, OscarRotations], layer_ids:
     return specs
 
 
-def served_method(rotations: OscarRotations) -> Method:
+def served_method(rotations: OscarRotations, dense_prefill: bool = False) -> Method:
     """The method the backend serves ``rotations`` with by default: the file's fitted clip ratios
-    where it has them, else the reference's; FP16 scales; the default logit correction."""
-    clip, correction = "fitted" if rotations.clip_ratios_k else "reference", OscarSettings().logit_correction
+    where it has them, else the reference's; FP16 scales; the default logit correction, which
+    every INT2 read takes but a 16-bit model's prompt chunks over a cached prefix
+    (``dense_prefill``: they run on FlashAttention, which takes no correction; docs/kernels.md)."""
+    clip = "fitted" if rotations.clip_ratios_k else "reference"
+    correction = 0.0 if dense_prefill else OscarSettings().logit_correction
     for m in METHODS + EXTRA_METHODS:
         if (m.rotation, m.quant, m.clip, m.windows, m.scale_dtype, m.logit_correction) == (
                 "oscar", "int2", clip, True, torch.float16, correction):
@@ -135,9 +138,10 @@ def served_method(rotations: OscarRotations) -> Method:
     raise LookupError(f"no method in METHODS_BY_NAME serves clip {clip!r} with logit correction {correction}")
 
 
-def served_specs(rotations: OscarRotations, num_layers: int) -> tuple[Method, dict[int, LayerCacheSpec]]:
+def served_specs(rotations: OscarRotations, num_layers: int,
+                 dense_prefill: bool = False) -> tuple[Method, dict[int, LayerCacheSpec]]:
     """The reference cache as the backend serves ``rotations`` (``served_method``)."""
-    method = served_method(rotations)
+    method = served_method(rotations, dense_prefill)
     return method, layer_specs(method, {"oscar": rotations}, list(range(num_layers)))
 
 
@@ -151,11 +155,12 @@ def add_served_arguments(parser: argparse.ArgumentParser, out: str, device: bool
     parser.add_argument("--out", type=Path, default=Path(out))
 
 
-def load_served(args: argparse.Namespace) -> tuple[LoadedModel, Method, dict[int, LayerCacheSpec]]:
+def load_served(args: argparse.Namespace,
+                dense_prefill: bool = False) -> tuple[LoadedModel, Method, dict[int, LayerCacheSpec]]:
     """SmolLM2 and the reference cache as the backend serves ``args.rotations``
-    (``add_served_arguments``'s options; on the CPU without ``--device``)."""
+    (``add_served_arguments``'s options; on the CPU without ``--device``; ``served_method``)."""
     loaded = load_model(None, None, getattr(args, "device", "cpu"), DTYPES[args.dtype])
-    method, specs = served_specs(load_rotations(args.rotations, loaded.shape), loaded.shape.num_layers)
+    method, specs = served_specs(load_rotations(args.rotations, loaded.shape), loaded.shape.num_layers, dense_prefill)
     return loaded, method, specs
 
 

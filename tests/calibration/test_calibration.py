@@ -212,7 +212,7 @@ def test_error_measure_is_the_mean_squared_logit_error():
 
 def test_the_reference_cache_as_served_uses_the_serving_defaults():
     """Benchmarks that read 'OSCAR as served' in the reference cache take the backend's default
-    logit correction and the rotation file's clip, so they score what vLLM serves."""
+    logit correction (but where FlashAttention reads the INT2 keys) and the rotation file's clip."""
     import dataclasses
     from pathlib import Path
 
@@ -226,6 +226,7 @@ def test_the_reference_cache_as_served_uses_the_serving_defaults():
     assert (fitted.clip, fitted.logit_correction, fitted.scale_dtype) == ("fitted", correction, torch.float16)
     plain = served_method(dataclasses.replace(committed, clip_ratios_k=None, clip_ratios_v=None))
     assert (plain.clip, plain.logit_correction) == ("reference", correction)
+    assert served_method(committed, dense_prefill=True).logit_correction == 0  # FlashAttention's prompt chunks
     method, specs = served_specs(committed, 30)
     assert method == fitted and len(specs) == 30
     assert all(s.logit_correction == correction for s in specs.values())
