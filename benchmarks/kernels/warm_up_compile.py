@@ -18,21 +18,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import triton
 
-from compile_check import compile_kernel
+from compile_check import compile_kernel, gluon_decode_consts
 from csrc_triton import oscar_decode
 from csrc_triton.warm_up import gluon_decode_variants
 
 
 def decode_variants(max_num_seqs: int, num_sms: int) -> list[tuple[int | None, dict]]:
-    """The distinct compiles among a Qwen3-8B-shaped server's decode launches: ``(maxnreg, consts)``."""
+    """The distinct compiles among a Qwen3-8B-shaped server's decode launches: ``(maxnreg, consts)``,
+    the constants as ``compile_check`` specializes them."""
     compiles = {}
     for maxnreg, prefetch, ring_cost, splits in gluon_decode_variants(max_num_seqs, 8, num_sms):
-        consts = dict(HKV=8, G=4, N=8, D=128, SINK=64, RECENT=256, SPLIT=splits > 1, PREFETCH=prefetch,
-                      RING_COST=ring_cost)
+        shape = SimpleNamespace(maxnreg=maxnreg, g=4, d=128, prefetch=prefetch, ring_cost=ring_cost)
+        consts = {**gluon_decode_consts(shape), "SPLIT": splits > 1}
         compiles.setdefault((maxnreg, *consts.values()), (maxnreg, consts))
     return list(compiles.values())
 
