@@ -74,9 +74,10 @@ import shlex
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CONFIGS = {
@@ -856,10 +857,12 @@ MEMORY_BOUND = ("reasoning", "overflow", "capacity")
 class Column:
     """One configuration in the main table: its results (``run``; merged over runs that ran
     different scenarios) and, per scenario, the FLASH_ATTN result of the run it came from
-    (``bases``; None: the engine's own figures, from its first run)."""
+    (``bases``; None: the engine's own figures, from its first run), or of an earlier run of
+    the same sizes where its own run had no FLASH_ATTN (those scenarios in ``across``)."""
     name: str
     run: dict
     bases: dict
+    across: set = field(default_factory=set)
 
 
 def _load(out: Path) -> tuple[dict, dict, dict, dict | None]:
@@ -884,31 +887,54 @@ def _columns(loaded: list) -> list[Column]:
     has it; a configuration that runs a scenario again in a later run gets a column of that
     run's (``FLASH_ATTN (run 2)``: the baseline of run 2's ratios)."""
     cols: dict[str, Column] = {}
-    for i, (runs, _, _, _) in enumerate(loaded):
-        base = runs.get(BASELINE)
+    for i, (runs, _, meta, plan) in enumerate(loaded):
         for c in (c for c in CONFIGS if c in runs):
             r, col = runs[c], cols.get(c)
             ran = [s for s in SCENARIOS if s in r]
+            bases = {s: _baseline(loaded, i, s) for s in [None, *ran]}
+            across = {s for s, (_, other) in bases.items() if other}
+            bases = {s: b for s, (b, _) in bases.items()}
             if col and not set(ran) & set(col.run):  # other scenarios of the same configuration
                 col.run.update({s: r[s] for s in ran})
-                col.bases.update({s: base for s in ran})
+                col.bases.update({s: bases[s] for s in ran})
+                col.across.update(across - {None})
                 if "error" in r:
                     col.run["error"] = "; ".join(filter(None, [col.run.get("error"), f"run {i + 1}: {r['error']}"]))
                 continue
             name = c if not col else f"{c} (run {i + 1})"
-            cols[name] = Column(name, dict(r), {None: base, **{s: base for s in ran}})
+            cols[name] = Column(name, dict(r), bases, across)
     order = list(CONFIGS)
     return sorted(cols.values(), key=lambda col: order.index(col.run["config"]))
 
 
-def _cell(col_run: dict, v, b, higher) -> tuple[str, float | None]:
-    """A table cell (the value and its ratio to the baseline's ``b``) and that ratio."""
+def _baseline(loaded: list, i: int, scen: str | None) -> tuple[dict | None, bool]:
+    """The FLASH_ATTN result run ``i``'s ratios in ``scen`` take (None: the engine's own figures),
+    and whether it is another run's: run ``i``'s own, else the latest earlier run's that ran
+    ``scen`` at the same sizes with the same engine arguments (a run split over invocations to
+    fit a GPU call's time limit; each engine in its own process either way)."""
+    runs, _, meta, plan = loaded[i]
+    if BASELINE in runs:
+        return runs[BASELINE], False
+    for runs_j, _, meta_j, plan_j in reversed(loaded[:i]):
+        base = runs_j.get(BASELINE)
+        if not base or meta_j["engine_args"] != meta["engine_args"]:
+            continue
+        if scen is None or (scen in base and plan and plan_j
+                            and plan["sizes"].get(scen) == plan_j["sizes"].get(scen) is not None):
+            return base, True
+    return None, False
+
+
+def _cell(col_run: dict, v, b, higher, across: bool = False) -> tuple[str, float | None]:
+    """A table cell (the value and its ratio to the baseline's ``b``, marked † if that is
+    another run's) and that ratio."""
     if v is None:  # what it did not finish; the reason is under the table
         return "failed" if "error" in col_run else "", None
     if v < 0:  # OSCAR's windows for max_num_seqs requests would take more than the whole pool
         return f"{v:,} (windows over the pool)", None
     ratio = (v / b if higher else b / v) if higher is not None and b and v else None
-    return f"{v:,}" + (f" ({ratio:.2f}x)" if ratio and col_run.get("config") != BASELINE else ""), ratio
+    shown = ratio and col_run.get("config") != BASELINE
+    return f"{v:,}" + (f" ({ratio:.2f}x{'†' if across else ''})" if shown else ""), ratio
 
 
 def _line(label: str, cols: list[Column], values: dict, higher, csv: list, plot_rows: list | None,
@@ -918,7 +944,7 @@ def _line(label: str, cols: list[Column], values: dict, higher, csv: list, plot_
     metric, cells = metric or label, []
     for col in cols:
         v, b = values.get(col.name), values.get(f"base:{col.name}")
-        text, ratio = _cell(col.run, v, b, higher)
+        text, ratio = _cell(col.run, v, b, higher, values.get(f"across:{col.name}", False))
         cells.append(text)
         if v is not None:
             csv.append(f"\"{metric}\",{col.name},{v},{'' if ratio is None else round(ratio, 4)}")
@@ -954,6 +980,7 @@ def _main_rows(cols: list[Column]):
             for c in cols:
                 values[c.name] = get(c.run, scen, field, ctx)
                 values[f"base:{c.name}"] = get(c.bases.get(scen), scen, field, ctx)
+                values[f"across:{c.name}"] = scen in c.across
             yield (_label(template, sizes) if scen else template), values, higher
 
 
@@ -1037,6 +1064,9 @@ def report(out: Path, *more: Path) -> str:
         for label, values, higher in _main_rows(cols):
             lines.append(_line(label, cols, values, higher, csv, plot_rows if higher is not None else None))
     notes = _size_notes(cols)
+    if any(c.across for c in cols):
+        notes.insert(0, "† against the FLASH_ATTN of an earlier run with the same sizes and engine arguments "
+                     "(a run split over invocations to fit a GPU call's time limit)")
     compiled = [f"{n} {scen}: {', '.join(r[scen]['jit_compiles'])}" for n, r in runs.items()
                 for scen in SCENARIOS if isinstance(r.get(scen), dict) and r[scen].get("jit_compiles")]
     if compiled:
@@ -1116,9 +1146,10 @@ def _plot(rows, path: Path, meta: dict) -> None:
         vals = [next((r[2] for r in rows if r[0] == lab and r[1] == n), 0) for lab in labels]
         ax.barh([j + i * h for j in range(len(labels))], vals, height=h, label=n)
     ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_yticks([j + 0.4 - h / 2 for j in range(len(labels))], labels, fontsize=7)
+    ax.set_yticks([j + 0.4 - h / 2 for j in range(len(labels))], [textwrap.fill(lab, 48) for lab in labels],
+                  fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("ratio to FLASH_ATTN (BF16) in the same run, higher is better")
+    ax.set_xlabel("ratio to FLASH_ATTN (BF16) of the same run or plan, higher is better")
     ax.set_title(f"{meta['model']}, {meta['hardware']}, {meta['date']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()

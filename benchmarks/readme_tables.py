@@ -2,7 +2,9 @@
 
 Every block between ``<!-- table:PATH -->`` and ``<!-- end table -->`` is replaced by the
 file PATH (relative to the repository, less its ``# title`` line: the page gives the
-headings), so numbers in the README and the docs are never typed by hand.
+headings), so numbers in the README and the docs are never typed by hand. ``<!-- table:PATH
+rows -->`` takes only the file's first table and the notes marked † under it, for a page that
+links to the whole file elsewhere.
 
     python benchmarks/readme_tables.py [--check]
 """
@@ -12,7 +14,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BLOCK = re.compile(r"(<!-- table:(?P<path>[^ ]+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
+BLOCK = re.compile(r"(<!-- table:(?P<path>[^ ]+)(?P<rows> rows)? -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
 
 
 def pages() -> list[Path]:
@@ -20,16 +22,23 @@ def pages() -> list[Path]:
     return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
-def spliced(path: str) -> str:
-    """What a block for the result file ``path`` holds: the file less its ``# title`` line."""
+def spliced(path: str, rows: bool = False) -> str:
+    """What a block for the result file ``path`` holds: the file less its ``# title`` line, or
+    (``rows``) its first table and the † notes after it."""
     body = (REPO / path).read_text()
     if body.startswith("# "):
         body = body.split("\n", 1)[1].lstrip("\n")
+    if rows:
+        lines = body.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+        end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+        notes = [line for line in lines[end:] if line.startswith("†")]
+        body = "\n".join(lines[start:end] + ["", *notes] * bool(notes))
     return body.rstrip("\n") + "\n"
 
 
 def refreshed(text: str) -> str:
-    return BLOCK.sub(lambda m: m.group(1) + spliced(m["path"]) + m.group(4), text)
+    return BLOCK.sub(lambda m: m.group(1) + spliced(m["path"], bool(m["rows"])) + m.group(5), text)
 
 
 def main() -> None:

@@ -82,3 +82,11 @@ def test_local_links_lead_somewhere(page):
 
 def test_readme_stays_short():
     assert len((REPO / "README.md").read_text().splitlines()) <= 260
+
+
+def test_a_rows_block_takes_the_first_table_and_its_marked_notes():
+    full = TABLES.spliced("results/ab_memory_bound/ab.md")
+    rows = TABLES.spliced("results/ab_memory_bound/ab.md", rows=True).splitlines()
+    table = [line for line in full.splitlines() if line.startswith("|")]
+    assert rows[:len(table)] == table and rows[0].startswith("| metric")
+    assert rows[len(table):] == ["", next(line for line in full.splitlines() if line.startswith("†"))]

@@ -530,6 +530,32 @@ def test_report_merges_two_runs_of_one_plan(ab, tmp_path):
     assert (first / "ab.md").read_text() == text and not (second / "ab.md").exists()
 
 
+def test_report_takes_an_earlier_runs_baseline_of_the_same_sizes(ab, tmp_path):
+    """A run split over invocations (a GPU call's time limit): a run without FLASH_ATTN takes the
+    ratios of an earlier run's, marked, where its plan's sizes and engine arguments are the same."""
+    def plan(short_requests):
+        return {"inputs": {"budget_s": None}, "fixed": True, "estimate_s": {},
+                "sizes": {"short": {"requests": short_requests, "prompt_len": 1024, "output_len": 256},
+                          "decode": {"requests": 8, "context": 16384, "output_len": 64}}}
+
+    runs = [tmp_path / f"ab{i}" for i in (1, 2, 3)]
+    write_runs(runs[0], {"FLASH_ATTN": issue18_run(812_160, 1.0)})
+    write_runs(runs[1], {"OSCAR": issue18_run(5_766_272, 2.0)})
+    write_runs(runs[2], {"fp8": issue18_run(1_624_320, 1.5)})
+    for run_dir, short_requests in zip(runs, (32, 32, 64)):  # run 3's short scenario ran other sizes
+        (run_dir / "plan.json").write_text(json.dumps(plan(short_requests)))
+    text = ab.report(*runs)
+    assert table_row(text, "output tok/s, 32 x (1K in, 256 out)") == ["8,000.0 (2.00x†)", "4,000.0", "6,000.0"]
+    assert table_row(text, "decode tok/s")[0::2] == ["800.0 (2.00x†)", "600.0 (1.50x†)"]
+    assert table_row(text, "KV cache capacity")[2] == "1,624,320 (2.00x†)"
+    assert "† against the FLASH_ATTN of an earlier run with the same sizes" in text
+    meta = json.loads((runs[1] / "meta.json").read_text())
+    (runs[1] / "meta.json").write_text(json.dumps({**meta, "engine_args": '{"max_num_seqs": 8}'}))
+    text = ab.report(*runs)
+    assert table_row(text, "output tok/s, 32 x (1K in, 256 out)")[0] == "8,000.0"  # other engine arguments
+    assert table_row(text, "decode tok/s")[2] == "600.0 (1.50x†)"
+
+
 def test_report_names_sizes_that_differ(ab, tmp_path):
     runs = {"FLASH_ATTN": issue18_run(812_160, 1.0), "OSCAR": issue18_run(5_766_272, 2.0)}
     runs["OSCAR"]["short"]["requests"] = 64
