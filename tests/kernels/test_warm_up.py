@@ -154,7 +154,9 @@ def test_warm_up_in_threads_compiles_what_one_thread_does(gluon, tmp_path, monke
     """Each run compiles from an empty Triton cache (on disk and in memory), so the threads
     compile side by side; they must leave every kernel with the same variants, the cache as it was."""
     d, hkv, g, sink, recent = 128, 8, 4, 64, 256
-    pc, _, _, _, _, _ = prepare(d, hkv, g, sink, recent, [700, 3], [1, 1], torch.bfloat16)
+    # The Gluon decode kernel reads rings of 8 entries a page, as served (the simulator defaults to 3).
+    pc, _, _, _, _, _ = prepare(d, hkv, g, sink, recent, [700, 3], [1, 1], torch.bfloat16,
+                                entries_per_page=8 if gluon else None)
     rot = random_rotation(d).to(DEVICE)
     before = [t.clone() for t in (pc.cache, pc.windows, pc.window_pages, pc.window_pos)]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
