@@ -887,7 +887,7 @@ def _columns(loaded: list) -> list[Column]:
     has it; a configuration that runs a scenario again in a later run gets a column of that
     run's (``FLASH_ATTN (run 2)``: the baseline of run 2's ratios)."""
     cols: dict[str, Column] = {}
-    for i, (runs, _, meta, plan) in enumerate(loaded):
+    for i, (runs, _, _, _) in enumerate(loaded):
         for c in (c for c in CONFIGS if c in runs):
             r, col = runs[c], cols.get(c)
             ran = [s for s in SCENARIOS if s in r]
