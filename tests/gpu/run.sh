@@ -28,6 +28,8 @@
 #           also chunks of 256 and 8192 within 0.005 nats (so load, prefix, soak: the setting reaches them all)
 #   startup an engine's start, FLASH_ATTN then OSCAR (SmolLM2; in-process and eager, then OSCAR as
 #           vLLM runs it by default): start seconds, or the stacks of a start that stalls
+#   warmup  the kernels' warm-up of an OSCAR engine (Qwen3-8B shape, eager) with one thread and with
+#           OSCAR_WARM_UP_THREADS_TRY (4), each from an empty Triton cache: the log lines that time it
 #   decode  decode tokens/s, OSCAR vs FLASH_ATTN, batch 1/32, context 8K/32K
 #   refuse  bad input refused by name in one process (SmolLM2), GPU memory back to its baseline
 #   load    `vllm serve` under load, FLASH_ATTN and OSCAR through the same test (SmolLM2): replies
@@ -141,6 +143,14 @@ for stage in $stages; do
         $e2e startup --model "$work/smollm2" --rotations "$smol_rot" --eager
         $e2e startup --model "$work/smollm2" --rotations "$smol_rot" --multiprocess
       } 2>&1 | tee "$out/startup.log" || status=1 ;;
+    warmup)
+      (for threads in 1 ${OSCAR_WARM_UP_THREADS_TRY:-4}; do
+         TRITON_CACHE_DIR=$(mktemp -d) OSCAR_WARM_UP_THREADS=$threads \
+           python3 benchmarks/ab_throughput.py --configs OSCAR --scenarios none --max-num-seqs-sweep 1024 \
+           --timeout 300 --out "$out/warmup_threads$threads" > /dev/null &&
+         grep -h "compiled the kernels" "$out/warmup_threads$threads"/log_OSCAR*.txt | sed "s/^/threads $threads: /" ||
+         exit 1
+       done) 2>&1 | tee "$out/warmup.log" || status=1 ;;
     prefix)
       {
         [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
