@@ -28,7 +28,8 @@
 #           also chunks of 256 and 8192 within 0.005 nats (so load, prefix, soak: the setting reaches them all)
 #   startup an engine's start, FLASH_ATTN then OSCAR (SmolLM2; in-process and eager, then OSCAR as
 #           vLLM runs it by default): start seconds, or the stacks of a start that stalls
-#   warmup  the kernels' warm-up of an OSCAR engine (Qwen3-8B shape, eager) with one thread and with
+#   warmup  the kernels' warm-up of an OSCAR engine (Qwen3-8B shape, eager: with torch.compile vLLM sets
+#           TRITON_CACHE_DIR itself) with one thread and with
 #           OSCAR_WARM_UP_THREADS_TRY (4), each from an empty Triton cache: the log lines that time it
 #   decode  decode tokens/s, OSCAR vs FLASH_ATTN, batch 1/32, context 8K/32K
 #   refuse  bad input refused by name in one process (SmolLM2), GPU memory back to its baseline
