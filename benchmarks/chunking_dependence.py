@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from oscar_vllm.calibration import corpus
-from oscar_vllm.calibration.calibrate import split_sequences
+from oscar_vllm.calibration.calibrate import full_windows
 from oscar_vllm.calibration.evaluate import (
     METHODS_BY_NAME,
     REFERENCE,
@@ -99,7 +99,7 @@ def main() -> None:
     loaded, method, oscar = load_served(args, dense_prefill=True)  # prompt chunks of a 16-bit model
     bf16 = layer_specs(METHODS_BY_NAME[REFERENCE], {}, list(oscar))
     ids = corpus.tokenize(loaded.tokenizer, corpus.evaluation_text())
-    windows = [w for w in split_sequences(ids, args.context) if w.numel() == args.context][: args.windows]
+    windows = full_windows(ids, args.context)[: args.windows]
     chunks = tuple(args.chunks)
     names = list(reads(chunks))
     pairs = list(itertools.combinations(names[1:], 2))

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from oscar_vllm.calibration import corpus
-from oscar_vllm.calibration.calibrate import split_sequences
+from oscar_vllm.calibration.calibrate import full_windows
 from oscar_vllm.calibration.evaluate import (
     METHODS_BY_NAME,
     REFERENCE,
@@ -109,7 +109,7 @@ def main() -> None:
     loaded, method, oscar = load_served(args)
     specs = {"bf16": layer_specs(METHODS_BY_NAME[REFERENCE], {}, list(oscar)), "oscar": oscar}
     ids = corpus.tokenize(loaded.tokenizer, corpus.evaluation_text())
-    windows = [w for w in split_sequences(ids, args.context) if w.numel() == args.context][: args.windows]
+    windows = full_windows(ids, args.context)[: args.windows]
     sums = {f"{c}@{eps}": {"flips": 0, "kl_sum": 0.0, "flip_margins": []} for c in specs for eps in args.eps}
     tokens = 0
     bar = tqdm(total=len(windows) * len(specs) * (1 + len(args.eps)), desc="reads", unit="read")

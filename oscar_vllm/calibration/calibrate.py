@@ -43,6 +43,11 @@ def split_sequences(token_ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]
     return [token_ids[i : i + seq_len] for i in range(0, token_ids.numel(), seq_len)]
 
 
+def full_windows(token_ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
+    """The consecutive windows of exactly ``seq_len`` tokens (a shorter tail is dropped)."""
+    return [w for w in split_sequences(token_ids, seq_len) if w.numel() == seq_len]
+
+
 @torch.no_grad()
 def capture_stats(
     loaded: LoadedModel,

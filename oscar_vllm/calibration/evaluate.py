@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from oscar_vllm import __version__
 from oscar_vllm.calibration import corpus
-from oscar_vllm.calibration.calibrate import DTYPES, capture_stats, rotations_from_stats, split_sequences
+from oscar_vllm.calibration.calibrate import DTYPES, capture_stats, full_windows, rotations_from_stats
 from oscar_vllm.calibration.fit import fit_clip_ratios
 from oscar_vllm.calibration.models import LoadedModel, MixedCacheHook, add_model_arguments, attention_hooks, load_model
 from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
@@ -223,7 +223,7 @@ def score_windows(
     """Run every config on consecutive ``context``-token windows of ``eval_ids``: the scores of
     each against the first config (the reference), window by window so that the reference's
     log-probs are computed once per window."""
-    windows = [w for w in split_sequences(eval_ids, context) if w.numel() == context]
+    windows = full_windows(eval_ids, context)
     if not windows:
         raise ValueError(f"{eval_ids.numel()} evaluation tokens make no window of {context}")
     scores = {name: Score() for name in configs}

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from oscar_vllm.calibration.calibrate import capture_stats, rotations_from_stats, split_sequences
+from oscar_vllm.calibration.calibrate import capture_stats, full_windows, rotations_from_stats, split_sequences
 from oscar_vllm.calibration.fit import (
     LayerErrorMeasure,
     LayerStats,
@@ -177,6 +177,7 @@ def test_capture_output_equals_plain_attention():
 
 def test_split_sequences():
     assert [s.tolist() for s in split_sequences(torch.arange(7), 3)] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [s.tolist() for s in full_windows(torch.arange(7), 3)] == [[0, 1, 2], [3, 4, 5]]
 
 
 def test_unsupported_models_are_refused():

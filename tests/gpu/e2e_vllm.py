@@ -76,11 +76,11 @@ def eval_windows(model_dir: str, tokens: int, context: int):
     from transformers import AutoTokenizer
 
     from oscar_vllm.calibration import corpus
-    from oscar_vllm.calibration.calibrate import split_sequences
+    from oscar_vllm.calibration.calibrate import full_windows
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = corpus.tokenize(tok, corpus.evaluation_text())[:tokens]
-    return [w.tolist() for w in split_sequences(ids, context) if w.numel() == context], tok
+    return [w.tolist() for w in full_windows(ids, context)], tok
 
 
 def cmd_ppl(args) -> None:
