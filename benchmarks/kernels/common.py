@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import platform
 import shlex
 import sys
@@ -42,16 +43,22 @@ SHAPES = {
 
 
 def environment(command: str | None = None) -> dict:
+    """Date, hardware (the GPU, else the CPU: compile-only benchmarks run without one), the
+    command and versions, for a report header."""
     try:
         from importlib.metadata import version
 
         vllm = version("vllm")
     except Exception:  # noqa: BLE001  (vLLM is optional for the OSCAR kernels)
         vllm = "not installed"
-    props = torch.cuda.get_device_properties(0)
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        hardware = f"{props.name}, {props.multi_processor_count} SMs"
+    else:
+        hardware = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "hardware": f"{props.name}, {props.multi_processor_count} SMs",
+        "hardware": hardware,
         "command": command or shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "versions": f"torch {torch.__version__}, triton {triton.__version__}, vllm {vllm}, "
                     f"python {platform.python_version()}",

@@ -10,19 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
-import triton
-
+from common import environment, write_reports
 from compile_check import compile_kernel, gluon_decode_consts
 from csrc_triton import oscar_decode
 from csrc_triton.warm_up import gluon_decode_variants
@@ -58,22 +52,17 @@ def main() -> None:
     variants = decode_variants(args.max_num_seqs, args.num_sms)
     rows = [{"threads": t, "variants": len(variants), "seconds": round(compile_all(variants, t), 2)}
             for t in args.threads]
-    meta = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores (compiling for sm_90)",
-            "command": shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-            "versions": f"torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}"}
-    print(json.dumps(meta))
+    for row in rows:
+        row["vs_first"] = round(row["seconds"] / rows[0]["seconds"], 2)
+    env = environment()
+    print(json.dumps(env))
     for row in rows:
         print(json.dumps(row))
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "warm_up_compile.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
-        lines = [f"# Compiling the Gluon decode kernel's serving variants in threads\n",
-                 *[f"- {k}: {v}" for k, v in meta.items()], "",
-                 "| threads | variants | seconds | vs one thread |", "|---|---|---|---|"]
-        lines += [f"| {r['threads']} | {r['variants']} | {r['seconds']:.2f} | {r['seconds'] / rows[0]['seconds']:.2f} |"
-                  for r in rows]
-        (args.out / "warm_up_compile.md").write_text("\n".join(lines) + "\n")
+        write_reports(args.out, "warm_up_compile", rows, env,
+                      "Compiling the Gluon decode kernel's serving variants in threads",
+                      ["threads", "variants", "seconds", "vs_first"],
+                      ["compiling for sm_90 on this machine's CPU; vs_first: seconds over the first row's"])
 
 
 if __name__ == "__main__":
