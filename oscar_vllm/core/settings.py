@@ -57,8 +57,9 @@ class OscarSettings:
     # prefill_read "decode"; docs/backend.md).
     decode_splits: int = 0
     # Threads that compile the kernels' serving variants at startup (csrc_triton.warm_up.launch_all).
-    # 1 until a GPU run has checked more (results/kernels/warm_up_compile: the decode kernel's
-    # compiles for sm_90 took 0.67x the time in two threads on two CPU cores).
+    # 1 until a whole start has been timed with more (tests/gpu/run.sh warmup); the decode kernel's
+    # compiles for sm_90 took a third of the time in 4 threads on the H200 machine
+    # (results/kernels/warm_up_compile_h200), and more threads compile the same variants there.
     warm_up_threads: int = 1
 
     def __post_init__(self) -> None:
