@@ -57,10 +57,10 @@ class OscarSettings:
     # prefill_read "decode"; docs/backend.md).
     decode_splits: int = 0
     # Threads that compile the kernels' serving variants at startup (csrc_triton.warm_up.launch_all).
-    # 1 until a whole start has been timed with more (tests/gpu/run.sh warmup); the decode kernel's
-    # compiles for sm_90 took a third of the time in 4 threads on the H200 machine
-    # (results/kernels/warm_up_compile_h200), and more threads compile the same variants there.
-    warm_up_threads: int = 1
+    # An OSCAR engine's warm-up (17 variants, Qwen3-8B shape, empty Triton cache) took 43.9 s in one
+    # thread and 25.9 s in 4 on the H200 machine, inside a 69 s engine init (tests/gpu/run.sh warmup,
+    # results/kernels/warm_up_engine_h200); the warm-up runs alone, so a start saves what it saves.
+    warm_up_threads: int = 4
 
     def __post_init__(self) -> None:
         if self.sink_size < 0:

@@ -39,7 +39,7 @@ FLAGS = {
                               "power of two fixes it, so a request's decode does not depend on its batch "
                               "(default: 0)"),
     "--oscar-warm-up-threads": ("warm_up_threads", int, "N",
-                                "threads compiling the kernels' variants at startup (default: 1)"),
+                                "threads compiling the kernels' variants at startup (default: 4)"),
 }
 HELP_FLAGS = ("-h", "--help")
 USAGE = (f"oscar-vllm serve MODEL {' '.join(f'[{flag} {metavar}]' for flag, (_, _, metavar, _) in FLAGS.items())} "

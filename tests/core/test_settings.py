@@ -21,10 +21,10 @@ def test_prefill_read_from_either_source():
 
 
 def test_warm_up_threads_from_either_source():
-    assert OscarSettings.from_sources({}, environ={}).warm_up_threads == 1
+    assert OscarSettings.from_sources({}, environ={}).warm_up_threads == 4
     assert OscarSettings.from_sources({}, environ={"OSCAR_WARM_UP_THREADS": "8"}).warm_up_threads == 8
-    assert OscarSettings.from_sources({"oscar": {"warm_up_threads": 4}},
-                                      environ={"OSCAR_WARM_UP_THREADS": "8"}).warm_up_threads == 4
+    assert OscarSettings.from_sources({"oscar": {"warm_up_threads": 2}},
+                                      environ={"OSCAR_WARM_UP_THREADS": "8"}).warm_up_threads == 2
 
 
 def test_decode_splits_from_either_source_and_what_makes_reads_batch_invariant():

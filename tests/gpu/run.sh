@@ -149,7 +149,7 @@ for stage in $stages; do
          TRITON_CACHE_DIR=$(mktemp -d) OSCAR_WARM_UP_THREADS=$threads \
            python3 benchmarks/ab_throughput.py --configs OSCAR --scenarios none --max-num-seqs-sweep 1024 \
            --timeout 300 --out "$out/warmup_threads$threads" > /dev/null &&
-         grep -h "compiled the kernels" "$out/warmup_threads$threads"/log_OSCAR*.txt | sed "s/^/threads $threads: /" ||
+         grep -h "compiled the kernels\|init engine" "$out/warmup_threads$threads"/log_OSCAR*.txt | sed "s/^/threads $threads: /" ||
          exit 1
        done) 2>&1 | tee "$out/warmup.log" || status=1 ;;
     prefix)
