@@ -12,11 +12,13 @@ to get every request's hit and chunks, then scores the same positions in the ref
 BF16 from its chunk's ring on (the ring holds only what the request computed itself), and a
 cached position's keys are what the request that wrote its block computed.
 
-    python benchmarks/prefix_check_reads.py --windows 8 --out results/windows/prefix_check_reads
+    python benchmarks/prefix_check_reads.py --windows 23 --out results/windows/prefix_check_reads
+    python benchmarks/prefix_check_reads.py --report OLD/prefix_check_reads.json --out DIR  # report again
 
 Writes ``prefix_check_reads.{md,json}`` into ``--out``: each configuration's perplexity at the
-prompts' last positions, its gap to caching off, and that gap's standard error (paired over
-the same tokens), which says how far apart two runs of the vLLM check can land by chance.
+prompts' last positions, its gap to caching off, that gap's standard error (paired over the
+same tokens) and one token's spread, which say how far apart two runs of the vLLM check can land
+by chance and how many tokens a check needs to decide a gap.
 """
 from __future__ import annotations
 
@@ -44,14 +46,20 @@ from oscar_vllm.calibration.evaluate import (
 from oscar_vllm.calibration.models import MixedCacheHook, attention_hooks
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = {"caching off": False, "caching on": True}  # vLLM's enable_prefix_caching
+# vLLM's enable_prefix_caching, and the rings a hit leaves to be computed again (the plugin: one).
+# Two rings: the tokens the last position reads in BF16 were themselves computed with a ring of
+# BF16 before them, as in an uncached prefill, where with one ring the first of them read the
+# cached prefix in 2-bit right up to themselves (what the third row measures).
+CONFIGS = {"caching off": (False, 1), "caching on": (True, 1), "caching on, two rings recomputed": (True, 2)}
 
 
-def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Path, recent: int = 256) -> list[dict]:
+def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Path, recent: int = 256,
+                   rings: int = 1) -> list[dict]:
     """Every scored request of the check as vLLM's scheduler serves it: ``{"len", "chunks":
     [(first token, tokens), ...]}`` in the check's order (the first chunk starts at its hit).
     Runs on the CPU: vLLM's ``Scheduler`` with the OSCAR hooks, fed one sampled token per request
-    whose prefill a step completes."""
+    whose prefill a step completes; a hit stops ``rings`` rings short of the cached blocks (the
+    plugin: 1)."""
     sys.path.insert(0, str(REPO / "tests"))  # vllm_configs_on_cpu: vLLM's configs buildable without a GPU
     from vllm_cpu import SMOLLM2_CONFIG, vllm_configs_on_cpu
 
@@ -82,7 +90,7 @@ def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Pa
                                   kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
         init_none_hash(sha256)
         scheduler = Scheduler(config, kv_config, StructuredOutputManager(config), block_size=BLOCK_SIZE)
-        give_scheduler_window_pages(scheduler)
+        give_scheduler_window_pages(scheduler).ring_blocks *= rings
         hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
 
         def serve(prompts: list[list[int]], tag: str) -> list[dict]:
@@ -138,14 +146,26 @@ def bf16_from(scored: list[dict], cuts: int, chunk: int, recent: int = 256) -> l
     return out
 
 
+def paired_gap(nll: list[float], base: list[float]) -> tuple[float, float, float]:
+    """Mean NLL difference over the same tokens, its standard error, and the spread (SD) of one
+    token's difference."""
+    diff = torch.tensor(nll) - torch.tensor(base)
+    sd = diff.std().item()
+    return diff.mean().item(), sd / math.sqrt(len(diff)), sd
+
+
 def report(result: dict, meta: dict) -> str:
     off = result["caching off"]["nll"]
     rows = []
     for name, r in result.items():
-        diff = torch.tensor(r["nll"]) - torch.tensor(off)
-        se = diff.std().item() / math.sqrt(len(diff))
-        rows.append(f"| {name} | {r['mean_hit']:.0f} | {r['ppl']:.3f} | {100 * diff.mean().item():+.2f}% "
-                    f"| {100 * se:.2f}% |")
+        gap, se, sd = paired_gap(r["nll"], off)
+        rows.append(f"| {name} | {r['mean_hit']:.0f} | {r['ppl']:.3f} | {100 * gap:+.2f}% | {100 * se:.2f}% "
+                    f"| {100 * sd:.1f}% |")
+    rings = []
+    if {"caching on", "caching on, two rings recomputed"} <= result.keys():
+        gap, se, sd = paired_gap(result["caching on, two rings recomputed"]["nll"], result["caching on"]["nll"])
+        rings = [f"Two rings recomputed against one (the plugin's), paired over the same tokens: {100 * gap:+.2f}% "
+                 f"± {100 * se:.2f}% (per-token SD {100 * sd:.1f}%).", ""]
     return "\n".join([
         "# The vLLM prefix check at small chunks, in the reference cache", "",
         *report_header(meta),
@@ -153,9 +173,10 @@ def report(result: dict, meta: dict) -> str:
         f"- the check's first {meta['windows']} windows of 23 ({meta['tokens']} of its 207 scored tokens), hits and "
         "chunks from vLLM's scheduler run on the CPU with the OSCAR hooks",
         "- gap: mean NLL difference to caching off over the same tokens (about the perplexity ratio less 1); "
-        "SE: its standard error", "",
-        "| configuration | mean hit (tokens) | perplexity, prompt's last position | gap | SE |",
-        "|---|---|---|---|---|", *rows, ""])
+        "SE: its standard error; SD: the spread of one token's difference (what any change of schedule moves "
+        "a token's NLL by)", "",
+        "| configuration | mean hit (tokens) | perplexity, prompt's last position | gap | SE | SD per token |",
+        "|---|---|---|---|---|---|", *rows, "", *rings])
 
 
 def main() -> None:
@@ -163,15 +184,21 @@ def main() -> None:
     add_served_arguments(p, "runs/prefix_check_reads", device=False)  # vLLM's scheduler runs on the CPU
     p.add_argument("--windows", type=int, default=23, help="the check's windows to score, of 23 (default: %(default)s)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk, vLLM's max_num_batched_tokens (default: 256)")
+    p.add_argument("--report", type=Path, metavar="JSON",
+                   help="write the report of an earlier run's prefix_check_reads.json into --out, scoring nothing")
     args = p.parse_args()
+    if args.report:
+        data = json.loads(args.report.read_text())
+        save_report(args.out, "prefix_check_reads", data, report(data["result"], data["meta"]))
+        return
 
     loaded, method, oscar = load_served(args, dense_prefill=True)  # prompt chunks of a 16-bit model
     _, _, windows = cached_prefix_workload(corpus.tokenize(loaded.tokenizer, corpus.evaluation_text()).tolist())
     cuts = len(CACHED_PREFIX_CUTS)
     result = {}
-    for name, caching in CONFIGS.items():
+    for name, (caching, rings) in CONFIGS.items():
         with tempfile.TemporaryDirectory() as work:  # the model's config.json, for vLLM's engine config
-            scored = schedule_check(windows, args.chunk, caching, Path(work))
+            scored = schedule_check(windows, args.chunk, caching, Path(work), rings=rings)
         scored = scored[:args.windows * cuts]
         nll = []
         for i, starts in enumerate(tqdm(bf16_from(scored, cuts, args.chunk), desc=name, unit="prompt")):

@@ -28,7 +28,7 @@ import torch
 
 from oscar_vllm.core.fold import RotationFoldError
 from oscar_vllm.core.settings import BACKEND_NAME, BACKEND_PATH, OscarSettings, OscarSettingsError
-from oscar_vllm.serving.window_pages import attach_to_scheduler, pages_of_new_requests
+from oscar_vllm.serving.window_pages import WindowPageAllocator, attach_to_scheduler, pages_of_new_requests
 
 # Under vLLM's logger, so its handlers show what the backend loaded.
 logger = logging.getLogger("vllm.oscar_vllm")
@@ -96,7 +96,7 @@ def window_pages_of_group(spec, settings: OscarSettings) -> tuple[int, int, int]
     return scheduler_blocks(sink, ratio), scheduler_blocks(pages - sink, ratio), ratio
 
 
-def give_scheduler_window_pages(scheduler) -> None:
+def give_scheduler_window_pages(scheduler) -> WindowPageAllocator:
     """The scheduler of an OSCAR engine allocates each request's window pages; logs their cost."""
     groups = scheduler.kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -104,7 +104,7 @@ def give_scheduler_window_pages(scheduler) -> None:
     spec = groups[0].kv_cache_spec
     settings = OscarSettings.from_vllm_config(scheduler.vllm_config)
     sink_pages, recent_pages, _ = window_pages_of_group(spec, settings)
-    attach_to_scheduler(scheduler, sink_pages, recent_pages, settings.sink_size, settings.recent_size)
+    allocator = attach_to_scheduler(scheduler, sink_pages, recent_pages, settings.sink_size, settings.recent_size)
     pages = sink_pages + recent_pages
     blocks = scheduler.kv_cache_config.num_blocks
     max_seqs = scheduler.vllm_config.scheduler_config.max_num_seqs
@@ -120,6 +120,7 @@ def give_scheduler_window_pages(scheduler) -> None:
         settings.sink_size, settings.recent_size, pages, pages * page_bytes / 2**20, sink_pages, blocks,
         tokens_with(32), tokens_with(256), tokens_with(max_seqs), max_seqs,
     )
+    return allocator
 
 
 def install_scheduler_hook() -> None:

@@ -38,6 +38,11 @@ def test_the_cpu_scheduler_hits_what_vllm_hit_on_the_h200(windows, tmp_path):
         assert r["chunks"][0][0] % 64 == 0 and r["len"] - r["chunks"][0][0] >= 256 + 4 * 64
     off = prefix_check_reads.schedule_check(windows, 256, False, tmp_path)
     assert all(r["chunks"][0][0] == 0 for r in off)
+    two = prefix_check_reads.schedule_check(windows, 256, True, tmp_path, rings=2)
+    assert all(r["len"] - r["chunks"][0][0] >= 256 + 8 * 64 for r in two)
+    # A request whose hit the second ring does not empty starts 4 blocks earlier than with one.
+    moved = [(a["chunks"][0][0], b["chunks"][0][0]) for a, b in zip(scored, two) if b["chunks"][0][0] > 0]
+    assert moved and all(b == a - 4 * 64 for a, b in moved)
 
 
 def test_positions_read_bf16_from_their_chunks_ring_never_under_the_hit():
@@ -54,3 +59,20 @@ def test_positions_read_bf16_from_their_chunks_ring_never_under_the_hit():
     # shared prefix's reads.
     assert b[440] == 256 and b[100] == 0
     assert len(a) == 812 and len(b) == 962
+
+
+def test_the_report_pairs_every_row_with_caching_off_and_two_rings_with_one():
+    meta = {"date": "d", "hardware": "h", "command": "c", "versions": "v", "model": "m", "dtype": "float32",
+            "rotations": "r", "method": "oscar-int2-fit", "chunk": 256, "windows": 1, "tokens": 4}
+    off = [1.0, 2.0, 3.0, 4.0]
+    result = {"caching off": {"nll": off, "ppl": 1.0, "mean_hit": 0},
+              "caching on": {"nll": [1.1, 2.1, 3.1, 4.1], "ppl": 1.0, "mean_hit": 850},
+              "caching on, two rings recomputed": {"nll": [1.0, 2.2, 3.0, 4.2], "ppl": 1.0, "mean_hit": 594}}
+    text = prefix_check_reads.report(result, meta)
+    assert "| caching on | 850 | 1.000 | +10.00% | 0.00% | 0.0% |" in text
+    # Two rings against caching off: differences 0, .2, 0, .2 (mean .1, SD .1155, SE .0577).
+    assert "| caching on, two rings recomputed | 594 | 1.000 | +10.00% | 5.77% | 11.5% |" in text
+    # Against one ring: -.1, .1, -.1, .1.
+    assert "paired over the same tokens: +0.00% ± 5.77% (per-token SD 11.5%)" in text
+    del result["caching on, two rings recomputed"]
+    assert "Two rings" not in prefix_check_reads.report(result, meta)
