@@ -12,7 +12,8 @@ to get every request's hit and chunks, then scores the same positions in the ref
 BF16 from its chunk's ring on (the ring holds only what the request computed itself), and a
 cached position's keys are what the request that wrote its block computed.
 
-    python benchmarks/prefix_check_reads.py --windows 23 --out results/windows/prefix_check_reads
+    python benchmarks/prefix_check_reads.py --out results/windows/prefix_check_reads  # ~19 min a configuration
+    python benchmarks/prefix_check_reads.py --check-windows 156 --windows 40 --out DIR  # a larger check's schedule
     python benchmarks/prefix_check_reads.py --report OLD/prefix_check_reads.json --out DIR  # report again
 
 Writes ``prefix_check_reads.{md,json}`` into ``--out``: each configuration's perplexity at the
@@ -36,6 +37,7 @@ from csrc_triton.paged_layout import BLOCK_SIZE
 from oscar_vllm.calibration import corpus
 from oscar_vllm.calibration.evaluate import (
     CACHED_PREFIX_CUTS,
+    CACHED_PREFIX_WINDOWS,
     add_served_arguments,
     cached_prefix_workload,
     environment,
@@ -170,8 +172,9 @@ def report(result: dict, meta: dict) -> str:
         "# The vLLM prefix check at small chunks, in the reference cache", "",
         *report_header(meta),
         f"- rotations: {meta['rotations']} ({meta['method']}); sink 64, recent 256; prefill chunks of {meta['chunk']}",
-        f"- the check's first {meta['windows']} windows of 23 ({meta['tokens']} of its 207 scored tokens), hits and "
-        "chunks from vLLM's scheduler run on the CPU with the OSCAR hooks",
+        f"- the check's first {meta['windows']} windows of {meta.get('check_windows', 23)} ({meta['tokens']} of its "
+        f"{meta.get('check_windows', 23) * len(CACHED_PREFIX_CUTS)} scored tokens), hits and chunks from vLLM's "
+        "scheduler run on the CPU with the OSCAR hooks",
         "- gap: mean NLL difference to caching off over the same tokens (about the perplexity ratio less 1); "
         "SE: its standard error; SD: the spread of one token's difference (what any change of schedule moves "
         "a token's NLL by)", "",
@@ -182,7 +185,9 @@ def report(result: dict, meta: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_served_arguments(p, "runs/prefix_check_reads", device=False)  # vLLM's scheduler runs on the CPU
-    p.add_argument("--windows", type=int, default=23, help="the check's windows to score, of 23 (default: %(default)s)")
+    p.add_argument("--check-windows", type=int, default=CACHED_PREFIX_WINDOWS,
+                   help="the check's windows, as its --windows (default: %(default)s)")
+    p.add_argument("--windows", type=int, help="the check's first windows to score (default: all)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk, vLLM's max_num_batched_tokens (default: 256)")
     p.add_argument("--report", type=Path, metavar="JSON",
                    help="write the report of an earlier run's prefix_check_reads.json into --out, scoring nothing")
@@ -193,7 +198,9 @@ def main() -> None:
         return
 
     loaded, method, oscar = load_served(args, dense_prefill=True)  # prompt chunks of a 16-bit model
-    _, _, windows = cached_prefix_workload(corpus.tokenize(loaded.tokenizer, corpus.evaluation_text()).tolist())
+    _, _, windows = cached_prefix_workload(corpus.tokenize(loaded.tokenizer, corpus.evaluation_text()).tolist(),
+                                           args.check_windows)
+    args.windows = min(args.windows or args.check_windows, args.check_windows)
     cuts = len(CACHED_PREFIX_CUTS)
     result = {}
     for name, (caching, rings) in CONFIGS.items():
@@ -211,7 +218,7 @@ def main() -> None:
                         "mean_hit": sum(r["chunks"][0][0] for r in scored) / len(scored)}
     meta = {**environment("python benchmarks/prefix_check_reads.py"), "model": loaded.name, "dtype": args.dtype,
             "rotations": str(args.rotations), "method": method.name, "chunk": args.chunk, "windows": args.windows,
-            "tokens": args.windows * cuts}
+            "check_windows": args.check_windows, "tokens": args.windows * cuts}
     save_report(args.out, "prefix_check_reads", {"meta": meta, "result": result}, report(result, meta))
 
 

@@ -300,24 +300,33 @@ def evaluate_contexts(
 
 # The prefix-caching workload of ``tests/gpu/e2e_vllm.py prefix``, from held-out token ids: 16
 # chats of one 1,536-token system prompt and a distinct 200-token question each, then one shared
-# 512-token prefix that starts each of 23 windows of 1,536 distinct tokens more. Each window is
-# scored at 9 cuts (207 tokens): the prompt is the window up to ``prefix + cut``.
+# 512-token prefix that starts each of 23 windows (``--windows`` there) of 1,536 distinct tokens
+# more. Each window is scored at 9 cuts (207 tokens): the prompt is the window up to ``prefix + cut``.
 _SYSTEM, _CHATS, _QUESTION = 1536, 16, 200
-_PREFIX, _WINDOWS, _WINDOW = 512, 23, 1536
+_PREFIX, _WINDOW = 512, 1536
+CACHED_PREFIX_WINDOWS = 23
 CACHED_PREFIX_CUTS = tuple(range(300, _WINDOW, 150))
-CACHED_PREFIX_TOKENS = _SYSTEM + _CHATS * _QUESTION + _PREFIX + _WINDOWS * _WINDOW
 
 
-def cached_prefix_workload(ids: Sequence[int]) -> tuple[list[list[int]], list[int], list[list[int]]]:
+def cached_prefix_tokens(windows: int = CACHED_PREFIX_WINDOWS) -> int:
+    """The token ids the workload of ``windows`` windows takes."""
+    return _SYSTEM + _CHATS * _QUESTION + _PREFIX + windows * _WINDOW
+
+
+CACHED_PREFIX_TOKENS = cached_prefix_tokens()
+
+
+def cached_prefix_workload(ids: Sequence[int], windows: int = CACHED_PREFIX_WINDOWS
+                           ) -> tuple[list[list[int]], list[int], list[list[int]]]:
     """``(chats, shared prefix, windows)`` as token lists (see ``CACHED_PREFIX_TOKENS``)."""
-    if len(ids) < CACHED_PREFIX_TOKENS:
-        raise ValueError(f"the cached-prefix workload needs {CACHED_PREFIX_TOKENS} tokens, got {len(ids)}")
-    ids = [int(t) for t in ids[:CACHED_PREFIX_TOKENS]]
+    need = cached_prefix_tokens(windows)
+    if len(ids) < need:
+        raise ValueError(f"the cached-prefix workload of {windows} windows needs {need} tokens, got {len(ids)}")
+    ids = [int(t) for t in ids[:need]]
     system, rest = ids[:_SYSTEM], ids[_SYSTEM:]
     chats = [system + rest[i * _QUESTION:(i + 1) * _QUESTION] for i in range(_CHATS)]
     shared, rest = rest[_CHATS * _QUESTION:][:_PREFIX], rest[_CHATS * _QUESTION + _PREFIX:]
-    windows = [shared + rest[i * _WINDOW:(i + 1) * _WINDOW] for i in range(_WINDOWS)]
-    return chats, shared, windows
+    return chats, shared, [shared + rest[i * _WINDOW:(i + 1) * _WINDOW] for i in range(windows)]
 
 
 @torch.no_grad()

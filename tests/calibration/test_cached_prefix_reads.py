@@ -5,6 +5,7 @@ import torch
 from oscar_vllm.calibration.evaluate import (
     CACHED_PREFIX_TOKENS,
     cached_prefix_reads,
+    cached_prefix_tokens,
     cached_prefix_workload,
 )
 from oscar_vllm.calibration.models import LoadedModel, MixedCacheHook, attention_hooks
@@ -22,8 +23,15 @@ def test_workload_shares_the_system_prompt_and_the_prefix():
     assert shared == ids[4736:5248]
     assert len(windows) == 23 and all(w[:512] == shared and len(w) == 2048 for w in windows)
     assert [t for w in windows for t in w[512:]] == ids[5248:CACHED_PREFIX_TOKENS]
-    with pytest.raises(ValueError, match=f"needs {CACHED_PREFIX_TOKENS} tokens, got 100"):
+    with pytest.raises(ValueError, match=f"of 23 windows needs {CACHED_PREFIX_TOKENS} tokens, got 100"):
         cached_prefix_workload(ids[:100])
+    # More windows (a check that can decide a 1% gap): the same chats, prefix and first windows.
+    more = list(range(cached_prefix_tokens(160)))
+    chats160, shared160, windows160 = cached_prefix_workload(more, windows=160)
+    assert (chats160, shared160, windows160[:23]) == (chats, shared, windows) and len(windows160) == 160
+    assert windows160[-1][512:] == more[-1536:]
+    with pytest.raises(ValueError, match=f"of 160 windows needs {cached_prefix_tokens(160)} tokens"):
+        cached_prefix_workload(ids, windows=160)
 
 
 @pytest.fixture(scope="module")

@@ -223,13 +223,13 @@ def cmd_serve(args) -> None:
         server.wait(timeout=60)
 
 
-def prefix_workload(model_dir: str):
+def prefix_workload(model_dir: str, windows: int):
     """``oscar_vllm.calibration.evaluate.cached_prefix_workload`` on the evaluation text: 16 chats on a 1,536-token
-    system prompt, and 23 windows of one shared 512-token prefix plus 1,536 distinct tokens."""
-    from oscar_vllm.calibration.evaluate import CACHED_PREFIX_TOKENS, cached_prefix_workload
+    system prompt, and ``windows`` windows of one shared 512-token prefix plus 1,536 distinct tokens."""
+    from oscar_vllm.calibration.evaluate import cached_prefix_tokens, cached_prefix_workload
 
-    ids, _ = eval_windows(model_dir, CACHED_PREFIX_TOKENS, 64)
-    return cached_prefix_workload([t for w in ids for t in w])
+    ids, _ = eval_windows(model_dir, cached_prefix_tokens(windows), 64)
+    return cached_prefix_workload([t for w in ids for t in w], windows)
 
 
 def prefix_run(args) -> dict:
@@ -239,7 +239,7 @@ def prefix_run(args) -> dict:
 
     from oscar_vllm.calibration.evaluate import CACHED_PREFIX_CUTS
 
-    chats, shared, windows = prefix_workload(args.model)
+    chats, shared, windows = prefix_workload(args.model, args.windows)
     kw = dict(additional_config=oscar_config(args.rotations)) if args.backend == "OSCAR" else {}
     llm = LLM(args.model, attention_backend=args.backend, dtype="bfloat16", enforce_eager=True,
               max_model_len=4096, max_num_batched_tokens=args.chunk, max_num_seqs=32, max_logprobs=-1,
@@ -307,8 +307,8 @@ def cmd_prefix(args) -> None:
     for caching in ("off", "on"):
         out = Path(f"/tmp/oscar-prefix-{args.backend}-{args.chunk}-{caching}.json")
         subprocess.run([sys.executable, __file__, "prefix", "--model", args.model, "--rotations", args.rotations,
-                        "--backend", args.backend, "--chunk", str(args.chunk), "--caching", caching,
-                        "--out", str(out)], check=True)
+                        "--backend", args.backend, "--chunk", str(args.chunk), "--windows", str(args.windows),
+                        "--caching", caching, "--out", str(out)], check=True)
         runs[caching] = json.loads(out.read_text())
     off, on = runs["off"], runs["on"]
     report = {}
@@ -555,6 +555,9 @@ def main() -> None:
     sd.add_argument("--new-tokens", type=int, default=128)
     sx = sub.choices["prefix"]
     sx.add_argument("--chunk", type=int, default=8192)
+    sx.add_argument("--windows", type=int, default=23,
+                    help="windows of the shared prefix, 9 scored prompts each (up to 175 in the evaluation text; "
+                         "about 156 decide a 1%% gap at two standard errors, docs/backend.md)")
     sx.add_argument("--caching", choices=("on", "off"), help="run one engine and write --out (internal)")
     sx.add_argument("--out")
     st = sub.choices["startup"]
