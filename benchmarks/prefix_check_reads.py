@@ -19,7 +19,10 @@ cached position's keys are what the request that wrote its block computed.
 Writes ``prefix_check_reads.{md,json}`` into ``--out``: each configuration's perplexity at the
 prompts' last positions, its gap to caching off, that gap's standard error (paired over the
 same tokens) and one token's spread, which say how far apart two runs of the vLLM check can land
-by chance and how many tokens a check needs to decide a gap.
+by chance and how many tokens a check needs to decide a gap. The same forward passes also score
+every position that each configuration's request computes a ring past its hit (what vLLM cannot
+score with prefix caching on, since it never reads the cache for prompt logprobs): the gap
+there, over many more tokens, with its standard error over the windows.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ from oscar_vllm.calibration.evaluate import (
 from oscar_vllm.calibration.models import MixedCacheHook, attention_hooks
 
 REPO = Path(__file__).resolve().parents[1]
+RECENT = 256  # the plugin's default recent window, the check's
 # vLLM's enable_prefix_caching, and the rings a hit leaves to be computed again (the plugin: one).
 # Two rings: the tokens the last position reads in BF16 were themselves computed with a ring of
 # BF16 before them, as in an uncached prefill, where with one ring the first of them read the
@@ -55,7 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"caching off": (False, 1), "caching on": (True, 1), "caching on, two rings recomputed": (True, 2)}
 
 
-def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Path, recent: int = 256,
+def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Path, recent: int = RECENT,
                    rings: int = 1) -> list[dict]:
     """Every scored request of the check as vLLM's scheduler serves it: ``{"len", "chunks":
     [(first token, tokens), ...]}`` in the check's order (the first chunk starts at its hit).
@@ -121,7 +125,7 @@ def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Pa
         return serve([w[:512 + c] for w in windows for c in CACHED_PREFIX_CUTS], "cut")
 
 
-def bf16_from(scored: list[dict], cuts: int, chunk: int, recent: int = 256) -> list[torch.Tensor]:
+def bf16_from(scored: list[dict], cuts: int, chunk: int, recent: int = RECENT) -> list[torch.Tensor]:
     """For each scored request, where each of its positions reads keys past the sink in BF16
     from (``[len]``): its chunk's start less the ring, never below the request's hit (the ring
     holds only what the request computed). A position under the hit reads as the request that
@@ -163,6 +167,18 @@ def report(result: dict, meta: dict) -> str:
         gap, se, sd = paired_gap(r["nll"], off)
         rows.append(f"| {name} | {r['mean_hit']:.0f} | {r['ppl']:.3f} | {100 * gap:+.2f}% | {100 * se:.2f}% "
                     f"| {100 * sd:.1f}% |")
+    tail = []
+    if all("tail_nll" in r for r in result.values()):
+        tail = ["Every position that each configuration's request computes a ring past its hit (read as the "
+                "last position is, at other offsets; SE over the windows, whose prompts share positions):", "",
+                "| configuration | positions | gap | SE |", "|---|---|---|---|"]
+        per_window = len(CACHED_PREFIX_CUTS)
+        for name, r in result.items():
+            diff = torch.tensor(r["tail_nll"]) - torch.tensor(result["caching off"]["tail_nll"])
+            windows = diff.view(-1, per_window).mean(1)
+            se = windows.std().item() / math.sqrt(len(windows)) if len(windows) > 1 else float("nan")
+            tail.append(f"| {name} | {r['tail_tokens']:,} | {100 * windows.mean().item():+.2f}% | {100 * se:.2f}% |")
+        tail.append("")
     rings = []
     if {"caching on", "caching on, two rings recomputed"} <= result.keys():
         gap, se, sd = paired_gap(result["caching on, two rings recomputed"]["nll"], result["caching on"]["nll"])
@@ -179,7 +195,7 @@ def report(result: dict, meta: dict) -> str:
         "SE: its standard error; SD: the spread of one token's difference (what any change of schedule moves "
         "a token's NLL by)", "",
         "| configuration | mean hit (tokens) | perplexity, prompt's last position | gap | SE | SD per token |",
-        "|---|---|---|---|---|---|", *rows, "", *rings])
+        "|---|---|---|---|---|---|", *rows, "", *rings, *tail])
 
 
 def main() -> None:
@@ -189,9 +205,12 @@ def main() -> None:
                    help="the check's windows, as its --windows (default: %(default)s)")
     p.add_argument("--windows", type=int, help="the check's first windows to score (default: all)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk, vLLM's max_num_batched_tokens (default: 256)")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
+                   help="configurations to score ('caching off' always)")
     p.add_argument("--report", type=Path, metavar="JSON",
                    help="write the report of an earlier run's prefix_check_reads.json into --out, scoring nothing")
     args = p.parse_args()
+    args.configs = ["caching off", *(c for c in args.configs if c != "caching off")]
     if args.report:
         data = json.loads(args.report.read_text())
         save_report(args.out, "prefix_check_reads", data, report(data["result"], data["meta"]))
@@ -202,19 +221,29 @@ def main() -> None:
                                            args.check_windows)
     args.windows = min(args.windows or args.check_windows, args.check_windows)
     cuts = len(CACHED_PREFIX_CUTS)
-    result = {}
-    for name, (caching, rings) in CONFIGS.items():
+    schedules = {}
+    for name in args.configs:
+        caching, rings = CONFIGS[name]
         with tempfile.TemporaryDirectory() as work:  # the model's config.json, for vLLM's engine config
-            scored = schedule_check(windows, args.chunk, caching, Path(work), rings=rings)
-        scored = scored[:args.windows * cuts]
-        nll = []
+            schedules[name] = schedule_check(windows, args.chunk, caching, Path(work), rings=rings)[:args.windows * cuts]
+    # Every position a prompt's request computes in every configuration, a ring past its latest hit:
+    # read as the prompt's last position is (a BF16 ring its own request computed), at other offsets.
+    tail_from = [max(s[i]["chunks"][0][0] for s in schedules.values()) + RECENT
+                 for i in range(args.windows * cuts)]
+    result = {}
+    for name, scored in schedules.items():
+        nll, tail = [], []
         for i, starts in enumerate(tqdm(bf16_from(scored, cuts, args.chunk), desc=name, unit="prompt")):
             ids = torch.tensor(windows[i // cuts][:len(starts) + 1])
             with torch.no_grad(), attention_hooks(loaded.model, lambda layer: MixedCacheHook(
                     oscar[layer], 64, 0, chunk_starts=starts)):
-                logits = loaded.model(ids[None, :-1], use_cache=False).logits[0, -1]
-            nll.append(-torch.log_softmax(logits.float(), -1)[ids[-1]].item())
-        result[name] = {"nll": nll, "ppl": math.exp(sum(nll) / len(nll)),
+                logits = loaded.model(ids[None, :-1], use_cache=False).logits[0]
+            token_nll = -torch.log_softmax(logits[tail_from[i]:].float(), -1).gather(
+                -1, ids[tail_from[i] + 1:, None])[:, 0]
+            nll.append(token_nll[-1].item())
+            tail.append(token_nll.mean().item())
+        result[name] = {"nll": nll, "ppl": math.exp(sum(nll) / len(nll)), "tail_nll": tail,
+                        "tail_tokens": sum(r["len"] - t for r, t in zip(scored, tail_from)),
                         "mean_hit": sum(r["chunks"][0][0] for r in scored) / len(scored)}
     meta = {**environment("python benchmarks/prefix_check_reads.py"), "model": loaded.name, "dtype": args.dtype,
             "rotations": str(args.rotations), "method": method.name, "chunk": args.chunk, "windows": args.windows,

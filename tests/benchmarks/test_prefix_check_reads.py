@@ -76,3 +76,18 @@ def test_the_report_pairs_every_row_with_caching_off_and_two_rings_with_one():
     assert "paired over the same tokens: +0.00% ± 5.77% (per-token SD 11.5%)" in text
     del result["caching on, two rings recomputed"]
     assert "Two rings" not in prefix_check_reads.report(result, meta)
+
+
+def test_the_report_scores_every_computed_position_with_the_windows_as_clusters():
+    meta = {"date": "d", "hardware": "h", "command": "c", "versions": "v", "model": "m", "dtype": "float32",
+            "rotations": "r", "method": "oscar-int2-fit", "chunk": 256, "windows": 2, "tokens": 18}
+    cuts = len(CACHED_PREFIX_CUTS)
+    result = {"caching off": {"nll": [1.0] * 2 * cuts, "ppl": 1.0, "mean_hit": 0, "tail_nll": [2.0] * 2 * cuts,
+                              "tail_tokens": 5000},
+              "caching on": {"nll": [1.0] * 2 * cuts, "ppl": 1.0, "mean_hit": 850,
+                             "tail_nll": [2.01] * cuts + [2.03] * cuts, "tail_tokens": 5000}}
+    text = prefix_check_reads.report(result, meta)
+    # Window means +1% and +3%: their mean +2%, SE std(.01, .03) / sqrt(2) = 1%.
+    assert "| caching on | 5,000 | +2.00% | 1.00% |" in text
+    del result["caching on"]["tail_nll"]
+    assert "Every position" not in prefix_check_reads.report(result, meta)
