@@ -184,12 +184,13 @@ def report(result: dict, meta: dict) -> str:
         gap, se, sd = paired_gap(result["caching on, two rings recomputed"]["nll"], result["caching on"]["nll"])
         rings = [f"Two rings recomputed against one (the plugin's), paired over the same tokens: {100 * gap:+.2f}% "
                  f"± {100 * se:.2f}% (per-token SD {100 * sd:.1f}%).", ""]
+    check_windows = meta.get("check_windows", CACHED_PREFIX_WINDOWS)  # older runs: the 23-window check
     return "\n".join([
         "# The vLLM prefix check at small chunks, in the reference cache", "",
         *report_header(meta),
         f"- rotations: {meta['rotations']} ({meta['method']}); sink 64, recent 256; prefill chunks of {meta['chunk']}",
-        f"- the check's first {meta['windows']} windows of {meta.get('check_windows', 23)} ({meta['tokens']} of its "
-        f"{meta.get('check_windows', 23) * len(CACHED_PREFIX_CUTS)} scored tokens), hits and chunks from vLLM's "
+        f"- the check's first {meta['windows']} windows of {check_windows} ({meta['tokens']} of its "
+        f"{check_windows * len(CACHED_PREFIX_CUTS)} scored tokens), hits and chunks from vLLM's "
         "scheduler run on the CPU with the OSCAR hooks",
         "- gap: mean NLL difference to caching off over the same tokens (about the perplexity ratio less 1); "
         "SE: its standard error; SD: the spread of one token's difference (what any change of schedule moves "

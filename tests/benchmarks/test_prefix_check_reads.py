@@ -61,9 +61,13 @@ def test_positions_read_bf16_from_their_chunks_ring_never_under_the_hit():
     assert len(a) == 812 and len(b) == 962
 
 
+# A run's meta as main() writes it, less what each report test sets.
+META = {"date": "d", "hardware": "h", "command": "c", "versions": "v", "model": "m", "dtype": "float32",
+        "rotations": "r", "method": "oscar-int2-fit", "chunk": 256}
+
+
 def test_the_report_pairs_every_row_with_caching_off_and_two_rings_with_one():
-    meta = {"date": "d", "hardware": "h", "command": "c", "versions": "v", "model": "m", "dtype": "float32",
-            "rotations": "r", "method": "oscar-int2-fit", "chunk": 256, "windows": 1, "tokens": 4}
+    meta = {**META, "windows": 1, "tokens": 4}
     off = [1.0, 2.0, 3.0, 4.0]
     result = {"caching off": {"nll": off, "ppl": 1.0, "mean_hit": 0},
               "caching on": {"nll": [1.1, 2.1, 3.1, 4.1], "ppl": 1.0, "mean_hit": 850},
@@ -79,8 +83,7 @@ def test_the_report_pairs_every_row_with_caching_off_and_two_rings_with_one():
 
 
 def test_the_report_scores_every_computed_position_with_the_windows_as_clusters():
-    meta = {"date": "d", "hardware": "h", "command": "c", "versions": "v", "model": "m", "dtype": "float32",
-            "rotations": "r", "method": "oscar-int2-fit", "chunk": 256, "windows": 2, "tokens": 18}
+    meta = {**META, "windows": 2, "tokens": 18}
     cuts = len(CACHED_PREFIX_CUTS)
     result = {"caching off": {"nll": [1.0] * 2 * cuts, "ppl": 1.0, "mean_hit": 0, "tail_nll": [2.0] * 2 * cuts,
                               "tail_tokens": 5000},
