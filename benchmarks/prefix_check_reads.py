@@ -226,7 +226,8 @@ def main() -> None:
     for name in args.configs:
         caching, rings = CONFIGS[name]
         with tempfile.TemporaryDirectory() as work:  # the model's config.json, for vLLM's engine config
-            schedules[name] = schedule_check(windows, args.chunk, caching, Path(work), rings=rings)[:args.windows * cuts]
+            scored = schedule_check(windows, args.chunk, caching, Path(work), rings=rings)
+        schedules[name] = scored[:args.windows * cuts]
     # Every position a prompt's request computes in every configuration, a ring past its latest hit:
     # read as the prompt's last position is (a BF16 ring its own request computed), at other offsets.
     tail_from = [max(s[i]["chunks"][0][0] for s in schedules.values()) + RECENT
