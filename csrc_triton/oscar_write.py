@@ -358,12 +358,11 @@ def _gl_to_param(x, PARAM_BF16: gl.constexpr):
 
 
 @gluon.jit
-def _times_rotation(x, r_hi, r_mid, r_lo, acc):
-    """``x @ R`` for 16-bit rows ``x`` (A fragment), R as three bf16 terms (B fragments): the
-    small terms first. fp16 rows are split into a bf16 high and low part (exact)."""
+def _times_rotation(x, r_hi, r_lo, acc):
+    """``x @ R`` for 16-bit rows ``x`` (A fragment), R as two bf16 terms (B fragments): the
+    small term first. fp16 rows are split into a bf16 high and low part (exact)."""
     if x.dtype == gl.bfloat16:
         acc = mma_v2(x, r_lo, acc)
-        acc = mma_v2(x, r_mid, acc)
         acc = mma_v2(x, r_hi, acc)
     else:
         xf = x.to(gl.float32)
@@ -371,8 +370,6 @@ def _times_rotation(x, r_hi, r_mid, r_lo, acc):
         x_lo = (xf - x_hi.to(gl.float32)).to(gl.bfloat16)
         acc = mma_v2(x_lo, r_lo, acc)
         acc = mma_v2(x_hi, r_lo, acc)
-        acc = mma_v2(x_lo, r_mid, acc)
-        acc = mma_v2(x_hi, r_mid, acc)
         acc = mma_v2(x_lo, r_hi, acc)
         acc = mma_v2(x_hi, r_hi, acc)
     return acc
@@ -386,7 +383,7 @@ def _oscar_write_decode_kernel(
     value_ptr,  # [T, HKV, D] this step's values, already in the rotated basis
     query_ptr,  # [T, HKV * G, D] this step's queries, RoPE applied
     q_rot_ptr,  # [T, HKV * G, D] out: the queries in the key-rotated basis (query's dtype)
-    rot_t_ptr,  # bf16 [3, D, D] (or [3, HKV, D, D]): R transposed ([.., j, i] = R[i, j]) as hi + mid + lo
+    rot_t_ptr,  # bf16 [2, D, D] (or [2, HKV, D, D]): R transposed ([.., j, i] = R[i, j]) as hi + lo
     slot_mapping_ptr,  # int64 [T] cache slot of each token, < 0: padding
     seq_lens_ptr,  # int32 [T] sequence length after this step (token t is request t)
     ring_slot_ptr,  # int32 [T]
@@ -422,9 +419,11 @@ def _oscar_write_decode_kernel(
     h = gl.program_id(1)
     t0 = gl.program_id(0) * TP
 
-    # Keys and queries times R on the tensor cores: R (fp32) is three bf16 terms (``decode_rotation``)
-    # and the keys one or two (bf16 models: exact; fp16: high and low part), so the products are
-    # exact and only the fp32 sums' order differs from the reference's fp32 product.
+    # Keys and queries times R on the tensor cores: R (fp32) as two bf16 terms (``decode_rotation``:
+    # 16 significant bits, within 2^-16 of each entry) and the keys as one or two (bf16 models:
+    # exact; fp16: high and low part), products exact. R's load is the kernel's largest cost (a
+    # KV head's R into each program: results/kernels/write_decode_variants); a third term, exact
+    # to fp32, cost 2/3 more of it for differences far below the 2-bit codes' steps.
     ACC: gl.constexpr = _acc_layout(NW)
     A_X: gl.constexpr = gl.DotOperandLayout(0, ACC, 8)
     B_R: gl.constexpr = gl.DotOperandLayout(1, ACC, 8)
@@ -432,15 +431,14 @@ def _oscar_write_decode_kernel(
     rj = gl.arange(0, D, layout=gl.SliceLayout(0, B_R))
     r_ptr = rot_t_ptr + h * ROT_HEAD_STRIDE + rj[None, :] * D + rk[:, None]
     r_hi = gl.load(r_ptr)
-    r_mid = gl.load(r_ptr + R_TERM)
-    r_lo = gl.load(r_ptr + 2 * R_TERM)
+    r_lo = gl.load(r_ptr + R_TERM)
     xd = gl.arange(0, D, layout=gl.SliceLayout(0, A_X))
 
     qr = gl.arange(0, QM, layout=gl.SliceLayout(1, A_X))
     q_ok = (qr < TP * G) & (t0 + qr // G < num_tokens)
     q = gl.load(query_ptr + (t0 + qr // G).to(gl.int64)[:, None] * stride_qt + (h * G + qr % G)[:, None] * stride_qh
                 + xd[None, :], mask=q_ok[:, None], other=0.0)
-    q_rot = _times_rotation(q, r_hi, r_mid, r_lo, gl.zeros([QM, D], gl.float32, layout=ACC))
+    q_rot = _times_rotation(q, r_hi, r_lo, gl.zeros([QM, D], gl.float32, layout=ACC))
     orow = gl.arange(0, QM, layout=gl.SliceLayout(1, ACC))
     o_ok = (orow < TP * G) & (t0 + orow // G < num_tokens)
     gl.store(q_rot_ptr + (t0 + orow // G).to(gl.int64)[:, None] * stride_ot + (h * G + orow % G)[:, None] * stride_oh
@@ -451,7 +449,7 @@ def _oscar_write_decode_kernel(
     k_ok = (kr < TP) & (t0 + kr < num_tokens)
     k = gl.load(key_ptr + (t0 + kr).to(gl.int64)[:, None] * stride_kt + h * stride_kh + xd[None, :],
                 mask=k_ok[:, None], other=0.0)
-    k_rot = _times_rotation(k, r_hi, r_mid, r_lo, gl.zeros([KM, D], gl.float32, layout=ACC))
+    k_rot = _times_rotation(k, r_hi, r_lo, gl.zeros([KM, D], gl.float32, layout=ACC))
 
     # Clip, quantize, pack: one set of rows, the TP keys (rotated) then the TP values, a row per
     # warp, lane l holding dims l, l+Q, l+2Q, l+3Q (the byte of the quartered packing it writes).
@@ -561,10 +559,9 @@ def oscar_write_decode(
 
 
 def decode_rotation(rot_k: torch.Tensor) -> torch.Tensor:
-    """``rot_k`` ``[d, d]`` or ``[Hkv, d, d]`` (fp32) transposed and split into three bf16 terms
-    whose sum is it to fp32 precision, ``[3, ..., d, d]``: ``oscar_write_decode``'s operand."""
+    """``rot_k`` ``[d, d]`` or ``[Hkv, d, d]`` (fp32) transposed and split into two bf16 terms,
+    the rounded value and the rounded rest (their sum within 2^-16 of each entry, relative),
+    ``[2, ..., d, d]``: ``oscar_write_decode``'s operand."""
     r = rot_k.transpose(-1, -2).contiguous().float()
     hi = r.to(torch.bfloat16)
-    mid = (r - hi.float()).to(torch.bfloat16)
-    lo = (r - hi.float() - mid.float()).to(torch.bfloat16)
-    return torch.stack([hi, mid, lo])
+    return torch.stack([hi, (r - hi.float()).to(torch.bfloat16)])

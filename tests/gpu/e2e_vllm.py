@@ -223,11 +223,13 @@ def cmd_serve(args) -> None:
         server.wait(timeout=60)
 
 
-def prefix_workload(model_dir: str, windows: int):
+def prefix_workload(model_dir: str, windows: int | None = None):
     """``oscar_vllm.calibration.evaluate.cached_prefix_workload`` on the evaluation text: 16 chats on a 1,536-token
-    system prompt, and ``windows`` windows of one shared 512-token prefix plus 1,536 distinct tokens."""
-    from oscar_vllm.calibration.evaluate import cached_prefix_tokens, cached_prefix_workload
+    system prompt, and ``windows`` (default: the prefix check's) windows of one shared 512-token prefix plus
+    1,536 distinct tokens."""
+    from oscar_vllm.calibration.evaluate import CACHED_PREFIX_WINDOWS, cached_prefix_tokens, cached_prefix_workload
 
+    windows = windows or CACHED_PREFIX_WINDOWS
     ids, _ = eval_windows(model_dir, cached_prefix_tokens(windows), 64)
     return cached_prefix_workload([t for w in ids for t in w], windows)
 
@@ -243,7 +245,9 @@ def prefix_run(args) -> dict:
     kw = dict(additional_config=oscar_config(args.rotations)) if args.backend == "OSCAR" else {}
     llm = LLM(args.model, attention_backend=args.backend, dtype="bfloat16", enforce_eager=True,
               max_model_len=4096, max_num_batched_tokens=args.chunk, max_num_seqs=32, max_logprobs=-1,
-              enable_prefix_caching=args.caching == "on", gpu_memory_utilization=0.5, seed=0, **kw)
+              enable_prefix_caching=args.caching == "on", gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
+              **kw)
+    Path(args.out).with_suffix(".ready").touch()  # its KV cache is allocated: a second engine may start
     greedy = SamplingParams(max_tokens=32, temperature=0, logprobs=5, ignore_eos=True)
 
     def outputs(reqs):
@@ -303,13 +307,29 @@ def cmd_prefix(args) -> None:
     if args.caching:
         Path(args.out).write_text(json.dumps(prefix_run(args)))
         return
-    runs = {}
-    for caching in ("off", "on"):
-        out = Path(f"/tmp/oscar-prefix-{args.backend}-{args.chunk}-{caching}.json")
-        subprocess.run([sys.executable, __file__, "prefix", "--model", args.model, "--rotations", args.rotations,
-                        "--backend", args.backend, "--chunk", str(args.chunk), "--windows", str(args.windows),
-                        "--caching", caching, "--out", str(out)], check=True)
-        runs[caching] = json.loads(out.read_text())
+    # The two engines share nothing but the GPU: side by side (each with under half its memory) the
+    # check takes the time of the longer one, caching off, whose chunks of 256 over the 1,404 prompts
+    # of 156 windows keep an engine busy for over 5 minutes (H200, 2026-12-03). The second starts once
+    # the first has its KV cache: vLLM sizes its cache from the GPU's free memory during its start, so
+    # another engine allocating then would be counted as its own use.
+    outs = {c: Path(f"/tmp/oscar-prefix-{args.backend}-{args.chunk}-{c}.json") for c in ("off", "on")}
+    share = 0.4 if args.side_by_side else 0.5
+    procs = {}
+    for caching, out in outs.items():
+        ready = out.with_suffix(".ready")
+        ready.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "prefix", "--model", args.model, "--rotations", args.rotations,
+               "--backend", args.backend, "--chunk", str(args.chunk), "--windows", str(args.windows),
+               "--gpu-memory-utilization", str(share), "--caching", caching, "--out", str(out)]
+        procs[caching] = subprocess.Popen(cmd)
+        while not args.side_by_side or not ready.exists():
+            if procs[caching].poll() is not None:
+                break
+            time.sleep(1)
+    failed = [c for c, proc in procs.items() if proc.wait() != 0]
+    if failed:
+        raise SystemExit(f"prefix: the caching {' and '.join(failed)} engine failed")
+    runs = {c: json.loads(out.read_text()) for c, out in outs.items()}
     off, on = runs["off"], runs["on"]
     report = {}
     for name in ("first", "again", "after_reset"):
@@ -558,6 +578,8 @@ def main() -> None:
     sx.add_argument("--windows", type=int, default=23,
                     help="windows of the shared prefix, 9 scored prompts each (up to 175 in the evaluation text; "
                          "about 156 decide a 1%% gap at two standard errors, docs/backend.md)")
+    sx.add_argument("--side-by-side", action="store_true", help="run the caching off and on engines at once")
+    sx.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="(internal)")
     sx.add_argument("--caching", choices=("on", "off"), help="run one engine and write --out (internal)")
     sx.add_argument("--out")
     st = sub.choices["startup"]

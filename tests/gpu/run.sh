@@ -20,8 +20,9 @@
 #   serve   `oscar-vllm serve` on the Qwen3-8B shape, answered by the openai client
 #   prefix  prefix caching on vs off (SmolLM2): outputs of a shared system prompt sent together,
 #           again and after a cache reset, and perplexity after a cached prefix, next token and the
-#           decode step after it (chunks 8192 and 256; OSCAR_PREFIX_WINDOWS windows of 9 scored
-#           prompts, default 23: about 156 decide a 1% gap at two standard errors)
+#           decode step after it (OSCAR_PREFIX_CHUNKS, default "8192 256"; OSCAR_PREFIX_WINDOWS windows
+#           of 9 scored prompts, default 23: about 156 decide a 1% gap at two standard errors; at 156 the
+#           caching-off engine at chunks of 256 alone takes ~6 minutes, so run that chunk in its own call)
 #   preempt window pages under forced preemption and aborts (SmolLM2): outputs against a roomy
 #           cache, every block and page back at the end
 #   chunked prompt logprobs through chunked prefill (chunks 256 and 8192, SmolLM2): no NaN, and a
@@ -157,10 +158,12 @@ for stage in $stages; do
       {
         [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
         windows="--windows ${OSCAR_PREFIX_WINDOWS:-23}"
-        $e2e prefix --model "$work/smollm2" --rotations "$smol_rot" --chunk 8192 $windows
-        $e2e prefix --model "$work/smollm2" --rotations "$smol_rot" --chunk 256 $windows
+        for chunk in ${OSCAR_PREFIX_CHUNKS:-8192 256}; do
+          timeout 590 python3 tests/gpu/e2e_vllm.py prefix --model "$work/smollm2" --rotations "$smol_rot" \
+            --chunk "$chunk" $windows --side-by-side
+        done
         if [ -n "${OSCAR_PREFIX_CONTROL:-}" ]; then
-          $e2e prefix --model "$work/smollm2" --backend FLASH_ATTN --chunk 256 $windows
+          $e2e prefix --model "$work/smollm2" --backend FLASH_ATTN --chunk 256 $windows --side-by-side
         fi
       } 2>&1 | grep -v EngineCore | tee "$out/prefix.log" || status=1 ;;
     chunked)

@@ -140,6 +140,21 @@ def test_decode_write_matches_reference(case, param_dtype):
     assert err.max() <= 2e-2 * want.abs().max() and err.mean() <= 4e-3 * want.abs().mean(), (err.max(), err.mean())
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_decode_rotation_is_two_bf16_terms_within_2_pow_16(per_head):
+    from csrc_triton.oscar_write import decode_rotation
+
+    rot = random_rotation(128, 4 if per_head else None)
+    terms = decode_rotation(rot)
+    assert terms.dtype == torch.bfloat16 and terms.shape == (2, *rot.shape)
+    back = (terms[0].float() + terms[1].float()).transpose(-1, -2)
+    err = (back - rot).abs()
+    assert (err <= rot.abs() * 2**-16).all(), err.max()
+    assert err.max() > 0, "a second term that held every entry exactly would not test the bound"
+    # One term alone is 2^-8: the second is what the kernel's products need.
+    assert ((terms[0].float().transpose(-1, -2) - rot).abs() > rot.abs() * 2**-16).any()
+
+
 def hard_rows(n: int, d: int) -> torch.Tensor:
     """Rows a search on bit patterns can get wrong: ties across the threshold, zeros, one value repeated,
     subnormals, huge and tiny magnitudes in one row, infinities, outliers."""
