@@ -1,7 +1,11 @@
 """The GPU scripts' CPU side: what ``tests/gpu/e2e_vllm.py`` builds before an engine starts (a
 mistake there shows only on the GPU machine otherwise, after minutes of staging)."""
+import argparse
 import importlib.util
+import json
+import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -37,3 +41,54 @@ def test_prefix_workload_is_the_check_each_stage_asks_for(e2e, windows):
     assert len({tuple(w[512:]) for w in got}) == n, "windows past the shared prefix must be distinct text"
     # Each cut's request is the window up to it and scores its next two tokens.
     assert all(len(w) >= 512 + max(CACHED_PREFIX_CUTS) + 2 for w in got)
+
+
+class FakeEngine:
+    """``subprocess.Popen`` for ``e2e_vllm.py prefix``'s engines: writes the engine's result at once,
+    its KV cache "allocated" (the ready file) after two polls, exits after four."""
+    log = []
+
+    def __init__(self, cmd):
+        a = dict(zip(cmd[3::2], cmd[4::2]))
+        self.caching, self.out, self.polls, self.exited = a["--caching"], Path(a["--out"]), 0, False
+        others = [e for e in self.log if e is not self]
+        self.log.append(self)
+        self.started_after = [(e.caching, e.out.with_suffix(".ready").exists(), e.exited) for e in others]
+        self.share = float(a["--gpu-memory-utilization"])
+        out = {"ids": [1, 2], "cached": 0, "logprobs": [{"1": -0.1}, {"2": -0.2}]}
+        hit = dict(out, cached=1536 if self.caching == "on" else 0)
+        self.out.write_text(json.dumps({"first": [out] * 16, "again": [hit] * 16, "after_reset": [out] * 16,
+                                        "nll": [1.0, 2.0, 1.5], "nll_after": [0.5, 0.7, 0.6], "chunk": 256,
+                                        "cached_tokens": 1000 if self.caching == "on" else 0}))
+
+    def poll(self):
+        self.polls += 1
+        if self.polls == 2:
+            self.out.with_suffix(".ready").touch()
+        self.exited = self.exited or self.polls >= 4
+        return 0 if self.exited else None
+
+    def wait(self):
+        self.exited = True
+        return 0
+
+
+@pytest.mark.parametrize("side_by_side", [False, True])
+def test_prefix_check_starts_its_second_engine_when_the_first_holds_its_cache(e2e, monkeypatch, side_by_side):
+    FakeEngine.log = []
+    monkeypatch.setattr(e2e, "subprocess", SimpleNamespace(Popen=FakeEngine))
+    monkeypatch.setattr(e2e, "time", SimpleNamespace(sleep=lambda s: None))
+    args = argparse.Namespace(caching=None, model="m", rotations="r", backend=f"FAKE{os.getpid()}", chunk=256,
+                              windows=2, side_by_side=side_by_side, out=None)
+    e2e.cmd_prefix(args)
+    off, on = FakeEngine.log
+    assert (off.caching, on.caching) == ("off", "on")
+    if side_by_side:
+        # vLLM sizes its KV cache from the free memory while it starts: the first engine's cache must be
+        # in place by then, and the two shares must fit the GPU together.
+        assert on.started_after == [("off", True, False)] and off.share + on.share <= 0.9
+    else:
+        assert on.started_after[0][2] and off.share == on.share == 0.5
+    for engine in (off, on):
+        engine.out.unlink()
+        engine.out.with_suffix(".ready").unlink(missing_ok=True)
