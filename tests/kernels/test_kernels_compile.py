@@ -104,8 +104,10 @@ def test_gluon_decode_write_has_no_barrier_per_search_step(tmp_path):
     assert "LOCAL:0" in report, report
     text = sass.read_text()
     assert text.count("BAR.SYNC") <= 4, text.count("BAR.SYNC")
-    # Three bf16 terms of R, for the key rows and the query rows: six products, 192 MMAs.
-    assert text.count("HMMA.16816.F32.BF16") >= 96
+    # Two bf16 terms of R, for the key rows and the query rows: four products, 64 HMMAs in the
+    # SASS (three terms, exact to fp32, had 96: 2/3 more of the kernel's largest cost).
+    hmma = text.count("HMMA.16816.F32.BF16")
+    assert 64 <= hmma < 96, hmma
     # One K or V row a warp, one clip search each (a 16-row tile's worth, 8,080 instructions, before).
     instructions = int(re.search(r"\| (\d+) instructions", report).group(1))
     assert instructions < 3000, instructions
