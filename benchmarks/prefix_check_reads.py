@@ -49,9 +49,10 @@ from oscar_vllm.calibration.evaluate import (
     save_report,
 )
 from oscar_vllm.calibration.models import MixedCacheHook, attention_hooks
+from oscar_vllm.core.settings import OscarSettings
 
 REPO = Path(__file__).resolve().parents[1]
-RECENT = 256  # the plugin's default recent window, the check's
+RECENT = OscarSettings.recent_size  # the plugin's default recent window, the check's
 # vLLM's enable_prefix_caching, and the rings a hit leaves to be computed again (the plugin: one).
 # Two rings: the tokens the last position reads in BF16 were themselves computed with a ring of
 # BF16 before them, as in an uncached prefill, where with one ring the first of them read the

@@ -54,7 +54,7 @@ class FakeEngine:
         others = [e for e in self.log if e is not self]
         self.log.append(self)
         self.started_after = [(e.caching, e.out.with_suffix(".ready").exists(), e.exited) for e in others]
-        self.share = float(a["--gpu-memory-utilization"])
+        self.share, self.windows = float(a["--gpu-memory-utilization"]), a.get("--windows")
         out = {"ids": [1, 2], "cached": 0, "logprobs": [{"1": -0.1}, {"2": -0.2}]}
         hit = dict(out, cached=1536 if self.caching == "on" else 0)
         self.out.write_text(json.dumps({"first": [out] * 16, "again": [hit] * 16, "after_reset": [out] * 16,
@@ -82,7 +82,7 @@ def test_prefix_check_starts_its_second_engine_when_the_first_holds_its_cache(e2
                               windows=2, side_by_side=side_by_side, out=None)
     e2e.cmd_prefix(args)
     off, on = FakeEngine.log
-    assert (off.caching, on.caching) == ("off", "on")
+    assert (off.caching, on.caching) == ("off", "on") and off.windows == on.windows == "2"
     if side_by_side:
         # vLLM sizes its KV cache from the free memory while it starts: the first engine's cache must be
         # in place by then, and the two shares must fit the GPU together.

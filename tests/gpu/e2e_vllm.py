@@ -319,12 +319,11 @@ def cmd_prefix(args) -> None:
         ready = out.with_suffix(".ready")
         ready.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "prefix", "--model", args.model, "--rotations", args.rotations,
-               "--backend", args.backend, "--chunk", str(args.chunk), "--windows", str(args.windows),
-               "--gpu-memory-utilization", str(share), "--caching", caching, "--out", str(out)]
+               "--backend", args.backend, "--chunk", str(args.chunk), "--gpu-memory-utilization", str(share),
+               "--caching", caching, "--out", str(out), *(["--windows", str(args.windows)] if args.windows else [])]
         procs[caching] = subprocess.Popen(cmd)
-        while not args.side_by_side or not ready.exists():
-            if procs[caching].poll() is not None:
-                break
+        # The next engine starts once this one holds its KV cache (side by side) or has exited.
+        while procs[caching].poll() is None and not (args.side_by_side and ready.exists()):
             time.sleep(1)
     failed = [c for c, proc in procs.items() if proc.wait() != 0]
     if failed:
@@ -575,9 +574,10 @@ def main() -> None:
     sd.add_argument("--new-tokens", type=int, default=128)
     sx = sub.choices["prefix"]
     sx.add_argument("--chunk", type=int, default=8192)
-    sx.add_argument("--windows", type=int, default=23,
-                    help="windows of the shared prefix, 9 scored prompts each (up to 175 in the evaluation text; "
-                         "about 156 decide a 1%% gap at two standard errors, docs/backend.md)")
+    sx.add_argument("--windows", type=int,
+                    help="windows of the shared prefix, 9 scored prompts each (default: the check's, "
+                         "CACHED_PREFIX_WINDOWS; up to 175 in the evaluation text; about 156 decide a 1%% gap at "
+                         "two standard errors, docs/backend.md)")
     sx.add_argument("--side-by-side", action="store_true", help="run the caching off and on engines at once")
     sx.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="(internal)")
     sx.add_argument("--caching", choices=("on", "off"), help="run one engine and write --out (internal)")

@@ -21,7 +21,7 @@
 #   prefix  prefix caching on vs off (SmolLM2): outputs of a shared system prompt sent together,
 #           again and after a cache reset, and perplexity after a cached prefix, next token and the
 #           decode step after it (OSCAR_PREFIX_CHUNKS, default "8192 256"; OSCAR_PREFIX_WINDOWS windows
-#           of 9 scored prompts, default 23: about 156 decide a 1% gap at two standard errors; at 156 the
+#           of 9 scored prompts, default the check's 23: about 156 decide a 1% gap at two standard errors; at 156 the
 #           caching-off engine at chunks of 256 alone takes ~6 minutes, so run that chunk in its own call)
 #   preempt window pages under forced preemption and aborts (SmolLM2): outputs against a roomy
 #           cache, every block and page back at the end
@@ -157,7 +157,7 @@ for stage in $stages; do
     prefix)
       {
         [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
-        windows="--windows ${OSCAR_PREFIX_WINDOWS:-23}"
+        windows=${OSCAR_PREFIX_WINDOWS:+--windows $OSCAR_PREFIX_WINDOWS}
         for chunk in ${OSCAR_PREFIX_CHUNKS:-8192 256}; do
           timeout 590 python3 tests/gpu/e2e_vllm.py prefix --model "$work/smollm2" --rotations "$smol_rot" \
             --chunk "$chunk" $windows --side-by-side
