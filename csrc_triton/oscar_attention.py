@@ -488,26 +488,29 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
 ):
     # Splits without keys (a log-sum-exp of -inf) write no partial output: it is never read. The
-    # partials go in chunks of at most 32 splits, a chunk with no used split skipped, so a split
-    # count sized for long requests (Gluon decode: 256 for one request) costs short ones little
-    # and holds no [NUM_SPLITS, D] tile in registers.
+    # partials go in chunks of at most 32 splits (no [NUM_SPLITS, D] tile in registers), up to the
+    # last used split only: a short request's keys fill the first splits of a count sized for long
+    # ones (Gluon decode: 128-256 for one request, 21 used at 1K), and each chunk past them would
+    # cost a dependent load of its log-sum-exps for nothing.
     CHUNK: tl.constexpr = NUM_SPLITS if NUM_SPLITS < 32 else 32
     t = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1)
     first = (t * HQ + hq) * NUM_SPLITS
-    mx = tl.max(tl.load(part_lse_ptr + first + tl.arange(0, NUM_SPLITS)))
+    splits = tl.arange(0, NUM_SPLITS)
+    lse_all = tl.load(part_lse_ptr + first + splits)
+    n_used = tl.max(tl.where(lse_all > float("-inf"), splits + 1, 0), axis=0)
+    mx = tl.max(lse_all)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     o = tl.zeros([D], tl.float32)
     w_sum = 0.0
-    for c in range(0, NUM_SPLITS, CHUNK):
+    for c in range(0, n_used, CHUNK):
         part = first + c + tl.arange(0, CHUNK)
         lse = tl.load(part_lse_ptr + part)
         used = lse > float("-inf")
-        if tl.max(used.to(tl.int32), axis=0) > 0:
-            w = tl.where(used, tl.exp2(lse - mx), 0.0)
-            x = tl.load(part_out_ptr + part[:, None] * D + tl.arange(0, D)[None, :], mask=used[:, None], other=0.0)
-            o += tl.sum(w[:, None] * x, axis=0)
-            w_sum += tl.sum(w, axis=0)
+        w = tl.where(used, tl.exp2(lse - mx), 0.0)
+        x = tl.load(part_out_ptr + part[:, None] * D + tl.arange(0, D)[None, :], mask=used[:, None], other=0.0)
+        o += tl.sum(w[:, None] * x, axis=0)
+        w_sum += tl.sum(w, axis=0)
     o = o / tl.maximum(w_sum, 1e-30)
     tl.store(out_ptr + t * stride_ot + hq * stride_oh + tl.arange(0, D), o.to(out_ptr.dtype.element_ty))
 

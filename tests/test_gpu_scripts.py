@@ -4,6 +4,7 @@ import argparse
 import importlib.util
 import json
 import os
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -92,3 +93,35 @@ def test_prefix_check_starts_its_second_engine_when_the_first_holds_its_cache(e2
     for engine in (off, on):
         engine.out.unlink()
         engine.out.with_suffix(".ready").unlink(missing_ok=True)
+
+
+FAKE_PYTHON = """#!/bin/sh
+# python3 for tests/gpu/run.sh: logs its arguments, fails where one is $FAIL_ON, writes what the next step copies.
+echo "$*" >> "$CALLS"
+for a in "$@"; do [ "$a" = "$FAIL_ON" ] && exit 3; done
+prev=
+for a in "$@"; do [ "$prev" = --output-dir ] && mkdir -p "$a" && echo {} > "$a/fidelity.json"; prev=$a; done
+exit 0
+"""
+
+
+@pytest.mark.parametrize(("fail_on", "status"), [("none", 0), ("oscar_vllm.calibration.evaluate", 1), ("qwen3", 1), ("FLASH_ATTN", 1)])
+def test_run_sh_stage_fails_when_any_of_its_steps_fails(tmp_path, fail_on, status):
+    # The e2e stage's OSCAR Qwen3 step once failed (its rotations missing) under an exit status of 0:
+    # a stage's group reported its last step's status alone. A failing first, middle or last step
+    # must fail the stage, and the steps after it must still run.
+    bin_dir, work = tmp_path / "bin", tmp_path / "work"
+    bin_dir.mkdir()
+    (work / "smollm2").mkdir(parents=True)
+    fake = bin_dir / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OSCAR_E2E_WORK=str(work), FAIL_ON=fail_on,
+               CALLS=str(tmp_path / "calls"))
+    env.pop("OSCAR_WHEELS", None)
+    run = subprocess.run(["bash", str(Path(__file__).parent / "gpu" / "run.sh"), str(tmp_path / "out"), "e2e"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == status, run.stdout + run.stderr
+    assert (tmp_path / "out" / "reference_fidelity.json").exists() == (fail_on != "oscar_vllm.calibration.evaluate")
+    steps = [c for c in (tmp_path / "calls").read_text().splitlines() if "import" not in c]
+    assert len(steps) == 6 and "FLASH_ATTN --dtype bfloat16" in steps[-1], steps

@@ -65,6 +65,9 @@ zoo=${OSCAR_ROTATIONZOO_DIR:-../shared/data/rotationzoo}/Qwen3-8B-LongBench
 smol_rot=${OSCAR_SMOLLM2_ROTATIONS:-results/smollm2_rotations}
 e2e="timeout 420 python3 tests/gpu/e2e_vllm.py"
 status=0
+# A stage of several steps runs them all and fails if any failed: `|| failed=1` on each step makes
+# the subshell's exit status (a `{ a; b; }` group reports b's status alone, and an ERR trap does not
+# fire inside the `|| status=1` list).
 # Kernel tests are bound by compiling their many variants on the CPU (over half an hour of one
 # core on the H200 machine, 2026-12-03): spread them over all cores but two with pytest-xdist. A machine
 # without it and without network installs it from OSCAR_WHEELS (a folder from
@@ -117,35 +120,39 @@ for stage in $stages; do
     ab)
       python3 benchmarks/ab_throughput.py --out "$out/ab" ${OSCAR_AB_ARGS:-} 2>&1 | tee "$out/ab.log" || status=1 ;;
     ppl)
-      {
-        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
-        $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype float32 --eager
-        $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16
-      } 2>&1 | tee "$out/ppl.log" || status=1 ;;
+      ( failed=0
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1
+        $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype float32 --eager || failed=1
+        $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16 || failed=1
+        exit $failed
+      ) 2>&1 | tee "$out/ppl.log" || status=1 ;;
     suite)
       python3 -m pytest -q tests 2>&1 | tee "$out/pytest_suite.log" || status=1 ;;
     e2e)
       # The reference simulation without and with the served logit correction (0.5): vLLM's
       # bf16 prompt scores are held against the first (their chunks over a cached prefix take the
       # dense FA3 path, uncorrected), its fp32 ones against the second (benchmarks/vllm_report.py).
-      {
-        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
+      ( failed=0
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1
         python3 -m oscar_vllm.calibration.evaluate --model-path "$work/smollm2" --rotations "$smol_rot" \
           --methods bf16,oscar-int2-fit,oscar-int2-fit-debiased-half --context 2048 --eval-tokens 16384 --prefill-chunk 256 --device cuda \
-          --output-dir "$work/reference" && cp "$work/reference/fidelity.json" "$out/reference_fidelity.json"
-        $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype float32 --eager
-        $e2e qwen3 --model "$work/qwen3-8b-shape" --rotations "$zoo" --eager
-        $e2e qwen3 --model "$work/qwen3-8b-shape" --backend FLASH_ATTN --eager
-        $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16
-        $e2e ppl --model "$work/smollm2" --backend FLASH_ATTN --dtype bfloat16
-      } 2>&1 | tee "$out/e2e.log" || status=1 ;;
+          --output-dir "$work/reference" || failed=1
+        cp "$work/reference/fidelity.json" "$out/reference_fidelity.json" || failed=1
+        $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype float32 --eager || failed=1
+        $e2e qwen3 --model "$work/qwen3-8b-shape" --rotations "$zoo" --eager || failed=1
+        $e2e qwen3 --model "$work/qwen3-8b-shape" --backend FLASH_ATTN --eager || failed=1
+        $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16 || failed=1
+        $e2e ppl --model "$work/smollm2" --backend FLASH_ATTN --dtype bfloat16 || failed=1
+        exit $failed
+      ) 2>&1 | tee "$out/e2e.log" || status=1 ;;
     startup)
-      {
-        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
-        $e2e startup --model "$work/smollm2" --backend FLASH_ATTN --eager
-        $e2e startup --model "$work/smollm2" --rotations "$smol_rot" --eager
-        $e2e startup --model "$work/smollm2" --rotations "$smol_rot" --multiprocess
-      } 2>&1 | tee "$out/startup.log" || status=1 ;;
+      ( failed=0
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1
+        $e2e startup --model "$work/smollm2" --backend FLASH_ATTN --eager || failed=1
+        $e2e startup --model "$work/smollm2" --rotations "$smol_rot" --eager || failed=1
+        $e2e startup --model "$work/smollm2" --rotations "$smol_rot" --multiprocess || failed=1
+        exit $failed
+      ) 2>&1 | tee "$out/startup.log" || status=1 ;;
     warmup)
       (for threads in 1 ${OSCAR_WARM_UP_THREADS_TRY:-4}; do
          TRITON_CACHE_DIR=$(mktemp -d) OSCAR_WARM_UP_THREADS=$threads \
@@ -155,55 +162,62 @@ for stage in $stages; do
          exit 1
        done) 2>&1 | tee "$out/warmup.log" || status=1 ;;
     prefix)
-      {
-        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
+      ( failed=0
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1
         windows=${OSCAR_PREFIX_WINDOWS:+--windows $OSCAR_PREFIX_WINDOWS}
         for chunk in ${OSCAR_PREFIX_CHUNKS:-8192 256}; do
           timeout 590 python3 tests/gpu/e2e_vllm.py prefix --model "$work/smollm2" --rotations "$smol_rot" \
-            --chunk "$chunk" $windows --side-by-side
+            --chunk "$chunk" $windows --side-by-side || failed=1
         done
         if [ -n "${OSCAR_PREFIX_CONTROL:-}" ]; then
-          $e2e prefix --model "$work/smollm2" --backend FLASH_ATTN --chunk 256 $windows --side-by-side
+          $e2e prefix --model "$work/smollm2" --backend FLASH_ATTN --chunk 256 $windows --side-by-side || failed=1
         fi
-      } 2>&1 | grep -v EngineCore | tee "$out/prefix.log" || status=1 ;;
+        exit $failed
+      ) 2>&1 | grep -v EngineCore | tee "$out/prefix.log" || status=1 ;;
     chunked)
-      {
-        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
-        $e2e chunked --model "$work/smollm2" --rotations "$smol_rot"
-      } 2>&1 | grep -v EngineCore | tee "$out/chunked.log" || status=1 ;;
+      ( failed=0
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1
+        $e2e chunked --model "$work/smollm2" --rotations "$smol_rot" || failed=1
+        exit $failed
+      ) 2>&1 | grep -v EngineCore | tee "$out/chunked.log" || status=1 ;;
     preempt)
-      {
-        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
-        $e2e preempt --model "$work/smollm2" --rotations "$smol_rot"
-      } 2>&1 | grep -v EngineCore | tee "$out/preempt.log" || status=1 ;;
+      ( failed=0
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1
+        $e2e preempt --model "$work/smollm2" --rotations "$smol_rot" || failed=1
+        exit $failed
+      ) 2>&1 | grep -v EngineCore | tee "$out/preempt.log" || status=1 ;;
     serve)
       $e2e serve --model "$work/qwen3-8b-shape" --rotations "$zoo" 2>&1 | tee "$out/serve.log" || status=1 ;;
     decode)
-      {
-        $e2e decode --model "$work/qwen3-8b-shape" --rotations "$zoo"
-        $e2e decode --model "$work/qwen3-8b-shape" --backend FLASH_ATTN
-      } 2>&1 | tee "$out/decode.log" || status=1 ;;
+      ( failed=0
+        $e2e decode --model "$work/qwen3-8b-shape" --rotations "$zoo" || failed=1
+        $e2e decode --model "$work/qwen3-8b-shape" --backend FLASH_ATTN || failed=1
+        exit $failed
+      ) 2>&1 | tee "$out/decode.log" || status=1 ;;
     refuse)
-      {
-        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
+      ( failed=0
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1
         timeout 420 python3 tests/gpu/serve_load.py refuse --model "$work/smollm2" --rotations "$smol_rot" \
-          --out "$out/reliability"
-      } 2>&1 | grep -v EngineCore | tee "$out/refuse.log" || status=1 ;;
+          --out "$out/reliability" || failed=1
+        exit $failed
+      ) 2>&1 | grep -v EngineCore | tee "$out/refuse.log" || status=1 ;;
     load)
-      {
-        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
+      ( failed=0
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1
         timeout 900 python3 tests/gpu/serve_load.py load --model "$work/smollm2" --rotations "$smol_rot" \
-          --out "$out/reliability" ${OSCAR_LOAD_ARGS:-}
-      } 2>&1 | tee "$out/load.log" || status=1 ;;
+          --out "$out/reliability" ${OSCAR_LOAD_ARGS:-} || failed=1
+        exit $failed
+      ) 2>&1 | tee "$out/load.log" || status=1 ;;
     soak)
       minutes=${OSCAR_SOAK_MINUTES:-8}
-      {
-        [ -d "$work/smollm2" ] || $e2e prepare --work "$work"
+      ( failed=0
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1
         # What one client process can read on this machine (CPU, about 20 s), beside the soak's client health.
-        timeout 120 python3 tests/gpu/serve_load.py client-rate --out "$out/reliability"
+        timeout 120 python3 tests/gpu/serve_load.py client-rate --out "$out/reliability" || failed=1
         timeout $(( ${minutes%.*} * 60 + 360 )) python3 tests/gpu/serve_load.py soak --minutes "$minutes" \
-          --model "$work/smollm2" --rotations "$smol_rot" --out "$out/reliability" ${OSCAR_SOAK_ARGS:-}
-      } 2>&1 | tee "$out/soak.log" || status=1 ;;
+          --model "$work/smollm2" --rotations "$smol_rot" --out "$out/reliability" ${OSCAR_SOAK_ARGS:-} || failed=1
+        exit $failed
+      ) 2>&1 | tee "$out/soak.log" || status=1 ;;
     tp2)
       timeout 900 python3 tests/gpu/serve_load.py tp2 --work "$work" --out "$out/reliability" ${OSCAR_TP2_ARGS:-} \
         2>&1 | tee "$out/tp2.log" || status=1 ;;
