@@ -75,14 +75,30 @@ def capacity_table(rows: list[dict]) -> list[str]:
 
 
 def decode_table(rows: list[dict]) -> tuple[list[str], dict]:
-    runs = {(r["backend"], r["context"], r["batch"]): r["tokens_per_s"] for r in rows if r["check"] == "decode"}
+    """Decode tokens/s by context and batch, FLASH_ATTN beside OSCAR; a shape whose prompts and
+    new tokens do not fit a backend's KV cache says so (``tokens_per_s`` None in its row)."""
+    decode = [r for r in rows if r["check"] == "decode"]
+    runs = {(r["backend"], r["context"], r["batch"]): r["tokens_per_s"] for r in decode}
+    kv = {(r["backend"], r["context"], r["batch"]): (r.get("kv_tokens_needed"), r.get("kv_cache_tokens")) for r in decode}
     shapes = sorted({(c, b) for _, c, b in runs})
     out = ["| context | batch | FLASH_ATTN tok/s | OSCAR tok/s | OSCAR / FLASH_ATTN |", "|---|---|---|---|---|"]
+
+    def cell(key):
+        if key not in runs:
+            return "not run"
+        if runs[key] is None:
+            need, have = kv[key]
+            return f"does not fit ({need:,} KV tokens, has {have:,})"
+        return f"{runs[key]:,.1f}"
+
     for c, b in shapes:
         fa, osc = runs.get(("FLASH_ATTN", c, b)), runs.get(("OSCAR", c, b))
         ratio = f"{osc / fa:.2f}x" if fa and osc else "n/a"
-        out.append(f"| {c:,} | {b} | {fa} | {osc} | {ratio} |")
-    return out, {"shapes": shapes, "runs": runs}
+        out.append(f"| {c:,} | {b} | {cell(('FLASH_ATTN', c, b))} | {cell(('OSCAR', c, b))} | {ratio} |")
+    # Runs before 2026-12-04 gave the whole batch one prompt (no "prompts" key).
+    labels = {"distinct": "a distinct prompt per request"}
+    prompts = {labels.get(r.get("prompts"), "one prompt shared by the batch") for r in decode}
+    return out, {"shapes": shapes, "runs": runs, "prompts": ", ".join(sorted(prompts))}
 
 
 def plot(decode: dict, path: Path) -> None:
@@ -96,7 +112,7 @@ def plot(decode: dict, path: Path) -> None:
     xs = range(len(shapes))
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for i, name in enumerate(("FLASH_ATTN", "OSCAR")):
-        ax.bar([x + 0.4 * i for x in xs], [decode["runs"].get((name, c, b), 0) for c, b in shapes], 0.4, label=name)
+        ax.bar([x + 0.4 * i for x in xs], [decode["runs"].get((name, c, b)) or 0 for c, b in shapes], 0.4, label=name)
     ax.set_xticks([x + 0.2 for x in xs], labels)
     ax.set_xlabel("context x batch")
     ax.set_ylabel("decode tokens/s")
@@ -125,7 +141,8 @@ def main() -> None:
         lines += ["", "**KV cache capacity, Qwen3-8B shape, gpu_memory_utilization 0.9, max_num_seqs 64, eager**", "",
                   *capacity]
     if decode_data["runs"]:
-        lines += ["", "**Decode, Qwen3-8B shape, 128 new tokens, prompt prefix-cached, CUDA graphs**", "", *decode]
+        lines += ["", f"**Decode, Qwen3-8B shape, 128 new tokens, prompts prefix-cached ({decode_data['prompts']}), "
+                  "CUDA graphs**", "", *decode]
         plot(decode_data, args.folder / "report.png")
     (args.folder / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

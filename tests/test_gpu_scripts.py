@@ -125,3 +125,13 @@ def test_run_sh_stage_fails_when_any_of_its_steps_fails(tmp_path, fail_on, statu
     assert (tmp_path / "out" / "reference_fidelity.json").exists() == (fail_on != "oscar_vllm.calibration.evaluate")
     steps = [c for c in (tmp_path / "calls").read_text().splitlines() if "import" not in c]
     assert len(steps) == 6 and "FLASH_ATTN --dtype bfloat16" in steps[-1], steps
+
+
+def test_decode_plan_gives_each_request_its_own_prompt_and_skips_what_does_not_fit(e2e):
+    plan = e2e.decode_plan([512, 2048], [1, 4], new_tokens=16, kv_tokens=4 * 1024)
+    assert [(c, b) for c, b, _ in plan] == [(512, 1), (512, 4), (2048, 1), (2048, 4)]
+    assert plan[3][2] is None, "4 x (2,048 + 16) tokens exceed 4,096"
+    prompts = [tuple(p["prompt_token_ids"]) for _, _, reqs in plan if reqs for p in reqs]
+    assert [len(p) for p in prompts] == [512] * 5 + [2048]
+    assert len({p[0] for p in prompts}) == len(prompts), "no two prompts may share a first block"
+    assert e2e.decode_plan([512], [4], 16, None)[0][2] is not None, "an unknown capacity runs every shape"

@@ -37,3 +37,22 @@ def test_a_recorded_run_with_one_reference_method_compares_every_row_with_it():
             assert line in recorded
     assert json.loads((REPO / "results" / "vllm_prefill" / "reference_fidelity.json").read_text())["results"].keys() \
         == {"bf16", "oscar-int2-fit"}
+
+
+def decode_row(backend, context, batch, tokens_per_s, **extra):
+    return {"check": "decode", "backend": backend, "context": context, "batch": batch, "tokens_per_s": tokens_per_s,
+            "kv_cache_tokens": 791_312 if backend == "FLASH_ATTN" else 5_620_288, **extra}
+
+
+def test_decode_table_says_which_shape_does_not_fit_and_what_prompts_it_ran():
+    rows = [decode_row("FLASH_ATTN", 8192, 32, 2000.0, prompts="distinct"),
+            decode_row("OSCAR", 8192, 32, 2500.0, prompts="distinct"),
+            decode_row("FLASH_ATTN", 32768, 32, None, prompts="distinct", kv_tokens_needed=1_052_672),
+            decode_row("OSCAR", 32768, 32, 900.0, prompts="distinct")]
+    table, data = vllm_report.decode_table(rows)
+    assert "| 8,192 | 32 | 2,000.0 | 2,500.0 | 1.25x |" in table
+    assert "| 32,768 | 32 | does not fit (1,052,672 KV tokens, has 791,312) | 900.0 | n/a |" in table
+    assert data["prompts"] == "a distinct prompt per request"
+    # A run recorded before the prompts were distinct says so.
+    assert vllm_report.decode_table([decode_row("OSCAR", 8192, 1, 160.0)])[1]["prompts"] == \
+        "one prompt shared by the batch"

@@ -164,9 +164,24 @@ def cmd_qwen3(args) -> None:
            generated=[len(o.outputs[0].token_ids) for o in outs], first_ids=outs[0].outputs[0].token_ids[:8])
 
 
-def cmd_decode(args) -> None:
+def decode_plan(contexts: list[int], batches: list[int], new_tokens: int, kv_tokens: int | None, seed: int = 0):
+    """``(context, batch, prompts)`` for each decode measurement: ``batch`` prompts of ``context``
+    random ids, distinct from the first token on (one shared prompt would let every request read
+    the same blocks, from L2 for the most part, which flatters the BF16 cache most), and
+    ``prompts`` None where they and their new tokens do not fit the engine's ``kv_tokens``."""
     import random
 
+    rng = random.Random(seed)
+    plan = []
+    for ctx in contexts:
+        for batch in batches:
+            fits = kv_tokens is None or batch * (ctx + new_tokens) <= kv_tokens
+            prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(ctx)]} for _ in range(batch)]
+            plan.append((ctx, batch, prompts if fits else None))
+    return plan
+
+
+def cmd_decode(args) -> None:
     from vllm import LLM, SamplingParams
 
     kw = dict(additional_config=oscar_config(args.rotations)) if args.backend == "OSCAR" else {}
@@ -175,20 +190,19 @@ def cmd_decode(args) -> None:
               max_model_len=max_ctx + args.new_tokens + 16, max_num_seqs=max(args.batches),
               gpu_memory_utilization=0.9, seed=0, **kw)
     kv_tokens = engine_kv_tokens(llm)
-    rng = random.Random(0)
-    for ctx in args.contexts:
-        prompt = [rng.randrange(100, 30000) for _ in range(ctx)]
-        for batch in args.batches:
-            # Same prompt for the whole batch: prefix caching prefills it once (in the warm-up
-            # call), and every request still attends over its full context when decoding.
-            reqs = [{"prompt_token_ids": prompt} for _ in range(batch)]
-            llm.generate(reqs, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
-            t0 = time.perf_counter()
-            outs = llm.generate(reqs, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True), use_tqdm=False)
-            dt = time.perf_counter() - t0
-            n = sum(len(o.outputs[0].token_ids) for o in outs)
-            result(check="decode", backend=args.backend, context=ctx, batch=batch, new_tokens=args.new_tokens,
-                   seconds=round(dt, 4), tokens_per_s=round(n / dt, 1), kv_cache_tokens=kv_tokens)
+    for ctx, batch, reqs in decode_plan(args.contexts, args.batches, args.new_tokens, kv_tokens):
+        common = dict(check="decode", backend=args.backend, context=ctx, batch=batch, new_tokens=args.new_tokens,
+                      prompts="distinct", kv_cache_tokens=kv_tokens)
+        if reqs is None:
+            result(**common, seconds=None, tokens_per_s=None, kv_tokens_needed=batch * (ctx + args.new_tokens))
+            continue
+        # Prefilled once (prefix caching keeps them), so the timed call decodes, as after a cached prompt.
+        llm.generate(reqs, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+        t0 = time.perf_counter()
+        outs = llm.generate(reqs, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True), use_tqdm=False)
+        dt = time.perf_counter() - t0
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        result(**common, seconds=round(dt, 4), tokens_per_s=round(n / dt, 1))
 
 
 def cmd_serve(args) -> None:
@@ -570,7 +584,7 @@ def main() -> None:
     sq.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     sd = sub.choices["decode"]
     sd.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
-    sd.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    sd.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32])
     sd.add_argument("--new-tokens", type=int, default=128)
     sx = sub.choices["prefix"]
     sx.add_argument("--chunk", type=int, default=8192)

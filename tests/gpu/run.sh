@@ -33,7 +33,7 @@
 #   warmup  the kernels' warm-up of an OSCAR engine (Qwen3-8B shape, eager: with torch.compile vLLM sets
 #           TRITON_CACHE_DIR itself) with one thread and with
 #           OSCAR_WARM_UP_THREADS_TRY (4), each from an empty Triton cache: the log lines that time it
-#   decode  decode tokens/s, OSCAR vs FLASH_ATTN, batch 1/32, context 8K/32K
+#   decode  decode tokens/s, OSCAR vs FLASH_ATTN, distinct prefix-cached prompts, batch 1/16/32, context 8K/32K
 #   refuse  bad input refused by name in one process (SmolLM2), GPU memory back to its baseline
 #   load    `vllm serve` under load, FLASH_ATTN and OSCAR through the same test (SmolLM2): replies
 #           against the same requests alone, idle KV blocks and window pages after load and
