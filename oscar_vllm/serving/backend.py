@@ -130,13 +130,22 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
                 f"window pages {pages} for rows {rows}: each row needs {self.pages_per_ring} block ids in "
                 f"[{first}, {num_blocks})"
             )
-        index = torch.tensor(rows, dtype=torch.long).to(self.window_pages.device, non_blocking=True)
-        self.window_pages.index_copy_(0, index, torch.tensor(pages, dtype=torch.int32).to(index.device))
+        # From pinned memory, without waiting: a blocking or pageable copy would synchronize the
+        # stream, so every step that admits a request would wait for the step before it to finish
+        # (no overlap of the host's next step with the GPU's, which vLLM's async scheduling gives).
+        device = self.window_pages.device
+        pinned = device.type == "cuda"
+
+        def to_device(values, dtype):
+            return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=True)
+
+        index = to_device(rows, torch.long)
+        self.window_pages.index_copy_(0, index, to_device(pages, torch.int32))
         for impl in self.layers:
             impl.window_pos.index_fill_(0, index, -1)
         shared = [r for r, c in zip(rows, sink_shared or []) if c]
         if shared and self.sink:
-            shared_index = torch.tensor(shared, dtype=torch.long).to(index.device, non_blocking=True)
+            shared_index = to_device(shared, torch.long)
             held = torch.arange(self.sink, dtype=torch.int32, device=index.device).expand(len(shared), -1)
             for impl in self.layers:
                 impl.window_pos[shared_index, :self.sink] = held

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project checks on a GPU (see README, "GPU checks"). Stages:
 #   tests   the kernel tests on the GPU: against their references at real shapes (the Gluon
-#           kernels run here only)
+#           kernels run here only), and that admitting requests does not synchronize the GPU
 #   kernels the kernel benchmarks (decode, prefill, write) against vLLM's FA3 and Triton
 #           attention, with the copy bandwidth of the same run; instruction mix of the kernels
 #   sweep   the launch sweeps behind the launch tables: the Gluon decode kernel's (oscar_decode.py: register
@@ -81,7 +81,8 @@ for stage in $stages; do
     tests)
       { python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print(torch.cuda.get_device_name(0))' &&
         python3 -m pytest -q -p no:warnings $xdist tests/kernels/test_oscar_decode.py tests/kernels/test_oscar_write.py \
-          tests/kernels/test_oscar_attention.py tests/kernels/test_oscar_dense_kv.py tests/kernels/test_launch_table.py tests/kernels/test_warm_up.py; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
+          tests/kernels/test_oscar_attention.py tests/kernels/test_oscar_dense_kv.py tests/kernels/test_launch_table.py tests/kernels/test_warm_up.py \
+          tests/serving/test_plugin.py::test_admitting_requests_does_not_synchronize_the_gpu; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
     kernels)
       { (cd benchmarks/kernels &&
          python3 oscar_decode.py decode --out "$out/kernels" ${OSCAR_KERNEL_ARGS:-} &&

@@ -235,6 +235,25 @@ def test_rows_that_share_a_cached_sink_read_it_and_nothing_else():
         assert (layer.window_pos[[2, 3]] == -1).all()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu/run.sh tests)")
+def test_admitting_requests_does_not_synchronize_the_gpu():
+    # A synchronizing copy here made every step that admits requests wait for the step before.
+    cls, b = builder_state()
+    b.window_pages, b.ring_slots = b.window_pages.cuda(), b.ring_slots.cuda()
+    for layer in b.layers:
+        layer.window_pos = layer.window_pos.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cls.assign_windows(b, [3], [[7, 8, 9]], num_blocks=10)
+        cls.assign_windows(b, [1, 2], [[7, 5, 6], [1, 2, 4]], num_blocks=10, sink_shared=[True, False])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert b.window_pages[1].tolist() == [7, 5, 6] and b.window_pages[2].tolist() == [1, 2, 4]
+    for layer in b.layers:
+        assert layer.window_pos[1].tolist() == [0, 1, -1, -1, -1] and (layer.window_pos[[2, 3]] == -1).all()
+
+
 def test_a_second_weight_hook_would_fold_twice_and_is_refused():
     from oscar_vllm.core.fold import RotationFoldError
     from oscar_vllm.core.settings import BACKEND_NAME
