@@ -504,13 +504,23 @@ def _oscar_write_decode_kernel(
     gl.store(window_pos_ptr + ring * (SINK + RECENT) + entry, pos, mask=keep & is_k & (h == 0))
 
 
-def decode_write_tiles(g: int, d: int) -> dict:
-    """A decode write program's tiling for ``g`` query heads a KV head: ``TP`` tokens (as many as
-    keep its query rows one 16-row MMA tile), ``QM``/``KM`` the queries' and keys' MMA rows (the
-    keys' with room for the values' rows after them), and ``num_warps``, a warp per K or V row
-    (at most one per 8 dims: the MMA tiles' width). H200, Qwen3-8B: 11 µs at 1 and 32 tokens,
-    28 and 27 with a 16-row tile's rows a warp (``benchmarks/kernels/oscar_write.py``)."""
-    tp = max(1, 16 // triton.next_power_of_2(g))
+# Query rows of a decode write program's MMA tile, by tokens in the call (the largest key <=
+# tokens): the program takes rows // G tokens, which share one load of R (64 KB at head_dim 128,
+# two bf16 terms, from L2: the kernel's largest cost at 256 tokens, where two terms instead of three
+# took 36% off). 16 rows is one m16 tile (4 tokens at G = 4).
+DECODE_WRITE_LAUNCH = {1: 16}
+
+
+def decode_write_tiles(g: int, d: int, tokens: int = 1, query_rows: int | None = None) -> dict:
+    """A decode write program's tiling for ``g`` query heads a KV head and a call of ``tokens``:
+    ``TP`` tokens (as many as keep its queries within ``query_rows``, else ``DECODE_WRITE_LAUNCH``'s
+    rows), ``QM``/``KM`` the queries' and keys' MMA rows (the keys' with room for the values' rows
+    after them), and ``num_warps``, a warp per K or V row (at most one per 8 dims: the MMA tiles'
+    width; rows beyond it share a warp). H200, Qwen3-8B: 11 µs at 1 and 32 tokens, 28 and 27 with a
+    16-row tile's rows a warp (``benchmarks/kernels/oscar_write.py``)."""
+    rows = query_rows or launch_bucket(DECODE_WRITE_LAUNCH, tokens)
+    # At most 16 tokens: every warp holds the keys' whole A operand (the warps split R's columns).
+    tp = max(1, min(16, rows // triton.next_power_of_2(g)))
     return dict(TP=tp, QM=max(16, triton.next_power_of_2(tp * g)), KM=max(16, 2 * tp),
                 num_warps=min(max(4, 2 * tp), 16, d // 8))
 
@@ -534,18 +544,20 @@ def oscar_write_decode(
     recent: int,
     param_dtype: torch.dtype = torch.float16,
     num_warps: int | None = None,
+    query_rows: int | None = None,
 ) -> None:
     """A decode batch's write, before its attention: token ``t`` (request ``t``) of ``key``/
     ``value`` ``[T, Hkv, d]`` into the INT2 pages and its ring (as ``oscar_write``), and its
     queries ``query`` ``[T, Hq, d]`` rotated into ``q_rot`` (same shape, in the same launch).
-    ``rot_t``: the key rotation as ``decode_rotation`` gives it."""
+    ``rot_t``: the key rotation as ``decode_rotation`` gives it. ``num_warps``, ``query_rows``:
+    instead of ``decode_write_tiles``' (benchmarks, tests)."""
     t, hkv, d = key.shape
     if t == 0:
         return
     check_int2_cache(cache, d)
     g = query.shape[1] // hkv
     win = window_args(windows, window_pages, window_pos, hkv, d, sink, recent)
-    tiles = decode_write_tiles(g, d)
+    tiles = decode_write_tiles(g, d, t, query_rows)
     if num_warps:
         tiles["num_warps"] = num_warps
     _oscar_write_decode_kernel[(triton.cdiv(t, tiles["TP"]), hkv)](

@@ -27,7 +27,13 @@ from csrc_triton.oscar_attention import (
 )
 from csrc_triton import oscar_decode as gluon_decode
 from csrc_triton.oscar_dense_kv import oscar_dense_kv
-from csrc_triton.oscar_write import WRITE_LAUNCH, decode_rotation, oscar_write, oscar_write_decode
+from csrc_triton.oscar_write import (
+    DECODE_WRITE_LAUNCH,
+    WRITE_LAUNCH,
+    decode_rotation,
+    oscar_write,
+    oscar_write_decode,
+)
 from csrc_triton.paged_layout import launch_bucket
 
 
@@ -105,11 +111,11 @@ def warm_up_kernels(
         return (torch.empty(n * num_heads * splits * d, dtype=torch.float32, device=dev),
                 torch.empty(n * num_heads * splits, dtype=torch.float32, device=dev))
 
-    def decode_write() -> None:  # padding slots: it writes nothing
-        padding = torch.full((1,), -1, dtype=torch.int64, device=dev)
-        _, seq_lens, _, ring_slots = batch(1, 1)
-        q = rows(1, num_heads)
-        oscar_write_decode(rows(1, hkv), rows(1, hkv), q, q.clone(), decode_rotation(rot_k), padding, seq_lens,
+    def decode_write(t: int) -> None:  # padding slots: it writes nothing
+        padding = torch.full((t,), -1, dtype=torch.int64, device=dev)
+        _, seq_lens, _, ring_slots = batch(t, 1)
+        q = rows(t, num_heads)
+        oscar_write_decode(rows(t, hkv), rows(t, hkv), q, q.clone(), decode_rotation(rot_k), padding, seq_lens,
                            ring_slots, cache, windows, window_pages, window_pos, 0, 0, sink, recent, param_dtype)
 
     def gluon_decode_attention(n: int, splits: int, ring_cost: int) -> None:
@@ -148,7 +154,8 @@ def warm_up_kernels(
 
     launches: list[Callable[[], None]] = []
     if gluon:
-        launches.append(decode_write)
+        launches += [functools.partial(decode_write, t)
+                     for t in sorted(k for k in DECODE_WRITE_LAUNCH if k <= max_num_seqs)]
         launches += [functools.partial(gluon_decode_attention, n, splits, ring_cost) for (_, _, ring_cost, splits), n
                      in gluon_decode_variants(max_num_seqs, hkv, num_sms, fixed_splits).items()]
     else:

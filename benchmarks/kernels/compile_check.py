@@ -7,7 +7,7 @@ the pointers a kernel lists in ``do_not_specialize_on_alignment``).
     python benchmarks/kernels/compile_check.py decode --num-warps 4 --num-stages 3
     python benchmarks/kernels/compile_check.py prefill --block-m 128 --num-warps 8 --dump /tmp/prefill.sass
     python benchmarks/kernels/compile_check.py gluon_decode --maxnreg 168
-    python benchmarks/kernels/compile_check.py write_decode
+    python benchmarks/kernels/compile_check.py write_decode --query-rows 32
     python benchmarks/kernels/compile_check.py write --block-t 16 --num-warps 8
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ def gluon_decode_consts(args) -> dict:
 
 
 def write_decode_consts(args) -> dict:
-    tiles = oscar_write.decode_write_tiles(args.g, args.d)
+    tiles = oscar_write.decode_write_tiles(args.g, args.d, query_rows=args.query_rows)
     del tiles["num_warps"]
     return dict(ROT_HEAD_STRIDE=0, HKV=8, G=args.g, D=args.d, SINK=64, RECENT=256, WIN_E=WIN_E,
                 PARAM_BF16=args.bf16_params, R_TERM=args.d * args.d, **tiles)
@@ -133,6 +133,8 @@ def main() -> None:
     p.add_argument("--g", type=int, default=4)
     p.add_argument("--no-asm", action="store_true")
     p.add_argument("--bf16-params", action="store_true", help="write: bf16 scales and mins")
+    p.add_argument("--query-rows", type=int,
+                   help="write_decode: query rows a program (default: DECODE_WRITE_LAUNCH's at one token)")
     p.add_argument("--maxnreg", type=int, help="registers a thread may use (gluon_decode: as DECODE_LAUNCH has it)")
     p.add_argument("--prefetch", type=int,
                    help="gluon_decode: INT2 blocks prefetched into L2 ahead (default: DECODE_LAUNCH's for the cap)")
@@ -150,7 +152,7 @@ def main() -> None:
         "write_decode": (oscar_write._oscar_write_decode_kernel, write_decode_consts),
     }[args.kernel]
     # As the launch wrappers choose, unless --num-warps says otherwise.
-    write_warps = oscar_write.decode_write_tiles(args.g, args.d)["num_warps"]
+    write_warps = oscar_write.decode_write_tiles(args.g, args.d, query_rows=args.query_rows)["num_warps"]
     default_warps = {"gluon_decode": 1, "write_decode": write_warps, "write": PREFILL_WRITE[1]}.get(args.kernel, 4)
     num_warps = args.num_warps or default_warps
     k = compile_kernel(fn, consts(args), num_warps, args.num_stages, args.maxnreg)

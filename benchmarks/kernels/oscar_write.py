@@ -10,7 +10,10 @@ prefill-side kernel plus the queries' fp32 rotation through PyTorch (``split_pat
 
 ``--launch``: the launch choices to time, ``table`` (the kernels' own), ``TxW`` for the prefill
 rows (the Triton write: T tokens a program on W warps), ``xW`` for the decode rows (the decode
-write on W warps).
+write on W warps). ``--query-rows``: the decode write's query rows a program (``DECODE_WRITE_LAUNCH``'s
+entries to choose from), each timed beside the others:
+
+    python benchmarks/kernels/oscar_write.py --shapes qwen3-8b --tokens 1 8 32 64 128 256 --query-rows 16 32
 """
 from __future__ import annotations
 
@@ -44,6 +47,8 @@ def main() -> None:
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 32, 256, 8192, 16384],
                    help="new tokens per step; one request each below 256, else 256-token chunks of 16 requests")
     p.add_argument("--launch", nargs="+", default=["table"], help="table, TxW or xW (see above)")
+    p.add_argument("--query-rows", nargs="+", type=int, default=[None],
+                   help="decode rows: the decode write's query rows a program (default: its launch table's)")
     args = p.parse_args()
     bw = copy_bandwidth_gbs()
     env = environment()
@@ -75,20 +80,21 @@ def main() -> None:
             def rotate_queries():
                 return (q.float() @ rot).to(q.dtype)
 
-            for launch in args.launch:
+            for launch, query_rows in [(la, qr) for la in args.launch for qr in (args.query_rows if decodes else [None])]:
                 block_t, warps = parse_launch(launch)
                 if block_t if decodes else (warps and not block_t):
                     continue  # a choice for the other kernel
-                row = {"shape": s.name, "tokens": t, "requests": len(q_lens), "launch": launch}
+                label = launch if query_rows is None else f"{launch}, {query_rows} query rows"
+                row = {"shape": s.name, "tokens": t, "requests": len(q_lens), "launch": label}
                 split = lambda lc=(block_t, warps) if block_t else None: oscar_write(  # noqa: E731
                     k, v, rot, slots, b.cu_q, b.seq_lens, b.ring_slots, len(q_lens), b.cache, b.windows,
                     b.window_pages, b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT,
                     num_decodes=decodes, launch=lc)
                 if decodes:
-                    row["oscar_ms"] = time_calls([lambda w=warps: oscar_write_decode(
+                    row["oscar_ms"] = time_calls([lambda w=warps, qr=query_rows: oscar_write_decode(
                         k, v, q, q_rot, rot_t, slots, b.seq_lens, b.ring_slots, b.cache, b.windows,
                         b.window_pages, b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT,
-                        num_warps=w)])
+                        num_warps=w, query_rows=qr)])
                     row["split_path_ms"] = time_calls([lambda: (split(), rotate_queries())])
                 else:
                     row["oscar_ms"] = time_calls([split])

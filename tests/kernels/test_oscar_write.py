@@ -112,6 +112,19 @@ DECODE_CASES = [
 @pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-s{c[4]}-r{c[5]}-n{len(c[6])}-clip{c[7][0]}/{c[7][1]}")
 def test_decode_write_matches_reference(case, param_dtype):
+    check_decode_write(case, param_dtype)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
+@pytest.mark.parametrize("query_rows", [32])
+@pytest.mark.parametrize("case", [c for c in DECODE_CASES if len(c[6]) > 4],
+                         ids=lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-n{len(c[6])}-clip{c[7][0]}/{c[7][1]}")
+def test_decode_write_with_more_tokens_a_program_matches_reference(case, query_rows):
+    # A launch table entry of 32 query rows: up to 8 tokens a program share R (64 query rows spill, sm_90).
+    check_decode_write(case, torch.bfloat16, query_rows)
+
+
+def check_decode_write(case, param_dtype, query_rows=None):
     from csrc_triton.oscar_write import decode_rotation, oscar_write_decode
 
     d, hkv, g, per_head, sink, recent, prefix, (clip_k, clip_v) = case
@@ -130,7 +143,7 @@ def test_decode_write_matches_reference(case, param_dtype):
     q_rot = torch.full_like(q, float("nan"))
     oscar_write_decode(k, v, q, q_rot, decode_rotation(rot), step.slot_mapping, step.seq_lens, step.ring_slots,
                        pc.cache, pc.windows, pc.window_pages, pc.window_pos, clip_index(clip_k, d),
-                       clip_index(clip_v, d), sink, recent, param_dtype)
+                       clip_index(clip_v, d), sink, recent, param_dtype, query_rows=query_rows)
     want = oscar_write_decode_reference(k, v, q, rot, step.slot_mapping, step.seq_lens, step.ring_slots, ref.cache,
                                         ref.windows, ref.window_pages, ref.window_pos, clip_k, clip_v, sink, recent,
                                         param_dtype)
