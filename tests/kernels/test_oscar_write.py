@@ -153,6 +153,21 @@ def check_decode_write(case, param_dtype, query_rows=None):
     assert err.max() <= 2e-2 * want.abs().max() and err.mean() <= 4e-3 * want.abs().mean(), (err.max(), err.mean())
 
 
+def test_decode_write_tiles_follow_the_launch_table(monkeypatch):
+    import csrc_triton.oscar_write as ow
+
+    # 4 query heads a KV head: 16 rows are 4 tokens on 8 warps (a K or V row each), 32 rows 8 on 16.
+    assert ow.decode_write_tiles(4, 128) == dict(TP=4, QM=16, KM=16, num_warps=8)
+    assert ow.decode_write_tiles(4, 128, query_rows=32) == dict(TP=8, QM=32, KM=16, num_warps=16)
+    # One query head: 16 tokens at most (every warp holds the keys' whole operand); 7 heads pad to 8.
+    assert ow.decode_write_tiles(1, 128, query_rows=64)["TP"] == 16
+    assert ow.decode_write_tiles(7, 128) == dict(TP=2, QM=16, KM=16, num_warps=4)
+    # head_dim 64: at most 8 warps (one per 8 dims of the MMA tiles' width).
+    assert ow.decode_write_tiles(4, 64, query_rows=32)["num_warps"] == 8
+    monkeypatch.setattr(ow, "DECODE_WRITE_LAUNCH", {1: 16, 128: 32})
+    assert [ow.decode_write_tiles(4, 128, t)["TP"] for t in (1, 127, 128, 256)] == [4, 4, 8, 8]
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 def test_decode_rotation_is_two_bf16_terms_within_2_pow_16(per_head):
     from csrc_triton.oscar_write import decode_rotation
