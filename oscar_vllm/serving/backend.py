@@ -476,7 +476,11 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
                          md.decode_splits, md.part_out, md.part_lse, logit_correction=self.logit_correction,
                          ring_cost=md.decode_ring_cost)
         if nd < num_reqs:
-            q_rot[nd:] = self.rotate(q[nd:])
+            # Prefill queries read the INT2 cache only over a cached prefix (or, without
+            # FlashAttention, for their own keys too): a fresh prompt's chunk skips the rotation,
+            # an fp32 GEMM with its copies over every prompt token in every layer.
+            if md.prefill_has_prefix or self.own_keys_attention is None or self.decode_read:
+                q_rot[nd:] = self.rotate(q[nd:])
             if self.decode_read:
                 self.decode_read_prefill(md, q_rot, k, v, out, kv_cache, windows)
                 return output

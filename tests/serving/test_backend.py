@@ -61,3 +61,41 @@ def test_decode_read_refuses_rows_its_buffers_do_not_hold():
     with pytest.raises(ValueError, match=r"needs 62 \+ 27 dense rows, the buffers hold 88"):
         oscar_decode_read_prefill(q, q_rot, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
                                   step.seq_lens, step.cu_q, step.ring_slots, 1, 20, 4, 8, plan)
+
+
+@pytest.mark.parametrize("has_prefix", [False, True])
+def test_fresh_prefill_queries_are_not_rotated(has_prefix):
+    """A prefill chunk with no cached prefix attends to its own keys through FlashAttention only,
+    so its queries skip the rotation (an fp32 GEMM over every prompt token and layer); over a
+    cached prefix they are rotated for the INT2 kernel. Prefill only: no Gluon launch."""
+    from oscar_vllm.serving.backend import OscarAttentionImpl, _own_keys
+
+    d, hkv, g, sink, recent = 64, 1, 2, 4, 8
+    pc, step, q, _, k, v = prepare(d, hkv, g, sink, recent, [30 if has_prefix else 0], [20], torch.float32)
+    rot = random_rotation(d).to(DEVICE)
+    scale = 1 / math.sqrt(d)
+    attention, _ = decode_read_twins(scale)
+    rotated = []
+
+    def rotate(x):
+        rotated.append(x.shape[0])
+        return (x.float() @ rot).to(x.dtype)
+
+    impl = SimpleNamespace(
+        rotate=rotate, decode_read=False, own_keys_attention=lambda *a: _own_keys(
+            lambda *b, return_lse: attention(*b, return_lse=return_lse, window_left=-1), *a),
+        dense_prefill=lambda md, k: None, scale=scale, sink=sink, recent=recent, param_dtype=torch.float16,
+        logit_correction=0.0, rot_k=rot, window_pos=pc.window_pos, clip_idx_k=clip_index(CLIP_K, d),
+        clip_idx_v=clip_index(CLIP_V, d))
+    md = SimpleNamespace(
+        num_decodes=0, num_reqs=1, num_actual_tokens=20, max_query_len=20, prefill_has_prefix=has_prefix,
+        query_start_loc=step.cu_q, seq_lens=step.seq_lens, block_table=step.block_table,
+        slot_mapping=step.slot_mapping, ring_slots=step.ring_slots, window_pages=pc.window_pages)
+    out = torch.full_like(q, float("nan"))
+    OscarAttentionImpl._forward_write_first(impl, md, q, k, v, out, pc.cache, pc.windows, out)
+    assert rotated == ([20] if has_prefix else [])
+    assert not out.isnan().any() and (pc.window_pos[step.ring_slots[0].long()] >= 0).sum() == sink + recent
+    if not has_prefix:
+        own = torch.empty_like(out)
+        attention(q, k, v, step.cu_q, step.cu_q, 20, 20, own, return_lse=False, window_left=-1)
+        torch.testing.assert_close(out, own, rtol=0, atol=0)
