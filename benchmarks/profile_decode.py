@@ -1,7 +1,7 @@
 """Where a decode step's time goes inside vLLM: one engine in this process, distinct prompts
 prefilled (and prefix-cached) first, then a profiled decode run. Prints the time per output
 token, the GPU time its kernels add up to (a step far longer than its kernels waits on the
-host) and the kernels that take it.
+host), the kernels that take it, and the host syncs per token by the line that asks for them.
 
     python benchmarks/profile_decode.py --backend OSCAR --batch 32 --context 16384
     python benchmarks/profile_decode.py --backend FLASH_ATTN --batch 32 --context 16384
@@ -9,11 +9,15 @@ host) and the kernels that take it.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import tempfile
 import time
+import warnings
 from pathlib import Path
+
+import torch
 
 from ab_throughput import QWEN3_8B_CONFIG, distinct_prompts, dummy_long_context
 
@@ -65,6 +69,26 @@ def main() -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=80))
     if args.trace:
         prof.export_chrome_trace(args.trace)
+    # Host syncs: at each one the host's work on the next step cannot overlap the GPU's (vLLM's
+    # async scheduling). One more run under torch's sync debug mode, counted by the Python line
+    # that asked for the sync.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            llm.generate(prompts, sp, use_tqdm=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = sync_sites(caught)
+    print(f"{args.backend}: {sum(sites.values()) / args.steps:.1f} host syncs per output token, by where they are asked:")
+    for site, n in sites.most_common(args.top):
+        print(f"{n:8d}  {site}")
+
+
+def sync_sites(caught: list[warnings.WarningMessage]) -> collections.Counter:
+    """``file:line`` of each synchronizing call torch's sync debug mode warned about."""
+    return collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                               if "synchroniz" in str(w.message))
 
 
 if __name__ == "__main__":

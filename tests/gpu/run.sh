@@ -82,7 +82,8 @@ for stage in $stages; do
       { python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print(torch.cuda.get_device_name(0))' &&
         python3 -m pytest -q -p no:warnings $xdist tests/kernels/test_oscar_decode.py tests/kernels/test_oscar_write.py \
           tests/kernels/test_oscar_attention.py tests/kernels/test_oscar_dense_kv.py tests/kernels/test_launch_table.py tests/kernels/test_warm_up.py \
-          tests/serving/test_plugin.py::test_admitting_requests_does_not_synchronize_the_gpu; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
+          tests/serving/test_plugin.py::test_admitting_requests_does_not_synchronize_the_gpu \
+          tests/benchmarks/test_profile_decode.py; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
     kernels)
       { (cd benchmarks/kernels &&
          python3 oscar_decode.py decode --out "$out/kernels" ${OSCAR_KERNEL_ARGS:-} &&

@@ -1,0 +1,39 @@
+"""benchmarks/profile_decode.py's count of host syncs: by the line that asks for one, nothing else."""
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import profile_decode  # noqa: E402
+
+
+def ask_for_a_sync():
+    warnings.warn("called a synchronizing CUDA operation")
+
+
+def test_sync_sites_count_each_synchronizing_line_and_nothing_else():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            ask_for_a_sync()
+        warnings.warn("some other warning")
+    line = ask_for_a_sync.__code__.co_firstlineno + 1
+    assert profile_decode.sync_sites(caught) == {f"{Path(__file__).name}:{line}": 3}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's sync debug mode needs CUDA")
+def test_sync_sites_see_what_torch_calls_a_sync():
+    x = torch.ones(4, device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            x.sum().item()
+            x.add_(1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert sum(profile_decode.sync_sites(caught).values()) == 1
