@@ -77,19 +77,18 @@ def capacity_table(rows: list[dict]) -> list[str]:
 def decode_table(rows: list[dict]) -> tuple[list[str], dict]:
     """Decode tokens/s by context and batch, FLASH_ATTN beside OSCAR; a shape whose prompts and
     new tokens do not fit a backend's KV cache says so (``tokens_per_s`` None in its row)."""
-    decode = [r for r in rows if r["check"] == "decode"]
-    runs = {(r["backend"], r["context"], r["batch"]): r["tokens_per_s"] for r in decode}
-    kv = {(r["backend"], r["context"], r["batch"]): (r.get("kv_tokens_needed"), r.get("kv_cache_tokens")) for r in decode}
+    decode = {(r["backend"], r["context"], r["batch"]): r for r in rows if r["check"] == "decode"}
+    runs = {key: r["tokens_per_s"] for key, r in decode.items()}
     shapes = sorted({(c, b) for _, c, b in runs})
     out = ["| context | batch | FLASH_ATTN tok/s | OSCAR tok/s | OSCAR / FLASH_ATTN |", "|---|---|---|---|---|"]
 
     def cell(key):
-        if key not in runs:
+        r = decode.get(key)
+        if r is None:
             return "not run"
-        if runs[key] is None:
-            need, have = kv[key]
-            return f"does not fit ({need:,} KV tokens, has {have:,})"
-        return f"{runs[key]:,.1f}"
+        if r["tokens_per_s"] is None:
+            return f"does not fit ({r['kv_tokens_needed']:,} KV tokens, has {r['kv_cache_tokens']:,})"
+        return f"{r['tokens_per_s']:,.1f}"
 
     for c, b in shapes:
         fa, osc = runs.get(("FLASH_ATTN", c, b)), runs.get(("OSCAR", c, b))
@@ -97,7 +96,7 @@ def decode_table(rows: list[dict]) -> tuple[list[str], dict]:
         out.append(f"| {c:,} | {b} | {cell(('FLASH_ATTN', c, b))} | {cell(('OSCAR', c, b))} | {ratio} |")
     # Runs before 2026-12-04 gave the whole batch one prompt (no "prompts" key).
     labels = {"distinct": "a distinct prompt per request"}
-    prompts = {labels.get(r.get("prompts"), "one prompt shared by the batch") for r in decode}
+    prompts = {labels.get(r.get("prompts"), "one prompt shared by the batch") for r in decode.values()}
     return out, {"shapes": shapes, "runs": runs, "prompts": ", ".join(sorted(prompts))}
 
 

@@ -176,6 +176,7 @@ def decode_plan(contexts: list[int], batches: list[int], new_tokens: int, kv_tok
     for ctx in contexts:
         for batch in batches:
             fits = kv_tokens is None or batch * (ctx + new_tokens) <= kv_tokens
+            # Drawn whether they fit or not, so each shape gets the same prompts on every backend.
             prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(ctx)]} for _ in range(batch)]
             plan.append((ctx, batch, prompts if fits else None))
     return plan
