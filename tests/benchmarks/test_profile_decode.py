@@ -15,12 +15,19 @@ def ask_for_a_sync():
     warnings.warn("called a synchronizing CUDA operation")
 
 
+def read_back(x: torch.Tensor) -> float:
+    return x.sum().item()
+
+
 def test_sync_sites_count_each_synchronizing_line_and_nothing_else():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
             ask_for_a_sync()
         warnings.warn("some other warning")
+        # What torch 2.11 says when the mode is turned on (inside set_sync_debug_mode): no sync.
+        warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
+                      "synchronizing operations")
     line = ask_for_a_sync.__code__.co_firstlineno + 1
     assert profile_decode.sync_sites(caught) == {f"{Path(__file__).name}:{line}": 3}
 
@@ -32,8 +39,9 @@ def test_sync_sites_see_what_torch_calls_a_sync():
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            x.sum().item()
+            read_back(x)
             x.add_(1)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert sum(profile_decode.sync_sites(caught).values()) == 1
+    line = read_back.__code__.co_firstlineno + 1
+    assert profile_decode.sync_sites(caught) == {f"{Path(__file__).name}:{line}": 1}
