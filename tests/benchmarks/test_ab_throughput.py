@@ -425,6 +425,21 @@ def test_latency_times_the_decode_phase_and_reuses_the_long_prompt(ab):
     assert sent[0][:100] != sent[1][:100]  # distinct prompts otherwise
 
 
+def test_decode_step_is_each_requests_first_to_last_token_averaged(ab):
+    from types import SimpleNamespace as NS
+
+    def request(first, last, n):
+        return NS(metrics=NS(first_token_ts=first, last_token_ts=last), outputs=[NS(token_ids=[0] * n)])
+
+    # A request admitted a step later decodes as fast: its own span counts, not the call's.
+    assert ab.decode_step_s([request(1.0, 1.7, 8), request(1.1, 1.8, 8)]) == pytest.approx(0.1)
+    assert ab.decode_step_s([request(1.0, 1.7, 8), request(2.0, 2.0, 1)]) == pytest.approx(0.1)
+    with pytest.raises(RuntimeError, match="per-request times"):
+        ab.decode_step_s([NS(metrics=None, outputs=[NS(token_ids=[0, 0])])])
+    with pytest.raises(RuntimeError, match="two output tokens"):
+        ab.decode_step_s([request(1.0, 1.0, 1)])
+
+
 def test_a_partial_result_keeps_its_scenarios_on_timeout(ab, tmp_path, capsys):
     result = tmp_path / "run_FLASH_ATTN.json"
     script = ("import json, sys, time; json.dump({'config': 'FLASH_ATTN', 'short': {'output_tok_s': 1.0}, "
@@ -653,6 +668,9 @@ def test_worker_runs_every_scenario_and_the_baseline_sizes_the_plan(ab, tmp_path
                                 ("seconds", "output_tok_s")}, "outputs": 36, "mean_running": 3.0, "preemptions": 0,
                                 "prompt_tokens_computed": 0}
     assert base["capacity"]["outputs"] == 16 and base["decode"]["outputs"] == 16
+    # Every request decodes 5 ms a token after its first: the decode step, not the call's time over tokens.
+    assert base["decode"]["tpot_ms"] == pytest.approx(5.0) and base["decode"]["decode_tok_s"] == pytest.approx(400.0)
+    assert base["decode"]["hit_s"] >= 0
     fp8 = run_worker_main(ab, tmp_path, "fp8", argv)  # runs the plan the baseline wrote
     assert fp8["plan"] == base["plan"] and fp8["kv_cache_tokens"] == 2 * 812_160
     assert fp8["overflow"]["requests"] == base["overflow"]["requests"]
