@@ -614,11 +614,11 @@ def decode_step_s(results) -> float:
     for r in results:
         n = len(r.outputs[0].token_ids)
         if r.metrics is None:
-            raise RuntimeError("decode needs vLLM's per-request times: leave disable_log_stats off")
+            raise RuntimeError("timing decode steps needs vLLM's per-request times: leave disable_log_stats off")
         if n > 1:
             steps.append((r.metrics.last_token_ts - r.metrics.first_token_ts) / (n - 1))
     if not steps:
-        raise RuntimeError("decode needs at least two output tokens a request")
+        raise RuntimeError("timing decode steps needs at least two output tokens a request")
     return sum(steps) / len(steps)
 
 
@@ -635,13 +635,11 @@ def _latency(timed, sizes, vocab, result) -> None:
         # The context as long as long's prompt is that prompt, prefix-cached (its prefill is long's number).
         prompt = distinct_prompts(1, ctx, vocab, SEEDS["long"] if ctx == long_len else LATENCY_SEED + i)
         call = timed(prompt, k, "latency")
-        m = call.results[0].metrics
-        if m is None:
-            raise RuntimeError("latency needs vLLM's per-request times: leave disable_log_stats off")
-        n = len(call.results[0].outputs[0].token_ids)
-        rows.append({"context": ctx, "tpot_ms": round(1000 * (m.last_token_ts - m.first_token_ts) / (n - 1), 3),
+        step, m = decode_step_s(call.results), call.results[0].metrics
+        rows.append({"context": ctx, "tpot_ms": round(1000 * step, 3),
                      "first_token_s": round(m.first_token_ts - m.scheduled_ts, 3),
-                     "cached_tokens": call.results[0].num_cached_tokens, "outputs": n})
+                     "cached_tokens": call.results[0].num_cached_tokens,
+                     "outputs": len(call.results[0].outputs[0].token_ids)})
     result["latency"] = {"requests": 1, "output_len": k, "contexts": z["contexts"], "per_context": rows}
 
 

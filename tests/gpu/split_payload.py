@@ -123,12 +123,13 @@ def main() -> None:
     args = p.parse_args()
     repo = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                                check=True).stdout.strip())
-    room = CALL_BYTES - tracked_bytes(repo) - MARGIN_BYTES
-    parts = split_payload(args.device_dir, room, room - folder_bytes(args.carry), args.stage_script)
+    tree, carry = tracked_bytes(repo), folder_bytes(args.carry)
+    room = CALL_BYTES - tree - MARGIN_BYTES
+    parts = split_payload(args.device_dir, room, room - carry, args.stage_script)
     for part in parts:
         print(f"{part}: {folder_bytes(part) / 1e6:.1f} MB")
-    print(f"{len(parts)} parts, each beside a tree of {tracked_bytes(repo) / 1e6:.1f} MB "
-          f"(the first with {args.carry}, {folder_bytes(args.carry) / 1e6:.1f} MB)")
+    print(f"{len(parts)} parts, each beside a tree of {tree / 1e6:.1f} MB "
+          f"(the first with {args.carry}, {carry / 1e6:.1f} MB)")
 
 
 if __name__ == "__main__":
