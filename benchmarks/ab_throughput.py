@@ -51,8 +51,8 @@ the table "KV cache capacity by max_num_seqs".
 Time budget: ``--budget-s S`` scales every scenario down by one factor (requests and output
 tokens, and overflow's and capacity's lengths; the contexts the rows name stay) until the run's
 estimated wall-clock, engine starts included, is at most S seconds per configuration of the
-longest queue of a GPU (with one GPU: S x the configurations; they share the time, as OSCAR's
-engine start alone takes twice FLASH_ATTN's). No scenario goes below the size where its
+longest queue of a GPU (with one GPU: S x the configurations; they share the time, as their engine
+starts and speeds differ). No scenario goes below the size where its
 comparison stops meaning anything (the floors in ``scaled_sizes``): ``overflow`` keeps needing
 more KV than ``--overflow-factor`` times the largest cache of ``--overflow-configs`` (BF16's and
 fp8's) and less than OSCAR's holds; ``capacity`` more than that factor times BF16's. Those bounds
@@ -238,11 +238,12 @@ PREFILL_S_PER_TOKEN = 1 / 44_500
 PREFILL_S_PER_TOKEN2 = 4.7e-10
 STEP_S = {"OSCAR": (6.7e-3, 2.27e-8), "FLASH_ATTN": (5.0e-3, 3.34e-8), "fp8": (5.0e-3, 2.5e-8),
           "int4": (5.5e-3, 3.34e-8), "turboquant": (7.5e-3, 5.0e-8)}  # (fixed, per context token)
-# Engine start, from the same logs: FLASH_ATTN 58 s (torch.compile 27.5 s, cold: each configuration
-# compiles into its own cache), OSCAR 130 s (its kernels' serving variants 45 s with Triton's cache
-# cold, and 20 s more before the engine began). int4 and turboquant compile their Triton kernels
-# in their first calls (the first warm-ups).
-STARTUP_S = {"OSCAR": 130, "FLASH_ATTN": 60, "fp8": 60, "int4": 80, "turboquant": 80}
+# Engine start (torch.compile cold: each configuration compiles into its own cache), about the
+# median of the H200 runs of 2026-12-02 to 04 (`startup_s` in results/ab*/**/run_*.json):
+# FLASH_ATTN 56-90 s, fp8 75-108, OSCAR 77-123 (its kernels' serving variants compiled in 4
+# threads, Triton's cache cold), int4 72 (one run). int4 and turboquant compile their Triton
+# kernels in their first calls (the first warm-ups).
+STARTUP_S = {"OSCAR": 100, "FLASH_ATTN": 85, "fp8": 85, "int4": 80, "turboquant": 80}
 PROCESS_S = 12  # a worker's imports before the engine, its first call and the engine's shutdown
 SCENARIO_WARM_UP_S = 2  # each scenario's small untimed run first
 PARENT_S = 15  # the run's own set-up (versions, hardware) and report
@@ -370,8 +371,8 @@ def wall_s(totals: list[float], gpus: int) -> float:
 
 def within_budget(est: dict, budget: float, gpus: int) -> bool:
     """Whether the run's estimated wall-clock is at most ``budget`` per configuration in the
-    longest queue of a GPU: the configurations of one GPU share their time (OSCAR's engine start
-    alone takes twice FLASH_ATTN's)."""
+    longest queue of a GPU: the configurations of one GPU share their time (their engine starts
+    and speeds differ)."""
     return wall_s([e["total"] for e in est.values()], gpus) <= budget * math.ceil(len(est) / max(1, gpus))
 
 

@@ -4,7 +4,9 @@ Every block between ``<!-- table:PATH -->`` and ``<!-- end table -->`` is replac
 file PATH (relative to the repository, less its ``# title`` line: the page gives the
 headings), so numbers in the README and the docs are never typed by hand. ``<!-- table:PATH
 rows -->`` takes only the file's first table and the notes marked † under it, for a page that
-links to the whole file elsewhere.
+links to the whole file elsewhere; ``<!-- table:PATH compared -->`` the same, less the rows
+whose baseline cell (the table's last column named ``FLASH_ATTN``) is empty: a run split over
+invocations whose baseline ran only some of the scenarios.
 
     python benchmarks/readme_tables.py [--check]
 """
@@ -14,7 +16,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BLOCK = re.compile(r"(<!-- table:(?P<path>[^ ]+)(?P<rows> rows)? -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
+BLOCK = re.compile(r"(<!-- table:(?P<path>[^ ]+)(?: (?P<mode>rows|compared))? -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
+BASELINE = "FLASH_ATTN"
 
 
 def pages() -> list[Path]:
@@ -22,23 +25,39 @@ def pages() -> list[Path]:
     return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
-def spliced(path: str, rows: bool = False) -> str:
+def spliced(path: str, rows: bool = False, compared: bool = False) -> str:
     """What a block for the result file ``path`` holds: the file less its ``# title`` line, or
-    (``rows``) its first table and the † notes after it."""
+    (``rows``) its first table and the † notes after it, or (``compared``) those less the rows
+    with no baseline value."""
     body = (REPO / path).read_text()
     if body.startswith("# "):
         body = body.split("\n", 1)[1].lstrip("\n")
-    if rows:
+    if rows or compared:
         lines = body.splitlines()
         start = next(i for i, line in enumerate(lines) if line.startswith("|"))
         end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
         notes = [line for line in lines[end:] if line.startswith("†")]
-        body = "\n".join(lines[start:end] + ["", *notes] * bool(notes))
+        table = lines[start:end]
+        if compared:
+            table = table[:2] + [line for line in table[2:] if _cells(line)[_baseline_column(table[0], path)]]
+        body = "\n".join(table + ["", *notes] * bool(notes))
     return body.rstrip("\n") + "\n"
 
 
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def _baseline_column(header: str, path: str) -> int:
+    cells = _cells(header)
+    if BASELINE not in cells:
+        raise ValueError(f"{path}: a 'compared' block needs a {BASELINE} column, the header has {cells}")
+    return len(cells) - 1 - cells[::-1].index(BASELINE)
+
+
 def refreshed(text: str) -> str:
-    return BLOCK.sub(lambda m: m.group(1) + spliced(m["path"], bool(m["rows"])) + m.group(5), text)
+    return BLOCK.sub(lambda m: m.group(1) + spliced(m["path"], m["mode"] == "rows", m["mode"] == "compared")
+                     + m.group(5), text)
 
 
 def main() -> None:

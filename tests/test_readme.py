@@ -90,3 +90,20 @@ def test_a_rows_block_takes_the_first_table_and_its_marked_notes():
     table = [line for line in full.splitlines() if line.startswith("|")]
     assert rows[:len(table)] == table and rows[0].startswith("| metric")
     assert rows[len(table):] == ["", next(line for line in full.splitlines() if line.startswith("†"))]
+
+
+def test_a_compared_block_drops_the_rows_its_baseline_did_not_run():
+    rows = TABLES.spliced("results/ab_4k/flash_attn/ab.md", rows=True).splitlines()
+    compared = TABLES.spliced("results/ab_4k/flash_attn/ab.md", compared=True).splitlines()
+    dropped = [line for line in rows if line not in compared]
+    baseline = TABLES._cells(rows[0]).index("FLASH_ATTN")
+    assert dropped and all(line.startswith("|") and not TABLES._cells(line)[baseline] for line in dropped)
+    assert any("reasoning: output tok/s" in line for line in compared) and compared[-1].startswith("†")
+    assert [line for line in compared if line.startswith("|")][:2] == rows[:2]
+
+
+def test_a_compared_block_needs_a_baseline_column(tmp_path, monkeypatch):
+    (tmp_path / "t.md").write_text("| metric | OSCAR |\n|---|---|\n| x | 1 |\n")
+    monkeypatch.setattr(TABLES, "REPO", tmp_path)
+    with pytest.raises(ValueError, match="needs a FLASH_ATTN column"):
+        TABLES.spliced("t.md", compared=True)
