@@ -30,7 +30,7 @@ size and replays in CUDA graphs. ``_merge_splits_kernel`` merges them by log-sum
 Reference: :func:`oscar_vllm.reference.oscar_attention.oscar_attention_reference`.
 """
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import triton
@@ -695,8 +695,8 @@ def oscar_prefill_attention(
 @dataclass
 class DensePrefill:
     """The dense path for prefill chunks over a cached prefix (``oscar_dense_kv``), from the
-    backend: buffers of at least ``sum(seq_lens)`` rows of the prefill requests, and the
-    attention that runs over them."""
+    backend: buffers of at least ``sum(seq_lens)`` rows of the prefill requests, or with
+    ``shapes`` at least the longest one's, and the attention that runs over them."""
 
     k_rot: torch.Tensor  # [T - num_decodes, Hkv, d] the prefill tokens' keys, rotated
     k_buf: torch.Tensor  # [rows, Hkv, d] model dtype, contiguous
@@ -704,6 +704,26 @@ class DensePrefill:
     max_seq_len: int  # at least the longest prefill sequence
     # (q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out): causal varlen attention into out
     attention: Callable[..., None]
+    # (query tokens, sequence length) of each prefill request, on the host: given, a batch whose
+    # sequences need more rows than the buffers hold runs in groups of requests that fit
+    shapes: tuple[tuple[int, int], ...] = ()
+
+
+def pack_requests(rows: Sequence[int], capacity: int) -> list[tuple[int, int]]:
+    """Consecutive request ranges ``[lo, hi)`` covering ``rows`` (request r needs ``rows[r]``
+    buffer rows), each needing at most ``capacity``: greedy, so as few launches as that order
+    allows."""
+    groups, lo, used = [], 0, 0
+    for r, n in enumerate(rows):
+        if n > capacity:
+            raise ValueError(f"request {r} needs {n} dense rows, the buffers hold {capacity}")
+        if used + n > capacity:
+            groups.append((lo, r))
+            lo, used = r, 0
+        used += n
+    if lo < len(rows):
+        groups.append((lo, len(rows)))
+    return groups
 
 
 def oscar_dense_prefill_attention(
@@ -727,7 +747,31 @@ def oscar_dense_prefill_attention(
 ) -> torch.Tensor:
     """Prefill chunks as the OSCAR reference runs them: the cached prefix dequantized into
     ``dense``'s buffers beside the chunk's own keys, then one causal attention over both. Plain
-    attention over dequantized keys: no logit correction (it needs a per-key, per-query bias)."""
+    attention over dequantized keys: no logit correction (it needs a per-key, per-query bias).
+    A batch whose sequences need more rows than the buffers (``dense.shapes``) runs in groups of
+    requests that fit, one after another: many prefix hits of long prompts in one step (a
+    multi-turn chat's users, a hit's recomputed ring) stay on this path, not the INT2 kernel's."""
+    seqs = [s for _, s in dense.shapes]
+    if not seqs or sum(seqs) <= dense.k_buf.shape[0]:
+        return _dense_prefill_group(out, q_rot, v, cache, windows, window_pages, window_pos, block_table, seq_lens,
+                                    cu_q, ring_slots, num_reqs, max_query_len, sink, recent, dense, param_dtype)
+    starts = [0]
+    for q_len, _ in dense.shapes:
+        starts.append(starts[-1] + q_len)
+    for lo, hi in pack_requests(seqs, dense.k_buf.shape[0]):
+        t0, t1, rows = starts[lo], starts[hi], sum(seqs[lo:hi])
+        # Cut at the group's rows: FlashAttention's last key tile must not read an earlier group's.
+        group = DensePrefill(dense.k_rot[t0:t1], dense.k_buf[:rows], dense.v_buf[:rows], max(seqs[lo:hi]),
+                             dense.attention)
+        _dense_prefill_group(out[t0:t1], q_rot[t0:t1], v[t0:t1], cache, windows, window_pages, window_pos,
+                             block_table[lo:hi], seq_lens[lo:hi], cu_q[lo:hi + 1] - t0, ring_slots[lo:hi], hi - lo,
+                             max(q for q, _ in dense.shapes[lo:hi]), sink, recent, group, param_dtype)
+    return out
+
+
+def _dense_prefill_group(out, q_rot, v, cache, windows, window_pages, window_pos, block_table, seq_lens, cu_q,
+                         ring_slots, num_reqs, max_query_len, sink, recent, dense, param_dtype) -> torch.Tensor:
+    """One launch of the dense path: ``dense``'s buffers hold every sequence of the batch."""
     cu_k = torch.zeros(num_reqs + 1, dtype=torch.int32, device=seq_lens.device)
     torch.cumsum(seq_lens[:num_reqs], 0, dtype=torch.int32, out=cu_k[1:])
     oscar_dense_kv(dense.k_buf, dense.v_buf, dense.k_rot, v, cache, windows, window_pages, window_pos, block_table,

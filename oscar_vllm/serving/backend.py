@@ -38,6 +38,7 @@ from csrc_triton.oscar_attention import (
     oscar_attention,
     oscar_decode_read_prefill,
     oscar_prefill_batch,
+    pack_requests,
 )
 from csrc_triton.oscar_decode import oscar_decode
 from csrc_triton.oscar_write import decode_rotation, oscar_write, oscar_write_decode
@@ -68,7 +69,8 @@ class OscarAttentionMetadata:
     prefill_has_prefix: bool  # some prefill request has cached tokens (or may: an upper bound)
     prefill_kv_rows: int  # sum of the prefill requests' lengths (-1: unknown)
     prefill_max_seq: int  # longest prefill request (upper bound)
-    # prefill_read="decode": each prefill request's (query tokens, sequence length), from the host
+    # each prefill request's (query tokens, sequence length), from the host, where some has a
+    # cached prefix or prefill_read is "decode" (the dense paths' groups); else ()
     prefill_shapes: tuple[tuple[int, int], ...]
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs], including this step
@@ -188,7 +190,7 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         )
         known = prefill_seq is not None and len(prefill_seq) > 0
         shapes = ()
-        if self.decode_read and known:
+        if known and (self.decode_read or prefill_has_prefix):
             q_len = (q_cpu[num_decodes + 1:m.num_reqs + 1] - q_cpu[num_decodes:m.num_reqs]).tolist()
             shapes = tuple(zip(q_len, prefill_seq.tolist()))
         return OscarAttentionMetadata(
@@ -355,8 +357,9 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         rows = vllm_config.scheduler_config.max_num_seqs + 1
         self.window_pos = torch.full((rows, self.sink + self.recent), -1, dtype=torch.int32)
         # Prefill runs through FlashAttention where it can: over a cached prefix dequantized
-        # into dense_kv (shared by all layers, given by vllm_hooks.prepare_model), or, where the
-        # batch does not fit it, over the chunk's own keys with the INT2 kernel adding the prefix.
+        # into dense_kv (shared by all layers, given by vllm_hooks.prepare_model; a batch that
+        # needs more rows, in groups of requests), or, where the host does not know the batch's
+        # lengths, over the chunk's own keys with the INT2 kernel adding the prefix.
         # prefill_read="decode" reads so that no schedule changes a request's sums: no split-KV either.
         self.decode_read = self.settings.prefill_read == "decode"
         self.flash_attention = _flash_attention(self.scale, vllm_config.model_config.dtype, unsplit=self.decode_read)
@@ -410,18 +413,24 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         )
 
     def dense_prefill(self, md: OscarAttentionMetadata, k: torch.Tensor) -> DensePrefill | None:
-        """The dense path for this batch's prefills, when they have a cached prefix and fit."""
-        if (self.dense_kv is None or not md.prefill_has_prefix or md.num_decodes == md.num_reqs
-                or not 0 <= md.prefill_kv_rows <= self.dense_kv[0].shape[0]):
+        """The dense path for this batch's prefills, when they have a cached prefix and fit the
+        buffers, at once or (their lengths known on the host) in groups of requests."""
+        if self.dense_kv is None or not md.prefill_has_prefix or md.num_decodes == md.num_reqs:
             return None
-        # FlashAttention-3 loads whole 128-row key tiles and masks the rows past a sequence only
-        # in the scores: their values still meet p = 0 in p @ v, and 0 * NaN is NaN. vLLM orders
-        # the longest chunk last, so its last tile reaches past the batch's rows: the buffers are
-        # cut there (the tiles' loads then fill zeros), never left to what an earlier step wrote.
-        rows = md.prefill_kv_rows
         k_buf, v_buf = self.dense_kv
-        return DensePrefill(self.rotate(k[md.num_decodes:]), k_buf[:rows], v_buf[:rows], md.prefill_max_seq,
-                            self.flash_attention)
+        if 0 <= md.prefill_kv_rows <= k_buf.shape[0]:
+            # FlashAttention-3 loads whole 128-row key tiles and masks the rows past a sequence
+            # only in the scores: their values still meet p = 0 in p @ v, and 0 * NaN is NaN.
+            # vLLM orders the longest chunk last, so its last tile reaches past the batch's rows:
+            # the buffers are cut there (the tiles' loads then fill zeros), never left to what an
+            # earlier step wrote.
+            rows = md.prefill_kv_rows
+            return DensePrefill(self.rotate(k[md.num_decodes:]), k_buf[:rows], v_buf[:rows], md.prefill_max_seq,
+                                self.flash_attention)
+        if md.prefill_shapes:  # the groups cut the buffers at their own rows
+            return DensePrefill(self.rotate(k[md.num_decodes:]), k_buf, v_buf, md.prefill_max_seq,
+                                self.flash_attention, md.prefill_shapes)
+        return None
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: OscarAttentionMetadata, output: torch.Tensor,
@@ -514,8 +523,8 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
 
     def decode_read_prefill(self, md: OscarAttentionMetadata, q_rot, k, v, out, kv_cache, windows) -> None:
         """The batch's prefill requests, read as decode reads the cache and written
-        (``oscar_decode_read_prefill``): all at once where their rows fit the dense buffers, else
-        one request at a time (one always fits: the buffers hold ``max_model_len +
+        (``oscar_decode_read_prefill``): in as few groups of consecutive requests as the dense
+        buffers hold (one request always fits: they hold ``max_model_len +
         max_num_batched_tokens`` rows)."""
         if self.dense_kv is None or self.flash_attention is None:
             raise RuntimeError("OSCAR prefill_read 'decode' needs FlashAttention and the dense prefill buffers")
@@ -526,7 +535,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
             shapes = tuple(zip((cu[1:] - cu[:-1]).tolist(), md.seq_lens[nd:num_reqs].tolist()))
         recent = self.recent
         rows = [max(s - recent, 0) + min(s, q + recent - 1) for q, s in shapes]
-        groups = [(0, len(shapes))] if sum(rows) <= self.dense_kv[0].shape[0] else [(r, r + 1) for r in range(len(shapes))]
+        groups = pack_requests(rows, self.dense_kv[0].shape[0])
         k_rot = self.rotate(k[nd:n])
         starts = [0]
         for q_len, _ in shapes:

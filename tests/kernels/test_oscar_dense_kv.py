@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from csrc_triton.oscar_attention import DecodeReadPrefill, DensePrefill, oscar_attention, oscar_decode_read_prefill
+from csrc_triton.oscar_attention import (
+    DecodeReadPrefill, DensePrefill, oscar_attention, oscar_decode_read_prefill, pack_requests,
+)
 from csrc_triton.oscar_dense_kv import oscar_dense_kv
 from oscar_vllm.reference.oscar_attention import (
     causal_attention_reference, decode_read_attention_reference, oscar_attention_reference,
@@ -172,10 +174,10 @@ def test_dense_kv_reads_the_ring_only_in_the_window():
     assert moved.nonzero().flatten().tolist() == [0, 1, 2, 3] + list(range(93, 100))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=case_id)
-def test_dense_prefill_matches_reference(case, dtype):
-    """Decodes through the split kernel, prefills through the dense path, one batch."""
+def dense_prefill_against_reference(case, dtype, grouped: bool) -> list[int]:
+    """Decodes through the split kernel, prefills through the dense path, one batch, against the
+    reference; ``grouped``: buffers of only the longest prefill request's rows (and the requests'
+    shapes), so the prefills run in groups. Returns the buffer rows of each attention call."""
     d, hkv, g, sink, recent, prefix, new = case
     order = sorted(range(len(new)), key=lambda r: new[r] > 1)  # decodes first, as vLLM orders them
     case = (d, hkv, g, sink, recent, [prefix[r] for r in order], [new[r] for r in order])
@@ -183,12 +185,19 @@ def test_dense_prefill_matches_reference(case, dtype):
     rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
     t, hq, n, scale = q.shape[0], hkv * g, len(new), 1 / math.sqrt(d)
     num_decodes = sum(1 for x in case[6] if x == 1)
-    rows = int(step.seq_lens.sum()) + 64
+    shapes = tuple((q_len, p + q_len) for p, q_len in zip(case[5][num_decodes:], case[6][num_decodes:]))
+    rows = max(s for _, s in shapes) if grouped else int(step.seq_lens.sum()) + 64
+    twin, calls = dense_twin(scale), []
+
+    def attention(q, k_buf, v_buf, *args):
+        calls.append(k_buf.shape[0])
+        twin(q, k_buf, v_buf, *args)
+
     dense = DensePrefill(
         k_rot=(k[num_decodes:].float() @ rot).to(dtype),
         k_buf=torch.full((rows, hkv, d), float("nan"), dtype=dtype, device=DEVICE),
         v_buf=torch.full((rows, hkv, d), float("nan"), dtype=dtype, device=DEVICE),
-        max_seq_len=int(step.seq_lens.max()), attention=dense_twin(scale))
+        max_seq_len=int(step.seq_lens.max()), attention=attention, shapes=shapes if grouped else ())
     out = torch.full_like(q, float("nan"))
     part_out = torch.empty(t * hq * 4 * d, device=DEVICE)
     part_lse = torch.empty(t * hq * 4, device=DEVICE)
@@ -200,6 +209,35 @@ def test_dense_prefill_matches_reference(case, dtype):
     # the dense rows are rounded to bf16 as well (the reference keeps fp32 INT2 values): on the
     # CPU the mean error is 0.52-0.54% of the mean output, the worst 0.8-1.2% of the largest.
     assert_close_to_reference(out, want, dtype, fp32_atol=3e-4, bf16_max=2e-2, bf16_mean=8e-3)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=case_id)
+def test_dense_prefill_matches_reference(case, dtype):
+    assert len(dense_prefill_against_reference(case, dtype, grouped=False)) == 1
+
+
+GROUPED_CASES = [c for c in PREFILL_CASES if sum(1 for x in c[6] if x > 1) > 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=case_id)
+def test_dense_prefill_in_groups_matches_reference(case, dtype):
+    """Buffers that hold only the longest prefill request: the batch runs in groups, each
+    attention call over its own group's rows (NaN in every buffer row, so a group that reads
+    rows it did not fill shows)."""
+    calls = dense_prefill_against_reference(case, dtype, grouped=True)
+    assert len(calls) > 1
+
+
+def test_pack_requests_groups_consecutive_requests_that_fit():
+    assert pack_requests([3, 4, 2, 5, 1], 6) == [(0, 1), (1, 3), (3, 5)]
+    assert pack_requests([6, 6], 6) == [(0, 1), (1, 2)]
+    assert pack_requests([1, 2, 3], 6) == [(0, 3)]
+    assert pack_requests([], 6) == []
+    with pytest.raises(ValueError, match="request 1 needs 7 dense rows, the buffers hold 6"):
+        pack_requests([1, 7], 6)
 
 
 def test_dense_kv_rejects_a_buffer_of_the_wrong_shape():
@@ -211,11 +249,13 @@ def test_dense_kv_rejects_a_buffer_of_the_wrong_shape():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention needs a GPU")
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-launch", "grouped"])
 @pytest.mark.parametrize("prefix,new", [([0, 1536], [56, 200]), ([1504, 0, 1648], [24, 88, 232])])
-def test_dense_prefill_through_flash_attention_ignores_rows_past_the_batch(prefix, new):
+def test_dense_prefill_through_flash_attention_ignores_rows_past_the_batch(prefix, new, grouped):
     """The backend's dense path with vLLM's FlashAttention, chunks ordered as vLLM orders them
     (the longest last) and NaN in every buffer row past the batch: FlashAttention reads whole
-    key tiles, and the rows past the last chunk must not reach its output."""
+    key tiles, and the rows past the last chunk must not reach its output. ``grouped``: buffers of
+    the longest request's rows alone, so the batch runs in groups over the same buffers."""
     pytest.importorskip("vllm")
     from types import SimpleNamespace
 
@@ -228,12 +268,15 @@ def test_dense_prefill_through_flash_attention_ignores_rows_past_the_batch(prefi
         pytest.skip("no FlashAttention build")
     pc, step, q, q_rot, k, v = prepare(d, hkv, g, sink, recent, prefix, new, dtype)
     rot = random_rotation(d).to(DEVICE)
-    buffers = [torch.full((4352, hkv, d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
+    rows = int(step.seq_lens.max()) if grouped else 4352
+    buffers = [torch.full((rows, hkv, d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
     impl = SimpleNamespace(dense_kv=tuple(buffers), rotate=lambda x: (x.float() @ rot).to(x.dtype),
                            flash_attention=attention)
     md = SimpleNamespace(prefill_has_prefix=True, num_decodes=0, num_reqs=len(new),
-                         prefill_kv_rows=int(step.seq_lens.sum()), prefill_max_seq=int(step.seq_lens.max()))
+                         prefill_kv_rows=int(step.seq_lens.sum()), prefill_max_seq=int(step.seq_lens.max()),
+                         prefill_shapes=tuple((n, p + n) for p, n in zip(prefix, new)))
     dense = OscarAttentionImpl.dense_prefill(impl, md, k)
+    assert bool(dense.shapes) == grouped
     out = torch.full_like(q, float("nan"))
     oscar_attention(out, q, q_rot, k, v, *cache_args(pc, step), 0, len(new), step.max_query_len, scale, sink,
                     recent, dense=dense)

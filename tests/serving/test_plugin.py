@@ -150,7 +150,8 @@ def test_dense_prefill_is_taken_only_when_the_batch_fits():
     k = torch.arange(7.0).view(7, 1, 1).expand(7, 2, 16)
 
     def md(**kw):
-        base = dict(prefill_has_prefix=True, num_decodes=2, num_reqs=3, prefill_kv_rows=100, prefill_max_seq=100)
+        base = dict(prefill_has_prefix=True, num_decodes=2, num_reqs=3, prefill_kv_rows=100, prefill_max_seq=100,
+                    prefill_shapes=())
         return SimpleNamespace(**{**base, **kw})
 
     dense = OscarAttentionImpl.dense_prefill(impl, md(), k)
@@ -159,8 +160,14 @@ def test_dense_prefill_is_taken_only_when_the_batch_fits():
     # Cut at the batch's rows: FlashAttention's last key tile must not read what earlier steps left.
     cut = OscarAttentionImpl.dense_prefill(impl, md(prefill_kv_rows=37), k)
     assert cut.k_buf.shape == cut.v_buf.shape == (37, 2, 16) and cut.k_buf.data_ptr() == buf.data_ptr()
+    assert cut.shapes == (), "one launch: no groups"
+    # More rows than the buffers hold, the requests' lengths on the host: in groups, each cutting
+    # the buffers at its own rows (oscar_dense_prefill_attention).
+    shapes = ((3, 60), (2, 70))
+    grouped = OscarAttentionImpl.dense_prefill(impl, md(prefill_kv_rows=130, prefill_shapes=shapes), k)
+    assert grouped.shapes == shapes and grouped.k_buf.shape[0] == 100 and grouped.k_rot.shape[0] == 5
     for why in (dict(prefill_kv_rows=101), dict(prefill_kv_rows=-1), dict(prefill_has_prefix=False),
-                dict(num_decodes=3)):
+                dict(num_decodes=3), dict(num_decodes=3, prefill_shapes=shapes)):
         assert OscarAttentionImpl.dense_prefill(impl, md(**why), k) is None, why
     impl.dense_kv = None
     assert OscarAttentionImpl.dense_prefill(impl, md(), k) is None
