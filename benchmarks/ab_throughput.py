@@ -245,6 +245,7 @@ STEP_S = {"OSCAR": (6.7e-3, 2.27e-8), "FLASH_ATTN": (5.0e-3, 3.34e-8), "fp8": (5
 # kernels in their first calls (the first warm-ups).
 STARTUP_S = {"OSCAR": 100, "FLASH_ATTN": 85, "fp8": 85, "int4": 80, "turboquant": 80}
 PROCESS_S = 12  # a worker's imports before the engine, its first call and the engine's shutdown
+SWEEP_RUN_S = 30  # one eager start reading the KV capacity (7-22 s in results/ab_capacity)
 SCENARIO_WARM_UP_S = 2  # each scenario's small untimed run first
 PARENT_S = 15  # the run's own set-up (versions, hardware) and report
 
@@ -724,6 +725,7 @@ class Job:
     result: Path  # run_<...>.json; its log is log_<...>.txt beside it
     stub: dict  # written with an error when the worker leaves no result
     timeout: float | None = None  # seconds; None: the pool's
+    estimate_s: float = 0  # the plan's seconds for it, against a deadline
 
     @property
     def log(self) -> Path:
@@ -815,19 +817,42 @@ def _finish(job: Job, gpu: str, seconds: float, returncode: int, timed_out: str 
         print(f"--- last lines of {job.log}:\n" + "\n".join(tail) + "\n---", flush=True)
 
 
-def run_pool(jobs: list[Job], gpus: list[str], timeout: float, poll_s: float = 0.5) -> None:
+# With --deadline-s: a configuration starts only if its plan estimate, times this, fits the time
+# left (the estimates ran up to 20% short on 2026-12-04, results/ab_4k), and every engine is
+# ended this many seconds before the deadline, for its shutdown and the report.
+DEADLINE_MARGIN = 1.25
+DEADLINE_RESERVE_S = 30
+
+
+def run_pool(jobs: list[Job], gpus: list[str], timeout: float, poll_s: float = 0.5,
+             deadline_s: float | None = None) -> list[Job]:
     """Run ``jobs`` in order, at most one per GPU of ``gpus`` at a time, each ended (with its
-    process group) after ``timeout`` seconds. Every job leaves its result file."""
-    queue, free, running = list(jobs), list(gpus), {}  # running: process -> (job, gpu, start)
+    process group) after ``timeout`` seconds. With ``deadline_s``, the whole run ends within
+    that many seconds: a job whose estimate does not fit the time left is not started, and one
+    still running at ``deadline_s - DEADLINE_RESERVE_S`` is ended (a finished scenario's results
+    stay). Every job it starts leaves its result file. Returns the jobs not started."""
+    queue, free, running, skipped = list(jobs), list(gpus), {}, []  # running: process -> (job, gpu, start)
+    t_run = time.monotonic()
     try:
         while queue or running:
             while queue and free:
                 job, gpu = queue.pop(0), free.pop(0)
+                left = None if deadline_s is None else deadline_s - DEADLINE_RESERVE_S - (time.monotonic() - t_run)
+                if left is not None and DEADLINE_MARGIN * job.estimate_s > left:
+                    # No result file (a stale one goes): a later run of the same plan fills it in.
+                    free.insert(0, gpu)
+                    skipped.append(job)
+                    job.result.unlink(missing_ok=True)
+                    print(f"not started {job.label}: {max(left, 0):.0f} s left of --deadline-s {deadline_s:g}, "
+                          f"estimate {job.estimate_s:.0f} s x {DEADLINE_MARGIN:g}", flush=True)
+                    continue
                 running[_start(job, gpu)] = (job, gpu, time.monotonic())
             time.sleep(poll_s)
             for proc, (job, gpu, t0) in list(running.items()):
                 done = proc.poll() is not None
                 limit = job.timeout or timeout
+                if deadline_s is not None:
+                    limit = min(limit, round(deadline_s - DEADLINE_RESERVE_S - (t0 - t_run)))
                 late = not done and time.monotonic() - t0 > limit
                 if not (done or late):
                     continue
@@ -840,6 +865,7 @@ def run_pool(jobs: list[Job], gpus: list[str], timeout: float, poll_s: float = 0
     finally:  # an interrupt or an error here: no engine outlives the parent
         for proc in running:
             _end_group(proc.pid)
+    return skipped
 
 
 # --- the report -----------------------------------------------------------------------------
@@ -1297,6 +1323,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results/ab")
     p.add_argument("--timeout", type=int, help="seconds per configuration (and per sweep run); default 1800, "
                    "or with --budget-s 60 + 1.5 x the plan's estimate for the configuration")
+    p.add_argument("--deadline-s", type=float,
+                   help="end the whole run within this many seconds (a GPU call's limit): a configuration starts "
+                        f"only if its plan estimate x {DEADLINE_MARGIN:g} fits the time left, and engines still "
+                        f"running {DEADLINE_RESERVE_S} s before it are ended (finished scenarios stay)")
     p.add_argument("--report", metavar="DIR", nargs="+",
                    help="only rebuild the tables and plot from DIR (and further runs of its plan, merged)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -1366,10 +1396,21 @@ def main() -> None:
             cmd = common + ["--worker", name, "--result", str(dest)] + (["--sweep-seqs", str(seqs)] if seqs else [])
             # A budgeted configuration may run half as long again as the plan's estimate for it.
             limit = 60 + 1.5 * plan["estimate_s"][name]["total"] if args.budget_s and seqs is None else None
+            estimate = plan["estimate_s"][name]["total"] if seqs is None else SWEEP_RUN_S
             jobs.append(Job(name if seqs is None else f"{name} max_num_seqs={seqs}", cmd, dest, stub(name, seqs),
-                            None if args.timeout else limit))
-    run_pool(jobs, gpus, args.timeout or 1800)
-    print(report(out))
+                            None if args.timeout else limit, estimate))
+    skipped = run_pool(jobs, gpus, args.timeout or 1800, deadline_s=args.deadline_s)
+    print(report(out) + resume_hint(skipped, plan_path, out))
+
+
+def resume_hint(skipped: list[Job], plan_path: Path, out: Path) -> str:
+    """How to run the configurations a deadline left out, on the same sizes, and merge them."""
+    names = [c for c in CONFIGS if any(j.stub["config"] == c for j in skipped)]
+    if not names:
+        return ""
+    return (f"\nNot started within --deadline-s: {' '.join(names)}. On the same sizes, then one report:\n"
+            f"  python benchmarks/ab_throughput.py --configs {' '.join(names)} --plan {plan_path} --out OUT2\n"
+            f"  python benchmarks/ab_throughput.py --report {out} OUT2\n")
 
 
 if __name__ == "__main__":

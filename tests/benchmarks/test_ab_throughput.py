@@ -193,6 +193,45 @@ def test_pool_timeout_keeps_a_written_result(ab, tmp_path, capsys):
     assert "end hangs on GPU 0: 1 s, ok" in capsys.readouterr().out
 
 
+def test_pool_deadline_skips_what_does_not_fit_and_ends_what_runs_past_it(ab, tmp_path, capsys, monkeypatch):
+    """A GPU call's limit: the run must end, report included, before it. A job whose estimate does
+    not fit the time left is not started (a stale result of it goes); one running into the
+    deadline's reserve is ended with its process group."""
+    monkeypatch.setattr(ab, "DEADLINE_RESERVE_S", 1)
+    fits = fake_job(ab, tmp_path, "fits", 0)
+    fits.estimate_s = 1
+    too_long = fake_job(ab, tmp_path, "too_long", 0)
+    too_long.estimate_s = 100
+    too_long.result.write_text(json.dumps({"config": "too_long", "kv_cache_tokens": 1}))  # from an earlier run
+    overruns = fake_job(ab, tmp_path, "overruns", 120, grandchild=True)
+    overruns.estimate_s = 0.5
+    t0 = time.monotonic()
+    skipped = ab.run_pool([fits, too_long, overruns], ["0"], timeout=60, poll_s=0.05, deadline_s=4)
+    assert time.monotonic() - t0 < 10
+    assert skipped == [too_long] and not too_long.result.exists()
+    assert json.loads(fits.result.read_text())["gpu"] == "0"
+    err = json.loads(overruns.result.read_text())["error"]
+    assert err.startswith("timed out after ") and float(err.split()[3]) <= 3
+    assert not alive(int(Path(str(overruns.result) + ".child").read_text()))
+    out = capsys.readouterr().out
+    assert "not started too_long: " in out and "estimate 100 s x 1.25" in out
+
+
+def test_resume_hint_names_the_configurations_left_out(ab, tmp_path):
+    left = [ab.Job(n, [], tmp_path / f"run_{n}.json", ab.stub(n, seqs)) for n, seqs in
+            (("fp8", None), ("FLASH_ATTN", None), ("fp8", 32))]
+    hint = ab.resume_hint(left, tmp_path / "plan.json", tmp_path)
+    assert f"--configs FLASH_ATTN fp8 --plan {tmp_path / 'plan.json'} --out OUT2" in hint
+    assert f"--report {tmp_path} OUT2" in hint
+    assert ab.resume_hint([], tmp_path / "plan.json", tmp_path) == ""
+
+
+def test_pool_without_a_deadline_starts_everything(ab, tmp_path):
+    job = fake_job(ab, tmp_path, "big", 0)
+    job.estimate_s = 1e9
+    assert ab.run_pool([job], ["0"], timeout=60, poll_s=0.05) == [] and job.result.exists()
+
+
 def test_pool_worker_without_result(ab, tmp_path, capsys):
     result = tmp_path / "run_OSCAR_seqs32.json"
     result.write_text(json.dumps({"config": "OSCAR", "kv_cache_tokens": 1}))  # stale, from an earlier run
