@@ -748,19 +748,20 @@ def oscar_dense_prefill_attention(
     """Prefill chunks as the OSCAR reference runs them: the cached prefix dequantized into
     ``dense``'s buffers beside the chunk's own keys, then one causal attention over both. Plain
     attention over dequantized keys: no logit correction (it needs a per-key, per-query bias).
-    A batch whose sequences need more rows than the buffers (``dense.shapes``) runs in groups of
-    requests that fit, one after another: many prefix hits of long prompts in one step (a
-    multi-turn chat's users, a hit's recomputed ring) stay on this path, not the INT2 kernel's."""
-    seqs = [s for _, s in dense.shapes]
-    if not seqs or sum(seqs) <= dense.k_buf.shape[0]:
+    With ``dense.shapes`` the batch runs in groups of consecutive requests whose sequences fit
+    the buffers (one group where all do), one after another: many prefix hits of long prompts in
+    one step (a multi-turn chat's users, a hit's recomputed rings) stay on this path, not the
+    INT2 kernel's."""
+    if not dense.shapes:
         return _dense_prefill_group(out, q_rot, v, cache, windows, window_pages, window_pos, block_table, seq_lens,
                                     cu_q, ring_slots, num_reqs, max_query_len, sink, recent, dense, param_dtype)
+    seqs = [s for _, s in dense.shapes]
     starts = [0]
     for q_len, _ in dense.shapes:
         starts.append(starts[-1] + q_len)
     for lo, hi in pack_requests(seqs, dense.k_buf.shape[0]):
         t0, t1, rows = starts[lo], starts[hi], sum(seqs[lo:hi])
-        # Cut at the group's rows: FlashAttention's last key tile must not read an earlier group's.
+        # Cut at the group's rows: FlashAttention's last key tile must not read rows it did not fill.
         group = DensePrefill(dense.k_rot[t0:t1], dense.k_buf[:rows], dense.v_buf[:rows], max(seqs[lo:hi]),
                              dense.attention)
         _dense_prefill_group(out[t0:t1], q_rot[t0:t1], v[t0:t1], cache, windows, window_pages, window_pos,

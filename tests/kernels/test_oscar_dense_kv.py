@@ -174,10 +174,11 @@ def test_dense_kv_reads_the_ring_only_in_the_window():
     assert moved.nonzero().flatten().tolist() == [0, 1, 2, 3] + list(range(93, 100))
 
 
-def dense_prefill_against_reference(case, dtype, grouped: bool) -> list[int]:
+def dense_prefill_against_reference(case, dtype, grouped: bool, roomy: bool = False) -> list[int]:
     """Decodes through the split kernel, prefills through the dense path, one batch, against the
-    reference; ``grouped``: buffers of only the longest prefill request's rows (and the requests'
-    shapes), so the prefills run in groups. Returns the buffer rows of each attention call."""
+    reference; ``grouped``: the requests' shapes given, with buffers of only the longest prefill
+    request's rows (``roomy``: 64 rows more than all need), so the prefills run in groups.
+    Returns the buffer rows of each attention call, and the prefill rows."""
     d, hkv, g, sink, recent, prefix, new = case
     order = sorted(range(len(new)), key=lambda r: new[r] > 1)  # decodes first, as vLLM orders them
     case = (d, hkv, g, sink, recent, [prefix[r] for r in order], [new[r] for r in order])
@@ -186,7 +187,7 @@ def dense_prefill_against_reference(case, dtype, grouped: bool) -> list[int]:
     t, hq, n, scale = q.shape[0], hkv * g, len(new), 1 / math.sqrt(d)
     num_decodes = sum(1 for x in case[6] if x == 1)
     shapes = tuple((q_len, p + q_len) for p, q_len in zip(case[5][num_decodes:], case[6][num_decodes:]))
-    rows = max(s for _, s in shapes) if grouped else int(step.seq_lens.sum()) + 64
+    rows = max(s for _, s in shapes) if grouped and not roomy else int(step.seq_lens.sum()) + 64
     twin, calls = dense_twin(scale), []
 
     def attention(q, k_buf, v_buf, *args):
@@ -209,13 +210,14 @@ def dense_prefill_against_reference(case, dtype, grouped: bool) -> list[int]:
     # the dense rows are rounded to bf16 as well (the reference keeps fp32 INT2 values): on the
     # CPU the mean error is 0.52-0.54% of the mean output, the worst 0.8-1.2% of the largest.
     assert_close_to_reference(out, want, dtype, fp32_atol=3e-4, bf16_max=2e-2, bf16_mean=8e-3)
-    return calls
+    return calls, sum(s for _, s in shapes)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=case_id)
 def test_dense_prefill_matches_reference(case, dtype):
-    assert len(dense_prefill_against_reference(case, dtype, grouped=False)) == 1
+    calls, _ = dense_prefill_against_reference(case, dtype, grouped=False)
+    assert len(calls) == 1
 
 
 GROUPED_CASES = [c for c in PREFILL_CASES if sum(1 for x in c[6] if x > 1) > 1]
@@ -227,8 +229,14 @@ def test_dense_prefill_in_groups_matches_reference(case, dtype):
     """Buffers that hold only the longest prefill request: the batch runs in groups, each
     attention call over its own group's rows (NaN in every buffer row, so a group that reads
     rows it did not fill shows)."""
-    calls = dense_prefill_against_reference(case, dtype, grouped=True)
-    assert len(calls) > 1
+    calls, rows = dense_prefill_against_reference(case, dtype, grouped=True)
+    assert len(calls) > 1 and sum(calls) == rows
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=case_id)
+def test_dense_prefill_with_shapes_that_fit_is_one_call_over_its_rows(case):
+    calls, rows = dense_prefill_against_reference(case, torch.float32, grouped=True, roomy=True)
+    assert calls == [rows], "one group, the buffers cut at the batch's rows"
 
 
 def test_pack_requests_groups_consecutive_requests_that_fit():
