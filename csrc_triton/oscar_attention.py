@@ -695,8 +695,10 @@ def oscar_prefill_attention(
 @dataclass
 class DensePrefill:
     """The dense path for prefill chunks over a cached prefix (``oscar_dense_kv``), from the
-    backend: buffers of at least ``sum(seq_lens)`` rows of the prefill requests, or with
-    ``shapes`` at least the longest one's, and the attention that runs over them."""
+    backend: K/V buffers and the attention that runs over them. With ``shapes`` (the backend's)
+    the buffers need only hold the longest prefill sequence, and each group of requests cuts
+    them at its own rows; without, they hold ``sum(seq_lens)`` rows and are read as they are
+    (exactly that long under FlashAttention: see ``oscar_dense_prefill_attention``)."""
 
     k_rot: torch.Tensor  # [T - num_decodes, Hkv, d] the prefill tokens' keys, rotated
     k_buf: torch.Tensor  # [rows, Hkv, d] model dtype, contiguous
@@ -761,11 +763,15 @@ def oscar_dense_prefill_attention(
         starts.append(starts[-1] + q_len)
     for lo, hi in pack_requests(seqs, dense.k_buf.shape[0]):
         t0, t1, rows = starts[lo], starts[hi], sum(seqs[lo:hi])
-        # Cut at the group's rows: FlashAttention's last key tile must not read rows it did not fill.
+        # FlashAttention-3 loads whole 128-row key tiles and masks the rows past a sequence only in
+        # the scores: their values still meet p = 0 in p @ v, and 0 * NaN is NaN. vLLM orders the
+        # longest chunk last, so its last tile reaches past the group's rows: the buffers are cut
+        # there (the tiles' loads then fill zeros), never left to what was written before.
         group = DensePrefill(dense.k_rot[t0:t1], dense.k_buf[:rows], dense.v_buf[:rows], max(seqs[lo:hi]),
                              dense.attention)
+        cu = cu_q if (lo, hi) == (0, num_reqs) else cu_q[lo:hi + 1] - t0
         _dense_prefill_group(out[t0:t1], q_rot[t0:t1], v[t0:t1], cache, windows, window_pages, window_pos,
-                             block_table[lo:hi], seq_lens[lo:hi], cu_q[lo:hi + 1] - t0, ring_slots[lo:hi], hi - lo,
+                             block_table[lo:hi], seq_lens[lo:hi], cu, ring_slots[lo:hi], hi - lo,
                              max(q for q, _ in dense.shapes[lo:hi]), sink, recent, group, param_dtype)
     return out
 

@@ -67,7 +67,6 @@ class OscarAttentionMetadata:
     decode_splits: int  # most programs a decode request's prefix is split over
     decode_ring_cost: int  # INT2 blocks a ring tile counts as in that split (the Gluon kernel's partition)
     prefill_has_prefix: bool  # some prefill request has cached tokens (or may: an upper bound)
-    prefill_kv_rows: int  # sum of the prefill requests' lengths (-1: unknown)
     prefill_max_seq: int  # longest prefill request (upper bound)
     # each prefill request's (query tokens, sequence length), from the host, where some has a
     # cached prefix or prefill_read is "decode" (the dense paths' groups); else ()
@@ -201,7 +200,6 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
             decode_splits=self.decode_splits(num_decodes),
             decode_ring_cost=gluon_decode.decode_ring_cost(num_decodes, self.fixed_splits),
             prefill_has_prefix=prefill_has_prefix,
-            prefill_kv_rows=int(prefill_seq.sum()) if known else -1,
             prefill_max_seq=int(prefill_seq.max()) if known else 0,
             prefill_shapes=shapes,
             query_start_loc=m.query_start_loc,
@@ -413,24 +411,14 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         )
 
     def dense_prefill(self, md: OscarAttentionMetadata, k: torch.Tensor) -> DensePrefill | None:
-        """The dense path for this batch's prefills, when they have a cached prefix and fit the
-        buffers, at once or (their lengths known on the host) in groups of requests."""
-        if self.dense_kv is None or not md.prefill_has_prefix or md.num_decodes == md.num_reqs:
+        """The dense path for this batch's prefills, when some has a cached prefix and the host
+        knows their lengths: in groups of requests that fit the buffers (one where all do)."""
+        if (self.dense_kv is None or not md.prefill_has_prefix or md.num_decodes == md.num_reqs
+                or not md.prefill_shapes):
             return None
         k_buf, v_buf = self.dense_kv
-        if 0 <= md.prefill_kv_rows <= k_buf.shape[0]:
-            # FlashAttention-3 loads whole 128-row key tiles and masks the rows past a sequence
-            # only in the scores: their values still meet p = 0 in p @ v, and 0 * NaN is NaN.
-            # vLLM orders the longest chunk last, so its last tile reaches past the batch's rows:
-            # the buffers are cut there (the tiles' loads then fill zeros), never left to what an
-            # earlier step wrote.
-            rows = md.prefill_kv_rows
-            return DensePrefill(self.rotate(k[md.num_decodes:]), k_buf[:rows], v_buf[:rows], md.prefill_max_seq,
-                                self.flash_attention)
-        if md.prefill_shapes:  # the groups cut the buffers at their own rows
-            return DensePrefill(self.rotate(k[md.num_decodes:]), k_buf, v_buf, md.prefill_max_seq,
-                                self.flash_attention, md.prefill_shapes)
-        return None
+        return DensePrefill(self.rotate(k[md.num_decodes:]), k_buf, v_buf, md.prefill_max_seq, self.flash_attention,
+                            md.prefill_shapes)
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: OscarAttentionMetadata, output: torch.Tensor,

@@ -142,32 +142,23 @@ def test_dense_prefill_buffers_are_shared_and_sized_for_a_longest_request():
     assert give_dense_prefill_buffers(no_flash, config) == 0 and no_flash[0].dense_kv is None
 
 
-def test_dense_prefill_is_taken_only_when_the_batch_fits():
+def test_dense_prefill_is_taken_where_a_prefill_has_a_prefix_and_the_host_knows_the_shapes():
     from oscar_vllm.serving.backend import OscarAttentionImpl
 
     buf = torch.empty(100, 2, 16)
     impl = SimpleNamespace(dense_kv=(buf, buf), rotate=lambda x: x * 2, flash_attention=print)
     k = torch.arange(7.0).view(7, 1, 1).expand(7, 2, 16)
+    shapes = ((3, 60), (2, 70))  # more rows than the buffers: oscar_dense_prefill_attention groups them
 
     def md(**kw):
-        base = dict(prefill_has_prefix=True, num_decodes=2, num_reqs=3, prefill_kv_rows=100, prefill_max_seq=100,
-                    prefill_shapes=())
+        base = dict(prefill_has_prefix=True, num_decodes=2, num_reqs=4, prefill_max_seq=70, prefill_shapes=shapes)
         return SimpleNamespace(**{**base, **kw})
 
     dense = OscarAttentionImpl.dense_prefill(impl, md(), k)
     assert dense.k_rot[:, 0, 0].tolist() == [4.0, 6.0, 8.0, 10.0, 12.0], "the prefill rows, rotated"
-    assert dense.k_buf.data_ptr() == buf.data_ptr() and dense.max_seq_len == 100 and dense.attention is print
-    # Cut at the batch's rows: FlashAttention's last key tile must not read what earlier steps left.
-    cut = OscarAttentionImpl.dense_prefill(impl, md(prefill_kv_rows=37), k)
-    assert cut.k_buf.shape == cut.v_buf.shape == (37, 2, 16) and cut.k_buf.data_ptr() == buf.data_ptr()
-    assert cut.shapes == (), "one launch: no groups"
-    # More rows than the buffers hold, the requests' lengths on the host: in groups, each cutting
-    # the buffers at its own rows (oscar_dense_prefill_attention).
-    shapes = ((3, 60), (2, 70))
-    grouped = OscarAttentionImpl.dense_prefill(impl, md(prefill_kv_rows=130, prefill_shapes=shapes), k)
-    assert grouped.shapes == shapes and grouped.k_buf.shape[0] == 100 and grouped.k_rot.shape[0] == 5
-    for why in (dict(prefill_kv_rows=101), dict(prefill_kv_rows=-1), dict(prefill_has_prefix=False),
-                dict(num_decodes=3), dict(num_decodes=3, prefill_shapes=shapes)):
+    assert dense.k_buf.data_ptr() == buf.data_ptr() and dense.k_buf.shape[0] == 100
+    assert dense.shapes == shapes and dense.max_seq_len == 70 and dense.attention is print
+    for why in (dict(prefill_shapes=()), dict(prefill_has_prefix=False), dict(num_decodes=4)):
         assert OscarAttentionImpl.dense_prefill(impl, md(**why), k) is None, why
     impl.dense_kv = None
     assert OscarAttentionImpl.dense_prefill(impl, md(), k) is None
