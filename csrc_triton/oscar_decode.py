@@ -20,7 +20,7 @@ lane's bytes next to each other. A lane's rows of a tile are keys ``8·r .. 8·r
 ``κ = r + 8i`` holds token ``8r + i``), so its scales and mins are one 16-byte load each; its
 columns of Vᵀ are 16 consecutive bytes of a row of V codes (``v_column``), paired as the
 fragment pairs them. The softmax state is the warp's own (no shared memory, no barriers);
-splits are merged by ``oscar_attention._merge_splits_kernel``.
+splits are merged by ``oscar_attention.merge_splits``.
 
 The step's own key is read from the ring: the backend writes decode tokens before attention
 (``oscar_write`` with ``q``), so a decode query attends to positions ``[0, seq_len)`` of the
@@ -36,7 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from csrc_triton.oscar_attention import _merge_splits_kernel
+from csrc_triton.oscar_attention import merge_splits
 from csrc_triton.paged_layout import (
     WINDOW_ENTRIES as _WINDOW_ENTRIES,
     check_int2_cache,
@@ -677,13 +677,17 @@ def decode_ring_cost(num_reqs: int, fixed_splits: int = 0) -> int:
 
 
 def decode_splits(num_reqs: int, num_kv_heads: int, num_sms: int, ctas_per_sm: int | None = None,
-                  max_splits: int | None = None) -> int:
-    """Most splits a decode batch of ``num_reqs`` requests uses (a power of two, >= 1): enough
-    one-warp programs for ``ctas_per_sm`` (else ``DECODE_LAUNCH``'s) per SM, at most
-    ``max_splits`` (else ``MAX_DECODE_SPLITS``)."""
+                  max_splits: int | None = None, whole_wave: bool = False) -> int:
+    """Most splits a decode batch of ``num_reqs`` requests uses (>= 1): enough one-warp programs
+    for ``ctas_per_sm`` (else ``DECODE_LAUNCH``'s) per SM, rounded up to a power of two, or
+    (``whole_wave``) as many as fit in one wave of that many (a count that need not be a power
+    of two: at 8 x 32K, 64 splits made 4,096 programs, 2.6 waves at the 12 an SM 168 registers
+    allow), at most ``max_splits`` (else ``MAX_DECODE_SPLITS``)."""
     ctas = ctas_per_sm or decode_launch(num_reqs)[1]
-    want = triton.cdiv(ctas * num_sms, max(1, num_reqs * num_kv_heads))
-    return max(1, min(max_splits or MAX_DECODE_SPLITS, triton.next_power_of_2(want)))
+    programs = ctas * num_sms
+    per_split = max(1, num_reqs * num_kv_heads)
+    want = programs // per_split if whole_wave else triton.next_power_of_2(triton.cdiv(programs, per_split))
+    return max(1, min(max_splits or MAX_DECODE_SPLITS, want))
 
 
 def decode_split_rows(max_num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -728,7 +732,7 @@ def oscar_decode(
 
     With ``num_splits > 1`` a request's keys are split over up to that many programs, which
     needs fp32 scratch ``part_out`` ``[>= num_reqs * Hq * num_splits * d]`` and ``part_lse``
-    ``[>= num_reqs * Hq * num_splits]``, merged by ``_merge_splits_kernel``. ``maxnreg``:
+    ``[>= num_reqs * Hq * num_splits]``, merged by ``merge_splits``. ``maxnreg``:
     registers per thread (None: no cap), else from ``DECODE_LAUNCH``. ``logit_correction``: λ,
     INT2 keys' logits lowered by λ/2 times their expected rounding variance (``logit_coef``).
     ``prefetch``: the INT2 block that many steps ahead is prefetched into L2 (< 2: none; None:
@@ -739,7 +743,7 @@ def oscar_decode(
         return out
     hq, d = q_rot.shape[1], q_rot.shape[2]
     hkv = cache.shape[1]
-    if not supports(hq, hkv, d, q_rot.dtype, sink) or num_splits & (num_splits - 1):
+    if not supports(hq, hkv, d, q_rot.dtype, sink) or num_splits < 1:
         raise ValueError(f"oscar_decode does not serve {hq}/{hkv} heads of {d} in {q_rot.dtype}, sink {sink}, "
                          f"{num_splits} splits (see supports())")
     check_int2_cache(cache, d)
@@ -769,8 +773,5 @@ def oscar_decode(
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     if split:
-        _merge_splits_kernel[(num_reqs, hq)](
-            out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse, stride_ot=out.stride(0),
-            stride_oh=out.stride(1), HQ=hq, D=d, NUM_SPLITS=num_splits,
-        )
+        merge_splits(out, part_out, part_lse, num_reqs, num_splits)
     return out

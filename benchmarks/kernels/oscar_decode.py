@@ -42,17 +42,20 @@ def gluon_data(ctx: list[int], hkv: int, hq: int, d: int, copies: int, seed: int
 
 def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None = -1, splits: int = 0,
                 prefetch: int | None = None, max_splits: int | None = None,
-                ring_cost: int | None = None, module=od) -> tuple[list, int]:
+                ring_cost: int | None = None, module=od, whole_wave: bool = False) -> tuple[list, int]:
     """The kernel's launches over ``data``; ``splits`` > 0 fixes the split count (the
     ``decode_splits`` setting), else the wrapper's choice for the batch size (``max_splits``
-    instead of ``MAX_DECODE_SPLITS`` as its cap). ``maxnreg``, ``prefetch`` and ``ring_cost``: the
+    instead of ``MAX_DECODE_SPLITS`` as its cap; ``whole_wave``: rounded to one wave of ``ctas``
+    programs an SM, not up to a power of two). ``maxnreg``, ``prefetch`` and ``ring_cost``: the
     wrapper's choice unless given. ``module``: the decode module whose wrapper launches (``against``:
     an earlier version of it)."""
     b, q, _ = data[0]
     n, hq, d = q.shape
     hkv = b.cache.shape[1]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = splits or module.decode_splits(n, hkv, sms, ctas, max_splits)
+    # whole_wave only where asked: an earlier module (``against``) may not know it.
+    rounding = {"whole_wave": True} if whole_wave else {}
+    splits = splits or module.decode_splits(n, hkv, sms, ctas, max_splits, **rounding)
     part_out = torch.empty(n * hq * splits * d, device="cuda")
     part_lse = torch.empty(n * hq * splits, device="cuda")
     launch = ({} if maxnreg == -1 else {"maxnreg": maxnreg}) | ({} if prefetch is None else {"prefetch": prefetch}) \
@@ -136,18 +139,21 @@ def decode(args, bw: float, env: dict) -> list[dict]:
 
 
 def sweep(args, bw: float, env: dict) -> None:
-    """Register cap, programs per SM, split cap, L2 prefetch depth and the ring tile's weight in the
-    split partition, every batch and context;
+    """Register cap, programs per SM, split cap, L2 prefetch depth, the ring tile's weight in the
+    split partition and the split count's rounding (a power of two, or one whole wave), every
+    batch and context;
     each variant checked against the first (same inputs, same answer). Variants that launch the
     same kernel with the same split count at a shape are timed once."""
     s = SHAPES[args.shapes[0]]
     hkv, hq, d = s.num_kv_heads, s.num_heads, s.head_dim
-    variants = list(itertools.product(args.maxnreg, args.ctas, args.max_splits, args.prefetch, args.ring_cost))
+    variants = list(itertools.product(args.maxnreg, args.ctas, args.max_splits, args.prefetch, args.ring_cost,
+                                      [r == "wave" for r in args.split_rounding]))
     check = gluon_data([3000, 700, 9000], hkv, hq, d, 1, seed=7)
     ref, ok = None, []
     for var in variants:
-        maxnreg, ctas, cap, prefetch, ring_cost = var
-        calls, _ = gluon_calls(check, ctas, maxnreg, prefetch=prefetch, max_splits=cap, ring_cost=ring_cost)
+        maxnreg, ctas, cap, prefetch, ring_cost, wave = var
+        calls, _ = gluon_calls(check, ctas, maxnreg, prefetch=prefetch, max_splits=cap, ring_cost=ring_cost,
+                               whole_wave=wave)
         calls[0]()
         out = check[0][2].float()
         ref = out.clone() if ref is None else ref
@@ -160,26 +166,29 @@ def sweep(args, bw: float, env: dict) -> None:
         nbytes = int2_bytes_read(lens, hkv, d, SINK, RECENT)
         data = gluon_data(lens, hkv, hq, d, copies_for(nbytes))
         timed = {}
-        for maxnreg, ctas, cap, prefetch, ring_cost in ok:
-            splits = od.decode_splits(n, hkv, sms, ctas, cap)
+        for maxnreg, ctas, cap, prefetch, ring_cost, wave in ok:
+            splits = od.decode_splits(n, hkv, sms, ctas, cap, whole_wave=wave)
             key = (maxnreg, prefetch, splits, ring_cost)
             if key not in timed:
-                calls, _ = gluon_calls(data, ctas, maxnreg, prefetch=prefetch, max_splits=cap, ring_cost=ring_cost)
+                calls, _ = gluon_calls(data, ctas, maxnreg, prefetch=prefetch, max_splits=cap, ring_cost=ring_cost,
+                                       whole_wave=wave)
                 timed[key] = time_calls(calls, rep_ms=30)
             ms = timed[key]
             rows.append({"batch": n, "context": ctx, "maxnreg": maxnreg or "none", "ctas_per_sm": ctas,
-                         "max_splits": cap, "prefetch": prefetch, "ring_cost": ring_cost or od.decode_launch(n)[3],
-                         "splits": splits, "ms": ms,
+                         "max_splits": cap, "split_rounding": "wave" if wave else "pow2", "prefetch": prefetch,
+                         "ring_cost": ring_cost or od.decode_launch(n)[3], "splits": splits, "ms": ms,
                          "GBps": nbytes / ms / 1e6, "pct_copy": 100 * nbytes / ms / 1e6 / bw})
             print(rows[-1], flush=True)
         del data
         torch.cuda.empty_cache()
     write_reports(Path(args.out), "sweep_gluon_decode", rows, env, f"Gluon decode launch sweep, {s.name}",
-                  ["batch", "context", "maxnreg", "ctas_per_sm", "max_splits", "prefetch", "ring_cost", "splits", "ms",
-                   "GBps", "pct_copy"],
+                  ["batch", "context", "maxnreg", "ctas_per_sm", "max_splits", "split_rounding", "prefetch", "ring_cost",
+                   "splits", "ms", "GBps", "pct_copy"],
                   [f"copy bandwidth: {bw:,.0f} GB/s",
                    "prefetch: INT2 blocks ahead brought into L2 (0: none); max_splits: the cap on the split count; "
-                   "ring_cost: INT2 blocks a ring tile counts as in the split partition (1: all alike)"])
+                   "ring_cost: INT2 blocks a ring tile counts as in the split partition (1: all alike); "
+                   "split_rounding: the split count for ctas_per_sm programs an SM rounded up to a power of two, "
+                   "or down to one whole wave (wave)"])
 
 
 def against(args, bw: float, env: dict) -> None:
@@ -239,6 +248,8 @@ def main() -> None:
     p.add_argument("--ctas", nargs="+", type=int, default=[4, 8, 16], help="sweep: one-warp programs per SM aimed for")
     p.add_argument("--max-splits", nargs="+", type=int, default=[od.MAX_DECODE_SPLITS], help="sweep: split caps")
     p.add_argument("--prefetch", nargs="+", type=int, default=[0], help="sweep: INT2 blocks prefetched into L2 ahead")
+    p.add_argument("--split-rounding", nargs="+", choices=["pow2", "wave"], default=["pow2"],
+                   help="sweep: the split count rounded up to a power of two, or down to one whole wave of programs")
     p.add_argument("--ring-cost", nargs="+", type=int, default=[None],
                    help="sweep: INT2 blocks a ring tile counts as in the split partition (default: DECODE_LAUNCH's)")
     p.add_argument("--baseline", help="against: an earlier csrc_triton/oscar_decode.py to time beside this tree's")

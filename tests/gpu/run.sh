@@ -5,8 +5,9 @@
 #   kernels the kernel benchmarks (decode, prefill, write) against vLLM's FA3 and Triton
 #           attention, with the copy bandwidth of the same run; instruction mix of the kernels
 #   sweep   the launch sweeps behind the launch tables: the Gluon decode kernel's (oscar_decode.py: register
-#           cap, programs per SM, split cap, L2 prefetch depth, a ring tile's weight in the split partition),
-#           then the Triton kernels' (oscar_attention.py)
+#           cap, programs per SM, split cap, L2 prefetch depth, a ring tile's weight in the split partition,
+#           the split count's rounding; OSCAR_SWEEP_ARGS replaces its axes), then the Triton kernels'
+#           (oscar_attention.py)
 #   against the Gluon decode kernel beside an earlier version of its module on the same data
 #           (OSCAR_DECODE_BASELINE: a copy of that csrc_triton/oscar_decode.py, e.g. from git show)
 #   ab      benchmarks/ab_throughput.py: OSCAR against vLLM's KV caches, one engine each
@@ -93,9 +94,9 @@ for stage in $stages; do
          python3 sass_histogram.py _oscar_attention_kernel); } 2>&1 | tee "$out/kernels.log" || status=1 ;;
     sweep)
       (cd benchmarks/kernels &&
-       python3 oscar_decode.py sweep --out "$out/sweep" --shapes qwen3-8b --batches 1 8 32 64 \
+       python3 oscar_decode.py sweep --out "$out/sweep" --shapes qwen3-8b ${OSCAR_SWEEP_ARGS:---batches 1 8 32 64 \
          --contexts 1024 8192 32768 131072 --maxnreg none 168 --ctas 8 16 --max-splits 128 256 --prefetch 0 2 4 \
-         --ring-cost 1 7 &&
+         --ring-cost 1 7} &&
        python3 oscar_attention.py sweep --out "$out/sweep" --batches 1 8 32 \
          --contexts 8192 32768 131072) 2>&1 | grep --line-buffered -v '^{' | tee "$out/sweep.log" || status=1 ;;
     profile)

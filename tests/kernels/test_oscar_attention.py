@@ -359,12 +359,13 @@ def test_a_hit_reads_the_shared_sink_pages_in_bf16(new):
     assert (other - want).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("num_splits", [1, 4, 64, 256])
+@pytest.mark.parametrize("num_splits", [1, 3, 4, 24, 64, 100, 256])
 def test_merge_splits_weighs_partials_by_their_log_sum_exp(num_splits):
     """The split merge against log-sum-exp weighting in PyTorch: splits without keys (lse -inf)
     leave NaN partial outputs that must not be read, whole chunks of them included, and a row
-    whose splits all lack keys gives zeros."""
-    from csrc_triton.oscar_attention import _merge_splits_kernel
+    whose splits all lack keys gives zeros. Counts that are not powers of two (a split count
+    sized to whole waves of programs) read no split past their own: the next row's follows."""
+    from csrc_triton.oscar_attention import merge_splits
 
     t, hq, d = 3, 2, 64
     g = torch.Generator().manual_seed(num_splits)
@@ -379,7 +380,10 @@ def test_merge_splits_weighs_partials_by_their_log_sum_exp(num_splits):
     w = torch.where(used, torch.exp2(lse - lse.amax(-1, keepdim=True).clamp_min(-1e30)), 0.0)
     want = (w[..., None] * torch.nan_to_num(part_out)).sum(2) / w.sum(2, keepdim=True).clamp_min(1e-30)
     out = torch.full((t, hq, d), float("nan"), dtype=torch.float32, device=DEVICE)
-    _merge_splits_kernel[(t, hq)](out_ptr=out, part_out_ptr=part_out.to(DEVICE), part_lse_ptr=lse.to(DEVICE),
-                                  stride_ot=out.stride(0), stride_oh=out.stride(1), HQ=hq, D=d, NUM_SPLITS=num_splits)
+    # One more row's splits after the last, used, with a log-sum-exp that would swamp the
+    # maximum and NaN outputs: a read past a row shows.
+    pad_lse = torch.cat([lse.flatten(), torch.full((hq * num_splits,), 200.0)])
+    pad_out = torch.cat([part_out.flatten(), torch.full((hq * num_splits * d,), float("nan"))])
+    merge_splits(out, pad_out.to(DEVICE), pad_lse.to(DEVICE), t, num_splits)
     torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-6)
     assert torch.equal(out[0, 0].cpu(), torch.zeros(d))

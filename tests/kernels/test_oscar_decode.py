@@ -74,7 +74,7 @@ def check_decode_kernel(case, splits, dtype, lam, **launch):
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
 @pytest.mark.parametrize("lam", [0.0, 1.0], ids=lambda x: f"lambda{x:g}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("splits", [1, 4, MAX_DECODE_SPLITS])
+@pytest.mark.parametrize("splits", [1, 4, 24, MAX_DECODE_SPLITS])
 @pytest.mark.parametrize("case", GPU_CASES, ids=gpu_case_id)
 def test_decode_kernel_matches_reference(case, splits, dtype, lam):
     if dtype == torch.float16 and case is not GPU_CASES[0]:
@@ -257,6 +257,18 @@ def test_decode_splits_fill_the_gpu_and_stay_bounded():
         s = decode_splits(n, 8, 132)
         assert 1 <= s <= MAX_DECODE_SPLITS and s & (s - 1) == 0
         assert n * 8 * s >= 132 or s == MAX_DECODE_SPLITS
+
+
+def test_whole_wave_splits_fill_one_wave_of_programs():
+    """At 12 one-warp programs an SM (168 registers) and 132 SMs: 8 requests of 8 KV heads take 24
+    splits (1,536 programs, one wave) where the power of two takes 32 at that aim (2,048: 1.3 waves)."""
+    assert decode_splits(8, 8, 132, ctas_per_sm=12, whole_wave=True) == 24
+    assert decode_splits(8, 8, 132, ctas_per_sm=12) == 32
+    for n in (1, 3, 8, 32, 100, 1024):
+        s = decode_splits(n, 8, 132, ctas_per_sm=12, whole_wave=True)
+        assert 1 <= s <= MAX_DECODE_SPLITS
+        assert n * 8 * s <= 12 * 132 or s == 1, "more than one wave"
+        assert n * 8 * (s + 1) > 12 * 132 or s == MAX_DECODE_SPLITS, "a split more would still fit the wave"
 
 
 @pytest.mark.parametrize("ring_tiles", [1, 2, 5])

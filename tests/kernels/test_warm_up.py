@@ -144,8 +144,7 @@ def test_launch_all_runs_every_launch_once_in_order_on_one_thread():
         launch_all([lambda: 1 / 0], threads=1)
 
 
-WARMED_UP = KERNELS + (gluon_decode._oscar_decode_kernel, gluon_decode._merge_splits_kernel,
-                       _oscar_write_decode_kernel)
+WARMED_UP = KERNELS + (gluon_decode._oscar_decode_kernel, _oscar_write_decode_kernel)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled-kernel caches exist on a GPU only")
