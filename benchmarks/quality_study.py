@@ -233,6 +233,8 @@ ROWS = [
         int4_layers=2, logit_correction=1.0),
     Row("debiased-quarter", "the correction at a quarter strength (λ = 0.25)", calibration=None, logit_correction=0.25),
     Row("debiased-3quarters", "the correction at λ = 0.75", calibration=None, logit_correction=0.75),
+    Row("half-softmax", "λ = 0.5, with C_S weighted by real softmax scores (the paper's form)",
+        Calibration(value_weights="softmax"), logit_correction=0.5),
     Row("half-recent-grows", "λ = 0.5, with the recent window max(256, position/8)", calibration=None,
         recent_fraction=1 / 8, logit_correction=0.5),
     Row("half-recent512", "λ = 0.5, with the recent window 512", calibration=None, recent=512, logit_correction=0.5),
