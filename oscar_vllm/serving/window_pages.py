@@ -296,7 +296,11 @@ class WindowPageAllocator:
 def attach_to_scheduler(scheduler, sink_pages: int, recent_pages: int, sink: int, recent: int) -> WindowPageAllocator:
     """Give ``scheduler`` (vLLM's V1 ``Scheduler``) window pages: its KV cache manager counts and
     allocates them and trims prefix-cache hits, and every ``schedule()`` output names the pages
-    of the requests it sends the workers as new (new, resumed after preemption, or re-sent)."""
+    of the requests it sends the workers as new (new, resumed after preemption, or re-sent).
+    A scheduler that has its pages already keeps them: a second allocator over the same manager
+    would trim every prefix-cache hit twice."""
+    if getattr(scheduler, "oscar_window_pages", None) is not None:
+        return scheduler.oscar_window_pages
     manager = scheduler.kv_cache_manager
     block_size = scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
     allocator = WindowPageAllocator(manager.block_pool, sink_pages, recent_pages, block_size, sink, recent,

@@ -283,6 +283,9 @@ def test_scheduler_output_names_the_pages_of_its_new_requests():
     given_b = pages_of_new_requests(scheduler.schedule(), ["b"])["b"]
     assert given_b[1] and given_b[0][0] == given["a"][0][0], "b shares a's sink, cached after a's step"
     assert not set(given_b[0][1:]) & set(given["a"][0][1:])
+    schedule = scheduler.schedule
+    assert attach_to_scheduler(scheduler, SINK_PAGES, RECENT_PAGES, SINK, RECENT) is alloc
+    assert scheduler.schedule is schedule, "attached once: the hook's scheduler, then a caller's call"
 
 
 def test_worker_side_reads_the_pages_and_names_a_missing_request():
