@@ -29,6 +29,7 @@ size and replays in CUDA graphs. ``_merge_splits_kernel`` merges them by log-sum
 
 Reference: :func:`oscar_vllm.reference.oscar_attention.oscar_attention_reference`.
 """
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -718,8 +719,8 @@ class DensePrefill:
     max_seq_len: int  # at least the longest prefill sequence
     # (q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out): causal varlen attention into out
     attention: Callable[..., None]
-    # (query tokens, sequence length) of each prefill request, on the host: given, a batch whose
-    # sequences need more rows than the buffers hold runs in groups of requests that fit
+    # (query tokens, sequence length) of each prefill request, on the host: given, the batch runs
+    # in groups of requests that fit the buffers, each cutting them at its own rows
     shapes: tuple[tuple[int, int], ...] = ()
 
 
@@ -770,9 +771,7 @@ def oscar_dense_prefill_attention(
         return _dense_prefill_group(out, q_rot, v, cache, windows, window_pages, window_pos, block_table, seq_lens,
                                     cu_q, ring_slots, num_reqs, max_query_len, sink, recent, dense, param_dtype)
     seqs = [s for _, s in dense.shapes]
-    starts = [0]
-    for q_len, _ in dense.shapes:
-        starts.append(starts[-1] + q_len)
+    starts = list(itertools.accumulate((q_len for q_len, _ in dense.shapes), initial=0))
     for lo, hi in pack_requests(seqs, dense.k_buf.shape[0]):
         t0, t1, rows = starts[lo], starts[hi], sum(seqs[lo:hi])
         # FlashAttention-3 loads whole 128-row key tiles and masks the rows past a sequence only in

@@ -42,20 +42,17 @@ def gluon_data(ctx: list[int], hkv: int, hq: int, d: int, copies: int, seed: int
 
 def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None = -1, splits: int = 0,
                 prefetch: int | None = None, max_splits: int | None = None,
-                ring_cost: int | None = None, module=od, whole_wave: bool = False) -> tuple[list, int]:
+                ring_cost: int | None = None, module=od) -> tuple[list, int]:
     """The kernel's launches over ``data``; ``splits`` > 0 fixes the split count (the
-    ``decode_splits`` setting), else the wrapper's choice for the batch size (``max_splits``
-    instead of ``MAX_DECODE_SPLITS`` as its cap; ``whole_wave``: rounded to one wave of ``ctas``
-    programs an SM, not up to a power of two). ``maxnreg``, ``prefetch`` and ``ring_cost``: the
+    ``decode_splits`` setting, or a sweep's), else the wrapper's choice for the batch size
+    (``max_splits`` instead of ``MAX_DECODE_SPLITS`` as its cap). ``maxnreg``, ``prefetch`` and ``ring_cost``: the
     wrapper's choice unless given. ``module``: the decode module whose wrapper launches (``against``:
     an earlier version of it)."""
     b, q, _ = data[0]
     n, hq, d = q.shape
     hkv = b.cache.shape[1]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    # whole_wave only where asked: an earlier module (``against``) may not know it.
-    rounding = {"whole_wave": True} if whole_wave else {}
-    splits = splits or module.decode_splits(n, hkv, sms, ctas, max_splits, **rounding)
+    splits = splits or module.decode_splits(n, hkv, sms, ctas, max_splits)
     part_out = torch.empty(n * hq * splits * d, device="cuda")
     part_lse = torch.empty(n * hq * splits, device="cuda")
     launch = ({} if maxnreg == -1 else {"maxnreg": maxnreg}) | ({} if prefetch is None else {"prefetch": prefetch}) \
@@ -149,18 +146,18 @@ def sweep(args, bw: float, env: dict) -> None:
     variants = list(itertools.product(args.maxnreg, args.ctas, args.max_splits, args.prefetch, args.ring_cost,
                                       [r == "wave" for r in args.split_rounding]))
     check = gluon_data([3000, 700, 9000], hkv, hq, d, 1, seed=7)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     ref, ok = None, []
     for var in variants:
         maxnreg, ctas, cap, prefetch, ring_cost, wave = var
-        calls, _ = gluon_calls(check, ctas, maxnreg, prefetch=prefetch, max_splits=cap, ring_cost=ring_cost,
-                               whole_wave=wave)
+        splits = od.decode_splits(len(check[0][1]), hkv, sms, ctas, cap, whole_wave=wave)
+        calls, _ = gluon_calls(check, maxnreg=maxnreg, splits=splits, prefetch=prefetch, ring_cost=ring_cost)
         calls[0]()
         out = check[0][2].float()
         ref = out.clone() if ref is None else ref
         rel = ((out - ref).abs().max() / ref.abs().max()).item()
         ok.append(var) if rel < 1e-2 else print(f"variant {var} wrong: rel err {rel:.2e}", flush=True)
     rows = []
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for n, ctx in itertools.product(args.batches, args.contexts):
         lens = [ctx] * n
         nbytes = int2_bytes_read(lens, hkv, d, SINK, RECENT)
@@ -170,8 +167,7 @@ def sweep(args, bw: float, env: dict) -> None:
             splits = od.decode_splits(n, hkv, sms, ctas, cap, whole_wave=wave)
             key = (maxnreg, prefetch, splits, ring_cost)
             if key not in timed:
-                calls, _ = gluon_calls(data, ctas, maxnreg, prefetch=prefetch, max_splits=cap, ring_cost=ring_cost,
-                                       whole_wave=wave)
+                calls, _ = gluon_calls(data, maxnreg=maxnreg, splits=splits, prefetch=prefetch, ring_cost=ring_cost)
                 timed[key] = time_calls(calls, rep_ms=30)
             ms = timed[key]
             rows.append({"batch": n, "context": ctx, "maxnreg": maxnreg or "none", "ctas_per_sm": ctas,

@@ -13,6 +13,7 @@ bytes are pages of the layer's own KV cache.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -67,7 +68,6 @@ class OscarAttentionMetadata:
     decode_splits: int  # most programs a decode request's prefix is split over
     decode_ring_cost: int  # INT2 blocks a ring tile counts as in that split (the Gluon kernel's partition)
     prefill_has_prefix: bool  # some prefill request has cached tokens (or may: an upper bound)
-    prefill_max_seq: int  # longest prefill request (upper bound)
     # each prefill request's (query tokens, sequence length), from the host, where some has a
     # cached prefix or prefill_read is "decode" (the dense paths' groups); else ()
     prefill_shapes: tuple[tuple[int, int], ...]
@@ -200,7 +200,6 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
             decode_splits=self.decode_splits(num_decodes),
             decode_ring_cost=gluon_decode.decode_ring_cost(num_decodes, self.fixed_splits),
             prefill_has_prefix=prefill_has_prefix,
-            prefill_max_seq=int(prefill_seq.max()) if known else 0,
             prefill_shapes=shapes,
             query_start_loc=m.query_start_loc,
             seq_lens=m.seq_lens,
@@ -417,8 +416,8 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
                 or not md.prefill_shapes):
             return None
         k_buf, v_buf = self.dense_kv
-        return DensePrefill(self.rotate(k[md.num_decodes:]), k_buf, v_buf, md.prefill_max_seq, self.flash_attention,
-                            md.prefill_shapes)
+        return DensePrefill(self.rotate(k[md.num_decodes:]), k_buf, v_buf, max(s for _, s in md.prefill_shapes),
+                            self.flash_attention, md.prefill_shapes)
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: OscarAttentionMetadata, output: torch.Tensor,
@@ -525,9 +524,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         rows = [max(s - recent, 0) + min(s, q + recent - 1) for q, s in shapes]
         groups = pack_requests(rows, self.dense_kv[0].shape[0])
         k_rot = self.rotate(k[nd:n])
-        starts = [0]
-        for q_len, _ in shapes:
-            starts.append(starts[-1] + q_len)
+        starts = list(itertools.accumulate((q_len for q_len, _ in shapes), initial=0))
         for lo, hi in groups:
             part = shapes[lo:hi]
             toks = slice(nd + starts[lo], nd + starts[hi])

@@ -281,7 +281,6 @@ def test_dense_prefill_through_flash_attention_ignores_rows_past_the_batch(prefi
     impl = SimpleNamespace(dense_kv=tuple(buffers), rotate=lambda x: (x.float() @ rot).to(x.dtype),
                            flash_attention=attention)
     md = SimpleNamespace(prefill_has_prefix=True, num_decodes=0, num_reqs=len(new),
-                         prefill_max_seq=int(step.seq_lens.max()),
                          prefill_shapes=tuple((n, p + n) for p, n in zip(prefix, new)))
     dense = OscarAttentionImpl.dense_prefill(impl, md, k)
     out = torch.full_like(q, float("nan"))

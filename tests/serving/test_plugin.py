@@ -151,7 +151,7 @@ def test_dense_prefill_is_taken_where_a_prefill_has_a_prefix_and_the_host_knows_
     shapes = ((3, 60), (2, 70))  # more rows than the buffers: oscar_dense_prefill_attention groups them
 
     def md(**kw):
-        base = dict(prefill_has_prefix=True, num_decodes=2, num_reqs=4, prefill_max_seq=70, prefill_shapes=shapes)
+        base = dict(prefill_has_prefix=True, num_decodes=2, num_reqs=4, prefill_shapes=shapes)
         return SimpleNamespace(**{**base, **kw})
 
     dense = OscarAttentionImpl.dense_prefill(impl, md(), k)
