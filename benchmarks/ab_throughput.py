@@ -587,8 +587,16 @@ def run_worker(args, result: dict, save) -> None:
     result.pop("running", None)
 
 
+def scenario_sizes(sizes: dict, scen: str) -> dict | None:
+    """A scenario's sizes in a plan's ``sizes``; the prefill scenario's, where it has none of its
+    own, are the decode scenario's prompts (one call prefills and times them, `_prefill_decode`)."""
+    if scen == "prefill" and "prefill" not in sizes and "decode" in sizes:
+        return {"requests": sizes["decode"]["requests"], "prompt_len": sizes["decode"]["context"]}
+    return sizes.get(scen)
+
+
 def _prefill_decode(timed, sizes, vocab, result) -> None:
-    z = sizes.get("prefill") or {"requests": sizes["decode"]["requests"], "prompt_len": sizes["decode"]["context"]}
+    z = scenario_sizes(sizes, "prefill")
     n, length = z["requests"], z["prompt_len"]
     prompts = distinct_prompts(n, length, vocab, SEEDS["prefill"])
     call = timed(prompts, 1, "prefill")
@@ -965,8 +973,8 @@ def _baseline(loaded: list, i: int, scen: str | None) -> tuple[dict | None, bool
         base = runs_j.get(BASELINE)
         if not base or meta_j["engine_args"] != meta["engine_args"]:
             continue
-        if scen is None or (scen in base and plan and plan_j
-                            and plan["sizes"].get(scen) == plan_j["sizes"].get(scen) is not None):
+        if scen is None or (scen in base and plan and plan_j and scenario_sizes(plan["sizes"], scen)
+                            == scenario_sizes(plan_j["sizes"], scen) is not None):
             return base, True
     return None, False
 
@@ -1276,8 +1284,8 @@ def parser() -> argparse.ArgumentParser:
                    help="model id or folder (default: a Qwen3-8B-shaped config, dummy weights)")
     p.add_argument("--configs", nargs="+", default=[c for c in CONFIGS if c != "turboquant"], choices=list(CONFIGS),
                    help="default: all but turboquant (which needs vLLM's FlashAttention 2 build)")
-    p.add_argument("--scenarios", nargs="*", default=["issue18"], choices=[*SCENARIOS, *PRESETS, "none"],
-                   help="scenarios or presets (default issue18: all); "
+    p.add_argument("--scenarios", nargs="*", choices=[*SCENARIOS, *PRESETS, "none"],
+                   help="scenarios or presets (default: --plan's, else issue18: all); "
                    "none (or no value): only the --max-num-seqs-sweep")
     p.add_argument("--rotations", default="hadamard",
                    help="OSCAR rotation path (default: hadamard; speed does not depend on the rotation values)")
@@ -1339,6 +1347,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, with the scenario presets expanded and the configurations in the order they
     run: FLASH_ATTN first (a budgeted run takes its sizes from its KV cache)."""
     args = parser().parse_args(argv)
+    if args.scenarios is None:  # a run on an earlier plan runs what that plan sized
+        sized = json.loads(Path(args.plan).read_text())["sizes"] if args.plan else {}
+        args.scenarios = [s for s in SCENARIOS if s in sized] if args.plan else ["issue18"]
     args.scenarios = expand_scenarios(args.scenarios)
     args.configs = sorted(dict.fromkeys(args.configs), key=lambda c: c != BASELINE)
     return args

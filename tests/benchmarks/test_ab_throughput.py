@@ -226,6 +226,15 @@ def test_resume_hint_names_the_configurations_left_out(ab, tmp_path):
     assert ab.resume_hint([], tmp_path / "plan.json", tmp_path) == ""
 
 
+def test_a_run_on_an_earlier_plan_runs_its_scenarios(ab, tmp_path):
+    """The resume hint's command names no scenarios: it runs what the plan sized, in run order."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"sizes": {"long": {"prompt_len": 131072}, "decode": {"requests": 32}}}))
+    assert ab.parse_args(["--configs", "fp8", "--plan", str(plan)]).scenarios == ["decode", "long"]
+    assert ab.parse_args(["--plan", str(plan), "--scenarios", "long"]).scenarios == ["long"]
+    assert ab.parse_args([]).scenarios == list(ab.expand_scenarios(["issue18"]))
+
+
 def test_pool_without_a_deadline_starts_everything(ab, tmp_path):
     job = fake_job(ab, tmp_path, "big", 0)
     job.estimate_s = 1e9
@@ -601,6 +610,8 @@ def test_report_takes_an_earlier_runs_baseline_of_the_same_sizes(ab, tmp_path):
     text = ab.report(*runs)
     assert table_row(text, "output tok/s, 32 x (1K in, 256 out)") == ["8,000.0 (2.00x†)", "4,000.0", "6,000.0"]
     assert table_row(text, "decode tok/s")[0::2] == ["800.0 (2.00x†)", "600.0 (1.50x†)"]
+    # the plans have no prefill sizes: the prefill of the decode scenario's prompts, the same in each
+    assert table_row(text, "prefill tok/s, 8 x 16K")[0::2] == ["60,000.0 (2.00x†)", "45,000.0 (1.50x†)"]
     assert table_row(text, "KV cache capacity")[2] == "1,624,320 (2.00x†)"
     assert "† against the FLASH_ATTN of an earlier run with the same sizes" in text
     meta = json.loads((runs[1] / "meta.json").read_text())
