@@ -6,7 +6,9 @@ headings), so numbers in the README and the docs are never typed by hand. ``<!--
 rows -->`` takes only the file's first table and the notes marked † under it, for a page that
 links to the whole file elsewhere; ``<!-- table:PATH compared -->`` the same, less the rows
 whose baseline cell (the table's last column named ``FLASH_ATTN``) is empty: a run split over
-invocations whose baseline ran only some of the scenarios.
+invocations whose baseline ran only some of the scenarios. Either may end in ``without
+/REGEX/``: less the rows whose first cell the pattern finds (rows a later block on the page shows
+from a newer run).
 
     python benchmarks/readme_tables.py [--check]
 """
@@ -16,7 +18,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BLOCK = re.compile(r"(<!-- table:(?P<path>[^ ]+)(?: (?P<mode>rows|compared))? -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
+BLOCK = re.compile(r"(<!-- table:(?P<path>[^ ]+)(?: (?P<mode>rows|compared)(?: without /(?P<without>[^/]+)/)?)? -->\n)"
+                   r"(?P<body>.*?)(?P<end><!-- end table -->)", re.S)
 BASELINE = "FLASH_ATTN"
 
 
@@ -25,10 +28,10 @@ def pages() -> list[Path]:
     return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
-def spliced(path: str, rows: bool = False, compared: bool = False) -> str:
+def spliced(path: str, rows: bool = False, compared: bool = False, without: str | None = None) -> str:
     """What a block for the result file ``path`` holds: the file less its ``# title`` line, or
     (``rows``) its first table and the † notes after it, or (``compared``) those less the rows
-    with no baseline value."""
+    with no baseline value; either less the rows whose metric ``without`` finds."""
     body = (REPO / path).read_text()
     if body.startswith("# "):
         body = body.split("\n", 1)[1].lstrip("\n")
@@ -40,6 +43,11 @@ def spliced(path: str, rows: bool = False, compared: bool = False) -> str:
         table = lines[start:end]
         if compared:
             table = table[:2] + [line for line in table[2:] if _cells(line)[_baseline_column(table[0], path)]]
+        if without:
+            kept = [line for line in table[2:] if not re.search(without, _cells(line)[0])]
+            if len(kept) == len(table) - 2:
+                raise ValueError(f"{path}: 'without /{without}/' finds no row")
+            table = table[:2] + kept
         body = "\n".join(table + ["", *notes] * bool(notes))
     return body.rstrip("\n") + "\n"
 
@@ -56,8 +64,8 @@ def _baseline_column(header: str, path: str) -> int:
 
 
 def refreshed(text: str) -> str:
-    return BLOCK.sub(lambda m: m.group(1) + spliced(m["path"], m["mode"] == "rows", m["mode"] == "compared")
-                     + m.group(5), text)
+    return BLOCK.sub(lambda m: m.group(1) + spliced(m["path"], m["mode"] == "rows", m["mode"] == "compared",
+                                                    m["without"]) + m["end"], text)
 
 
 def main() -> None:
