@@ -244,7 +244,9 @@ STEP_S = {"OSCAR": (6.7e-3, 2.27e-8), "FLASH_ATTN": (5.0e-3, 3.34e-8), "fp8": (5
 # threads, Triton's cache cold), int4 72 (one run). int4 and turboquant compile their Triton
 # kernels in their first calls (the first warm-ups).
 STARTUP_S = {"OSCAR": 100, "FLASH_ATTN": 85, "fp8": 85, "int4": 80, "turboquant": 80}
-PROCESS_S = 12  # a worker's imports before the engine, its first call and the engine's shutdown
+# A worker's imports before the engine, its first call and the engine's shutdown: worker_s less
+# startup_s and the scenarios' walls, 20-34 s (median 25) in the H200 runs of 2026-12-02 to 04.
+PROCESS_S = 26
 SWEEP_RUN_S = 30  # one eager start reading the KV capacity (7-22 s in results/ab_capacity)
 SCENARIO_WARM_UP_S = 2  # each scenario's small untimed run first
 PARENT_S = 15  # the run's own set-up (versions, hardware) and report
@@ -276,8 +278,9 @@ def scenario_s(name: str, config: str, sizes: dict, caps: Caps) -> float:
     z = sizes[name]
     if name == "prefill":
         return z["requests"] * prefill_s(z["prompt_len"])
-    if name == "decode":
-        return batch_s(config, caps, z["requests"], z["context"], z["output_len"], cached=z["context"])
+    if name == "decode":  # without a prefill scenario, it prefills its prompts itself first (_prefill_decode)
+        first = 0 if "prefill" in sizes else z["requests"] * prefill_s(z["context"])
+        return first + batch_s(config, caps, z["requests"], z["context"], z["output_len"], cached=z["context"])
     if name == "long":
         return prefill_s(z["prompt_len"])
     if name == "latency":

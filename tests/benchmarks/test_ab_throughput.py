@@ -226,6 +226,16 @@ def test_resume_hint_names_the_configurations_left_out(ab, tmp_path):
     assert ab.resume_hint([], tmp_path / "plan.json", tmp_path) == ""
 
 
+def test_decode_without_a_prefill_scenario_is_estimated_with_its_own_prefill(ab):
+    """It prefills its prompts first (32 x 16K: 22-24 s a configuration on the H200, 2026-12-04,
+    where the estimate without the prefill was 7-8 s)."""
+    caps = ab.Caps(800_000, {"OSCAR": 7.0, "FLASH_ATTN": 1.0}, 2560, 1024)
+    decode = {"requests": 32, "context": 16384, "output_len": 256}
+    alone = ab.scenario_s("decode", "FLASH_ATTN", {"decode": decode}, caps)
+    after = ab.scenario_s("decode", "FLASH_ATTN", {"decode": decode, "prefill": {"requests": 32, "prompt_len": 16384}}, caps)
+    assert alone - after == pytest.approx(32 * ab.prefill_s(16384)) and 14 < alone - after < 18
+
+
 def test_a_run_on_an_earlier_plan_runs_its_scenarios(ab, tmp_path):
     """The resume hint's command names no scenarios: it runs what the plan sized, in run order."""
     plan = tmp_path / "plan.json"
