@@ -53,20 +53,23 @@ from oscar_vllm.core.settings import OscarSettings
 
 REPO = Path(__file__).resolve().parents[1]
 RECENT = OscarSettings.recent_size  # the plugin's default recent window, the check's
-# vLLM's enable_prefix_caching, and the rings a hit leaves to be computed again (the plugin: one).
-# Two rings: the tokens the last position reads in BF16 were themselves computed with a ring of
-# BF16 before them, as in an uncached prefill, where with one ring the first of them read the
-# cached prefix in 2-bit right up to themselves (what the third row measures).
-CONFIGS = {"caching off": (False, 1), "caching on": (True, 1), "caching on, two rings recomputed": (True, 2)}
+# vLLM's enable_prefix_caching, the rings a hit leaves to be computed again (the plugin: one), and
+# whether a hit takes the ring an ended request left instead (hit_ring "reuse"). Two rings: the
+# tokens the last position reads in BF16 were themselves computed with a ring of BF16 before them,
+# as in an uncached prefill, where with one ring the first of them read the cached prefix in 2-bit
+# right up to themselves (what the third row measures).
+CONFIGS = {"caching off": (False, 1, False), "caching on": (True, 1, False),
+           "caching on, two rings recomputed": (True, 2, False), "caching on, rings reused": (True, 1, True)}
 
 
 def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Path, recent: int = RECENT,
-                   rings: int = 1) -> list[dict]:
+                   rings: int = 1, reuse_rings: bool = False) -> list[dict]:
     """Every scored request of the check as vLLM's scheduler serves it: ``{"len", "chunks":
-    [(first token, tokens), ...]}`` in the check's order (the first chunk starts at its hit).
-    Runs on the CPU: vLLM's ``Scheduler`` with the OSCAR hooks, fed one sampled token per request
-    whose prefill a step completes; a hit stops ``rings`` rings short of the cached blocks (the
-    plugin: 1)."""
+    [(first token, tokens), ...], "ring": (lo, hi) or None}`` in the check's order (the first chunk
+    starts at its hit; ``ring``: the positions a ring it took from an ended request holds). Runs on
+    the CPU: vLLM's ``Scheduler`` with the OSCAR hooks, fed one sampled token per request whose
+    prefill a step completes; a hit stops ``rings`` rings short of the cached blocks (the plugin: 1),
+    or with ``reuse_rings`` takes an ended request's ring where one serves it."""
     sys.path.insert(0, str(REPO / "tests"))  # vllm_configs_on_cpu: vLLM's configs buildable without a GPU
     from vllm_cpu import SMOLLM2_CONFIG, vllm_configs_on_cpu
 
@@ -87,7 +90,8 @@ def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Pa
         config = engine_args(model=str(work), attention_backend="OSCAR", skip_tokenizer_init=True,
                              load_format="dummy", max_model_len=4096, max_num_batched_tokens=chunk, max_num_seqs=32,
                              enable_prefix_caching=caching, additional_config={"oscar": {
-                                 "rotation_path": str(REPO / "results" / "smollm2_rotations"), "recent_size": recent}}
+                                 "rotation_path": str(REPO / "results" / "smollm2_rotations"), "recent_size": recent,
+                                 "hit_ring": "reuse" if reuse_rings else "recompute"}}
                              ).create_engine_config()
         config.cache_config.block_size = BLOCK_SIZE  # what the backend asks vLLM for on a GPU
         config.cache_config.num_gpu_blocks = 20000  # roomy: nothing is evicted or preempted
@@ -97,7 +101,8 @@ def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Pa
                                   kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
         init_none_hash(sha256)
         scheduler = Scheduler(config, kv_config, StructuredOutputManager(config), block_size=BLOCK_SIZE)
-        give_scheduler_window_pages(scheduler).ring_blocks *= rings
+        pages = give_scheduler_window_pages(scheduler)
+        pages.ring_blocks *= rings
         hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
 
         def serve(prompts: list[list[int]], tag: str) -> list[dict]:
@@ -105,10 +110,12 @@ def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Pa
             for i, prompt in enumerate(prompts):
                 r = Request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=2, ignore_eos=True), None,
                             block_hasher=hasher)
-                requests[r.request_id] = {"request": r, "len": len(prompt), "chunks": []}
+                requests[r.request_id] = {"request": r, "len": len(prompt), "chunks": [], "ring": None}
                 scheduler.add_request(r)
             while scheduler.has_requests():
                 out = scheduler.schedule()
+                for new in out.scheduled_new_reqs:
+                    requests[new.req_id]["ring"] = pages.ring_of(new.req_id)
                 ids = list(out.num_scheduled_tokens)
                 for rid in ids:
                     r = requests[rid]
@@ -119,7 +126,7 @@ def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Pa
                            for rid in ids]
                 scheduler.update_from_output(out, ModelRunnerOutput(
                     req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)}, sampled_token_ids=sampled))
-            return [{"len": r["len"], "chunks": r["chunks"]} for r in requests.values()]
+            return [{"len": r["len"], "chunks": r["chunks"], "ring": r["ring"]} for r in requests.values()]
 
         shared = windows[0][:512]
         serve([shared + [shared[0]]], "shared")  # the check caches the shared prefix first
@@ -129,13 +136,15 @@ def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Pa
 def bf16_from(scored: list[dict], cuts: int, chunk: int, recent: int = RECENT) -> list[torch.Tensor]:
     """For each scored request, where each of its positions reads keys past the sink in BF16
     from (``[len]``): its chunk's start less the ring, never below the request's hit (the ring
-    holds only what the request computed). A position under the hit reads as the request that
-    wrote its block did: the earliest request of the same window that computed the whole block,
-    else the one that cached the shared prefix (chunks of ``chunk`` from 0)."""
+    holds only what the request computed), or below the first position of a ring it took. A
+    position under the hit reads as the request that wrote its block did: the earliest request of
+    the same window that computed the whole block, else the one that cached the shared prefix
+    (chunks of ``chunk`` from 0)."""
     def reads(request: dict, p: int) -> int:
-        hit = request["chunks"][0][0]
+        ring = request.get("ring")
+        floor = ring[0] if ring else request["chunks"][0][0]
         start = next(a for a, n in request["chunks"] if a <= p < a + n)
-        return max(start - recent + 1, hit)
+        return max(start - recent + 1, floor)
 
     out = []
     for w in range(len(scored) // cuts):
@@ -225,9 +234,9 @@ def main() -> None:
     cuts = len(CACHED_PREFIX_CUTS)
     schedules = {}
     for name in args.configs:
-        caching, rings = CONFIGS[name]
+        caching, rings, reuse = CONFIGS[name]
         with tempfile.TemporaryDirectory() as work:  # the model's config.json, for vLLM's engine config
-            scored = schedule_check(windows, args.chunk, caching, Path(work), rings=rings)
+            scored = schedule_check(windows, args.chunk, caching, Path(work), rings=rings, reuse_rings=reuse)
         schedules[name] = scored[:args.windows * cuts]
     # Every position a prompt's request computes in every configuration, a ring past its latest hit:
     # read as the prompt's last position is (a BF16 ring its own request computed), at other offsets.

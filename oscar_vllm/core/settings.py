@@ -21,6 +21,11 @@ SCALE_DTYPES = ("fp16", "bf16")
 # cuts the prompt into chunks), or "decode", the last recent_size positions, as a decode step
 # reads them (replies that do not depend on vLLM's schedule; docs/backend.md).
 PREFILL_READS = ("chunk", "decode")
+# Where a prefix-cache hit's BF16 recent window and the ring before its first new token come
+# from: "recompute", computed again (the hit ends that much earlier); or "reuse", taken from the
+# ring an earlier request of the same prefix left, where one is still in the pool (the hit then
+# ends where vLLM's does), else computed again (oscar_vllm.serving.window_pages).
+HIT_RINGS = ("recompute", "reuse")
 HOW_TO_GET_ROTATIONS = (
     "give a rotation folder with --additional-config '{\"oscar\": {\"rotation_path\": DIR}}' "
     "or OSCAR_ROTATION_PATH=DIR: published RotationZoo files, a folder written by "
@@ -56,6 +61,7 @@ class OscarSettings:
     # runs in; a power of two fixes it for every batch (replies independent of the batch, with
     # prefill_read "decode"; docs/backend.md).
     decode_splits: int = 0
+    hit_ring: str = "recompute"
     # Threads that compile the kernels' serving variants at startup (csrc_triton.warm_up.launch_all).
     # An OSCAR engine's warm-up (17 variants, Qwen3-8B shape, empty Triton cache) took 43.9 s in one
     # thread and 25.9 s in 4 on the H200 machine, inside a 69 s engine init (tests/gpu/run.sh warmup,
@@ -75,6 +81,8 @@ class OscarSettings:
             raise OscarSettingsError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if self.prefill_read not in PREFILL_READS:
             raise OscarSettingsError(f"prefill_read must be one of {PREFILL_READS}, got {self.prefill_read!r}")
+        if self.hit_ring not in HIT_RINGS:
+            raise OscarSettingsError(f"hit_ring must be one of {HIT_RINGS}, got {self.hit_ring!r}")
         if self.decode_splits < 0 or self.decode_splits & (self.decode_splits - 1):
             raise OscarSettingsError(f"decode_splits must be 0 (chosen per batch) or a power of two, "
                                      f"got {self.decode_splits}")

@@ -48,6 +48,7 @@ from csrc_triton.warm_up import warm_up_kernels
 from oscar_vllm.core.fold import RotationFoldError
 from oscar_vllm.core.quant import PARAM_DTYPES, clip_index
 from oscar_vllm.core.settings import BACKEND_NAME, OscarSettings, OscarSettingsError
+from oscar_vllm.reference.oscar_write import window_index
 from oscar_vllm.serving.plugin import check_vllm_version
 from oscar_vllm.serving.preflight import check_in_worker
 from oscar_vllm.serving.window_pages import WindowPagesError
@@ -106,7 +107,7 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         split_rows = decode_split_scratch_rows(self.decode_kernel, self.fixed_splits, max_batch, self.num_kv_heads,
                                                self.num_sms)
         self.layers = [vllm_config.compilation_config.static_forward_context[name].impl for name in layer_names]
-        self.sink = settings.sink_size
+        self.sink, self.recent = settings.sink_size, settings.recent_size
         self.decode_read = settings.prefill_read == "decode"
         self.pages_per_ring, self.sink_pages = window_pages_per_request(settings.sink_size, settings.recent_size,
                                                                         self.num_kv_heads, d)
@@ -118,11 +119,13 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         self.part_lse = torch.empty(split_rows * num_heads, dtype=torch.float32, device=device)
 
     def assign_windows(self, rows: list[int], pages: list[list[int]], num_blocks: int, allow_null: bool = False,
-                       sink_shared: list[bool] | None = None) -> None:
+                       sink_shared: list[bool] | None = None, rings: list[tuple[int, int] | None] | None = None
+                       ) -> None:
         """New requests took ``rows``, with window ``pages`` each (block ids < ``num_blocks``; the
         null block 0 only with ``allow_null``, for vLLM's start-up warm-up): empty their rings in
         every layer before they run, so no row reads a window it did not write, but for the sink
-        of rows whose sink pages came from the prefix cache (``sink_shared``): those read it."""
+        of rows whose sink pages came from the prefix cache (``sink_shared``), and the positions
+        ``[lo, hi)`` of a ring taken from an earlier request (``rings``): those read them."""
         if not rows:
             return
         first = 0 if allow_null else 1
@@ -150,6 +153,14 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
             held = torch.arange(self.sink, dtype=torch.int32, device=index.device).expand(len(shared), -1)
             for impl in self.layers:
                 impl.window_pos[shared_index, :self.sink] = held
+        taken = [(r, range(max(lo, self.sink, hi - self.recent), hi)) for r, ring in zip(rows, rings or []) if ring
+                 for lo, hi in [ring]]
+        if taken:  # each held position at its ring entry, as the write kernels leave it
+            row_of = to_device([r for r, held in taken for _ in held], torch.long)
+            positions = to_device([p for _, held in taken for p in held], torch.int32)
+            at = (row_of, window_index(positions.long(), self.sink, self.recent))
+            for impl in self.layers:
+                impl.window_pos.index_put_(at, positions)
 
     def fill_ring_slots(self, num_entries: int) -> None:
         """Each batch entry's ring: the rows of the batch's requests, then the null row for the

@@ -38,6 +38,10 @@ FLAGS = {
                               "programs each decode request's keys are split over: 0 chooses per batch, a "
                               "power of two fixes it, so a request's decode does not depend on its batch "
                               "(default: 0)"),
+    "--oscar-hit-ring": ("hit_ring", str, "{recompute,reuse}",
+                         "a prefix-cache hit computes its BF16 recent window again (recompute), or takes "
+                         "the ring an earlier request of the prefix left, where one is cached (reuse) "
+                         "(default: recompute)"),
     "--oscar-warm-up-threads": ("warm_up_threads", int, "N",
                                 "threads compiling the kernels' variants at startup (default: 4)"),
 }

@@ -104,7 +104,8 @@ def give_scheduler_window_pages(scheduler) -> WindowPageAllocator:
     spec = groups[0].kv_cache_spec
     settings = OscarSettings.from_vllm_config(scheduler.vllm_config)
     sink_pages, recent_pages, _ = window_pages_of_group(spec, settings)
-    allocator = attach_to_scheduler(scheduler, sink_pages, recent_pages, settings.sink_size, settings.recent_size)
+    allocator = attach_to_scheduler(scheduler, sink_pages, recent_pages, settings.sink_size, settings.recent_size,
+                                    reuse_rings=settings.hit_ring == "reuse")
     pages = sink_pages + recent_pages
     blocks = scheduler.kv_cache_config.num_blocks
     max_seqs = scheduler.vllm_config.scheduler_config.max_num_seqs
@@ -195,7 +196,8 @@ def kernel_pages(blocks: list[int], ratio: int, count: int) -> list[int]:
 
 def assign_window_pages(runner, scheduler_output) -> None:
     """Give the rows of this step's new (and resumed) requests their window pages, as kernel
-    block ids, in every OSCAR builder; their rings start empty but for a cached sink."""
+    block ids, in every OSCAR builder; their rings start empty but for a cached sink and the
+    positions a ring taken from an earlier request holds."""
     from csrc_triton.paged_layout import BLOCK_SIZE
 
     builders = oscar_builders(runner.attn_groups)
@@ -207,15 +209,16 @@ def assign_window_pages(runner, scheduler_output) -> None:
     for group, builder in builders:
         ratio = group.kv_cache_spec.block_size // BLOCK_SIZE
         if given is None:  # vLLM's start-up warm-up: the null block
-            pages, shared = [[0] * builder.pages_per_ring for _ in new], [False] * len(new)
+            pages, shared, rings = [[0] * builder.pages_per_ring for _ in new], [False] * len(new), None
         else:
             sink_blocks = scheduler_blocks(builder.sink_pages, ratio)
             pages = [kernel_pages(given[r][0][:sink_blocks], ratio, builder.sink_pages)
                      + kernel_pages(given[r][0][sink_blocks:], ratio, builder.pages_per_ring - builder.sink_pages)
                      for r in new]
             shared = [given[r][1] for r in new]
+            rings = [given[r][2] for r in new]
         builder.assign_windows(rows, pages, runner.kv_cache_config.num_blocks * ratio, allow_null=given is None,
-                               sink_shared=shared)
+                               sink_shared=shared, rings=rings)
 
 
 def oscar_attention_blocks(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:

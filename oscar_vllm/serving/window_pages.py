@@ -26,6 +26,15 @@ Prefix-cache hits keep both windows in BF16, as a run without caching has them:
   the cached middle of the prefix in 2-bit right up to itself. A hit costs one ring of prefill
   more (the window's tokens again) and gives the prompt's tail the reads of an uncached prefill
   that had a chunk boundary where the cached prefix ends.
+* **Or a hit takes the ring an earlier request left** (``hit_ring`` ``reuse``). A request that
+  ends (or is preempted) leaves its recent-window pages in the pool as evictable cached blocks,
+  indexed by the hashes of the block boundaries its ring can serve: those where its ring holds
+  all but at most ``block_size`` of the ``recent - 1`` positions before the boundary. A hit that
+  ends at such a boundary (the same prompt again, a follow-up turn, a preempted request resuming)
+  takes those pages as its own recent pages instead of computing the ring again: the hit then
+  ends where vLLM's does, and the worker marks the positions the ring holds (``ring``) as held,
+  as it marks a shared sink; a position it does not hold reads its 2-bit copy, as a stale entry
+  always does. The pages are taken, not copied: the request writes on in them.
 * **A hit covers only blocks an earlier step wrote.** vLLM caches a block when it schedules
   it, so a request could hit blocks another request of the same step fills, and sink pages
   written in the same step; the hit ends before the first such block instead.
@@ -45,10 +54,12 @@ from dataclasses import dataclass, field
 from oscar_vllm.core.errors import OscarError
 
 logger = logging.getLogger("vllm.oscar_vllm")
-# {request id: (page block ids, sink shared)} of the step's new requests; ``sink shared``: the
-# sink pages came from the prefix cache and hold the sink already, else the request writes them.
+# {request id: (page block ids, sink shared, ring)} of the step's new requests; ``sink shared``:
+# the sink pages came from the prefix cache and hold the sink already, else the request writes
+# them; ``ring``: (lo, hi), the positions a ring taken from an earlier request holds, or None.
 SCHEDULER_OUTPUT_FIELD = "oscar_window_pages"
 SINK_TAG = b"oscar_vllm.sink"
+RING_TAG = b"oscar_vllm.ring"
 # The pages held are logged when they change: at once from and to 0, else at most this often
 # (USAGE_LOG is the line; tests/gpu/serve_load.py reads it).
 USAGE_LOG_SECONDS = 10.0
@@ -64,6 +75,28 @@ class RequestPages:
     sink: list = field(default_factory=list)  # KVCacheBlocks of the sink, maybe shared
     recent: list = field(default_factory=list)  # KVCacheBlocks of the recent window, its own
     shared: bool = False  # the sink pages came from the prefix cache, holding the sink already
+    start: int = 0  # the first position its ring holds: what it computed, or a taken ring's
+    ring: tuple[int, int] | None = None  # positions [lo, hi) a ring taken from an earlier request holds
+
+
+@dataclass
+class CachedRing:
+    """An ended request's recent-window pages, evictable cached blocks of the pool whose entries
+    for positions ``[lo, hi)`` hold those positions (``tags``: the pages' keys in vLLM's map;
+    ``keys``: the boundaries it serves, in the allocator's index)."""
+    pages: list
+    tags: list
+    lo: int
+    hi: int
+    keys: list
+
+    def evicted(self) -> bool:
+        """Whether vLLM reused a page (it drops a page's key when it does)."""
+        return any(p.block_hash != t for p, t in zip(self.pages, self.tags))
+
+    def intact(self) -> bool:
+        """Not evicted, and held by no one (a deferred free may hold it a step longer)."""
+        return not self.evicted() and all(p.ref_cnt == 0 for p in self.pages)
 
 
 class WindowPageAllocator:
@@ -75,7 +108,7 @@ class WindowPageAllocator:
     """
 
     def __init__(self, block_pool, sink_pages: int, recent_pages: int, block_size: int, sink: int, recent: int,
-                 requests: Mapping[str, object]):
+                 requests: Mapping[str, object], reuse_rings: bool = False):
         if recent_pages < 1 or sink_pages < 0 or (sink > 0) != (sink_pages > 0):
             raise ValueError(f"a ring of {sink} + {recent} entries cannot take {sink_pages} + {recent_pages} pages")
         self.block_pool = block_pool
@@ -92,6 +125,13 @@ class WindowPageAllocator:
         # to have its sink block cached provides the prefix's cached sink).
         self.unregistered: dict[str, None] = {}
         self.fresh: set[int] = set()  # blocks cached in the current schedule() call
+        self.reuse_rings = reuse_rings
+        # Ended requests' rings by the hash of the block before a boundary each can serve; the
+        # ones a hit of this step reserved; hit tokens of the requests admitted with a hit.
+        self.rings: dict[bytes, CachedRing] = {}
+        self.reserved: set[int] = set()  # ids of CachedRings
+        self.hit_tokens: dict[str, int] = {}
+        self.rings_cached = 0  # a counter that makes every ring's page keys its own
         self.logged_pages, self.logged_at = 0, float("-inf")  # the last usage line
 
     @property
@@ -119,14 +159,77 @@ class WindowPageAllocator:
 
     def hit_blocks(self, hit: list, num_tokens: int, block_hashes) -> int:
         """How many of a prefix-cache hit's blocks (``hit``, vLLM's longest hit for a request of
-        ``num_tokens`` tokens) the request may use: none the current step fills, none of its last
+        ``num_tokens`` tokens) the request may use: none the current step fills; then, at the
+        longest boundary an ended request's ring serves, all up to it; else none of its last
         ``recent`` tokens, and ``ring_blocks`` fewer than that (see the module's docstring)."""
-        n = min(len(hit), max(0, num_tokens - self.recent) // self.block_size)
-        n = next((i for i, b in enumerate(hit[:n]) if b.block_id in self.fresh), n)
-        n = max(0, n - self.ring_blocks)
+        n = next((i for i, b in enumerate(hit) if b.block_id in self.fresh), len(hit))
+        trimmed = max(0, min(n, max(0, num_tokens - self.recent) // self.block_size) - self.ring_blocks)
+        n = next((b for b in range(n, trimmed, -1) if self.reserve_ring(block_hashes, b)), trimmed)
         if self.sink_pages and n > 0 and (n <= self.sink_block or self.cached_sink(block_hashes) is None):
             n = 0
         return n
+
+    def ring_key(self, block_hashes, blocks: int) -> bytes | None:
+        """The key of the boundary after ``blocks`` blocks of the prefix these hashes name."""
+        return bytes(block_hashes[blocks - 1]) if 0 < blocks <= len(block_hashes) else None
+
+    def reserve_ring(self, block_hashes, blocks: int) -> bool:
+        """Whether an intact ring, not reserved yet in this step, serves a hit of ``blocks``
+        blocks of this prefix (and reserve it for the request that asked)."""
+        key = self.ring_key(block_hashes, blocks) if self.reuse_rings and blocks > self.sink_block else None
+        ring = self.rings.get(key) if key is not None else None
+        if ring is None or id(ring) in self.reserved or not ring.intact():
+            return False
+        self.reserved.add(id(ring))
+        return True
+
+    def take_ring(self, request_id: str, hit_blocks: int) -> None:
+        """Give a request admitted with a hit of ``hit_blocks`` blocks the ring reserved for it:
+        its pages come off the free list now, before the request's new blocks could evict them."""
+        request = self.requests[request_id]
+        ring = self.rings.get(self.ring_key(request.block_hashes, hit_blocks))
+        if ring is None or id(ring) not in self.reserved or not ring.intact():
+            return
+        self.reserved.discard(id(ring))
+        for key in ring.keys:
+            if self.rings.get(key) is ring:
+                del self.rings[key]
+        self.block_pool.touch(ring.pages)
+        for page, tag in zip(ring.pages, ring.tags):
+            self.block_pool.cached_block_hash_to_block.pop(tag, page.block_id)
+            page.reset_hash()
+        pages = self.held.setdefault(request_id, RequestPages())
+        end = hit_blocks * self.block_size
+        pages.recent, pages.start, pages.ring = list(ring.pages), ring.lo, (ring.lo, end)
+
+    def cache_ring(self, request_id: str, pages: RequestPages) -> None:
+        """Leave an ending request's recent pages to later hits (``reuse_rings``): indexed by the
+        boundaries where its ring holds all but at most ``block_size`` of the ``recent - 1``
+        positions before it."""
+        request = self.requests.get(request_id)
+        if not (self.reuse_rings and pages.recent and request is not None):
+            return
+        hi = request.num_computed_tokens
+        lo = max(pages.start, hi - self.recent, self.sink)
+        bs = self.block_size
+        keys = [self.ring_key(request.block_hashes, b // bs)
+                for b in range(hi // bs * bs, max(lo, hi - bs - 1) - 1, -bs)
+                if b > max(lo, self.sink_block * bs) and lo - (b - self.recent + 1) <= bs]
+        keys = [k for k in keys if k is not None]
+        if not keys:
+            return
+        self.rings_cached += 1
+        base = RING_TAG + self.rings_cached.to_bytes(8, "big")
+        tags = [hashlib.sha256(base + i.to_bytes(4, "big")).digest() + bytes(4) for i in range(len(pages.recent))]
+        for page, tag in zip(pages.recent, tags):
+            page.set_block_hash(tag)
+            self.block_pool.cached_block_hash_to_block.insert(tag, page)
+        ring = CachedRing(list(pages.recent), tags, lo, hi, keys)
+        for key in keys:
+            self.rings[key] = ring
+        if len(self.rings) > 2 * self.block_pool.num_gpu_blocks // self.recent_pages + 16:
+            # Evicted rings leave their keys behind: at most this many rings fit the pool at once.
+            self.rings = {k: r for k, r in self.rings.items() if not r.evicted()}
 
     def pages_needed(self, request_id: str, new_computed_blocks) -> int:
         if request_id in self.held:
@@ -150,36 +253,50 @@ class WindowPageAllocator:
 
     def take_shared_sink(self, request_id: str, new_computed_blocks) -> None:
         sink = self.shared_sink_of(request_id, new_computed_blocks)
-        if sink is not None and request_id not in self.held:
-            self.block_pool.touch(sink)
-            self.held[request_id] = RequestPages(sink=list(sink), shared=True)
+        if request_id not in self.held:
+            self.hit_tokens[request_id] = len(new_computed_blocks[0]) * self.block_size
+            if sink is not None:
+                self.block_pool.touch(sink)
+                self.held[request_id] = RequestPages(sink=list(sink), shared=True)
+            self.take_ring(request_id, len(new_computed_blocks[0]))
 
     def take(self, request_id: str) -> None:
         pages = self.held.get(request_id)
-        if pages is not None and pages.recent:  # a running request: called every step
-            return
+        if pages is not None and pages.recent and (pages.sink or not self.sink_pages):
+            return  # a running request: called every step
         if pages is None:
             pages = self.held[request_id] = RequestPages()
-        if not pages.shared:
+        if not pages.sink:
             pages.sink = self.block_pool.get_new_blocks(self.sink_pages)
             if self.sink_pages:
                 self.unregistered[request_id] = None
-        pages.recent = self.block_pool.get_new_blocks(self.recent_pages)
+        if not pages.recent:
+            pages.recent = self.block_pool.get_new_blocks(self.recent_pages)
+            pages.start = self.hit_tokens.get(request_id, 0)
+        self.hit_tokens.pop(request_id, None)
 
     def release(self, request_id: str) -> list:
         """The request's page blocks, no longer held (the caller returns them to the pool), the
         sink last: cached sink pages outlive the request's other blocks in vLLM's LRU order."""
         self.unregistered.pop(request_id, None)
+        self.hit_tokens.pop(request_id, None)
         pages = self.held.pop(request_id, None)
         if not self.held:
             self.log_usage()
-        return [] if pages is None else pages.recent + pages.sink
+        if pages is None:
+            return []
+        self.cache_ring(request_id, pages)
+        return pages.recent + pages.sink
 
     def page_ids(self, request_id: str) -> list[int]:
         pages = self.held.get(request_id)
         if pages is None or not pages.recent:
             raise WindowPagesError(f"request {request_id} is scheduled but holds no window pages")
         return [b.block_id for b in pages.sink + pages.recent]
+
+    def ring_of(self, request_id: str) -> tuple[int, int] | None:
+        """The positions ``[lo, hi)`` of the ring the request took from an earlier one, or None."""
+        return self.held[request_id].ring
 
     def sink_shared(self, request_id: str) -> bool:
         """Whether the request's sink pages came from the prefix cache (it reads, never writes them)."""
@@ -203,6 +320,7 @@ class WindowPageAllocator:
 
     def begin_step(self) -> None:
         self.fresh.clear()
+        self.reserved.clear()  # reserved by hits of requests the last step did not admit
 
     def end_step(self, blocks_of) -> None:
         """Cache the sink pages of requests whose sink block got cached in this step
@@ -293,7 +411,8 @@ class WindowPageAllocator:
         wrap(self.block_pool, "cache_full_blocks", note_cached)
 
 
-def attach_to_scheduler(scheduler, sink_pages: int, recent_pages: int, sink: int, recent: int) -> WindowPageAllocator:
+def attach_to_scheduler(scheduler, sink_pages: int, recent_pages: int, sink: int, recent: int,
+                        reuse_rings: bool = False) -> WindowPageAllocator:
     """Give ``scheduler`` (vLLM's V1 ``Scheduler``) window pages: its KV cache manager counts and
     allocates them and trims prefix-cache hits, and every ``schedule()`` output names the pages
     of the requests it sends the workers as new (new, resumed after preemption, or re-sent).
@@ -304,7 +423,7 @@ def attach_to_scheduler(scheduler, sink_pages: int, recent_pages: int, sink: int
     manager = scheduler.kv_cache_manager
     block_size = scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
     allocator = WindowPageAllocator(manager.block_pool, sink_pages, recent_pages, block_size, sink, recent,
-                                    scheduler.requests)
+                                    scheduler.requests, reuse_rings)
     allocator.install(manager.coordinator)
     original = scheduler.schedule
 
@@ -318,7 +437,8 @@ def attach_to_scheduler(scheduler, sink_pages: int, recent_pages: int, sink: int
         allocator.end_step(blocks_of)
         allocator.log_usage()
         setattr(output, SCHEDULER_OUTPUT_FIELD, {
-            r.req_id: (allocator.page_ids(r.req_id), allocator.sink_shared(r.req_id)) for r in output.scheduled_new_reqs
+            r.req_id: (allocator.page_ids(r.req_id), allocator.sink_shared(r.req_id), allocator.ring_of(r.req_id))
+            for r in output.scheduled_new_reqs
         })
         return output
 
@@ -327,9 +447,9 @@ def attach_to_scheduler(scheduler, sink_pages: int, recent_pages: int, sink: int
     return allocator
 
 
-def pages_of_new_requests(scheduler_output, req_ids) -> dict[str, tuple[list[int], bool]] | None:
-    """The window pages of the requests a worker adds this step, and whether their sink pages
-    hold a cached sink.
+def pages_of_new_requests(scheduler_output, req_ids) -> dict[str, tuple[list[int], bool, tuple | None]] | None:
+    """The window pages of the requests a worker adds this step, whether their sink pages hold a
+    cached sink, and the positions a ring taken from an earlier request holds (or None).
 
     ``None`` for an output no scheduler built: vLLM's start-up warm-up runs made-up requests
     through the model before the scheduler exists; their rings go to the null block (no request

@@ -66,6 +66,7 @@ def test_additional_config_wins_over_environment():
     ({"decode_splits": -4}, "decode_splits must be 0 .*got -4"),
     ({"decode_splits": "sixteen"}, "decode_splits must be int, got 'sixteen'"),
     ({"warm_up_threads": 0}, "warm_up_threads must be >= 1, got 0"),
+    ({"hit_ring": "keep"}, r"hit_ring must be one of \('recompute', 'reuse'\), got 'keep'"),
 ])
 def test_bad_settings_are_named(given, message):
     with pytest.raises(OscarSettingsError, match=message):

@@ -295,6 +295,22 @@ def _request_zero_written(d, hkv, sink, recent):
     return pc, rot
 
 
+def _prefill_request_one(pc, rot, done, hkv, g, sink, recent):
+    """Request 1, ``done`` tokens cached, prefills 5 more: the kernel against its twin. Returns
+    the step's inputs and the twin's output, for a second read of the same step."""
+    d = rot.shape[0]
+    pc.done[1] = done
+    step = pc.schedule({1: 5})
+    q = random_rows((5, hkv * g, d), torch.float32, 3)
+    k, v = random_rows((5, hkv, d), torch.float32, 4), random_rows((5, hkv, d), torch.float32, 5)
+    out = torch.full_like(q, float("nan"))
+    args = cache_args(pc, step)
+    oscar_prefill_attention(out, q, q @ rot, k, v, *args, 1, 0.125, sink, recent)
+    want = oscar_attention_reference(q, q @ rot, k, v, *args, 1, 0.125, sink, recent)
+    torch.testing.assert_close(out.float().cpu(), want, rtol=1e-4, atol=1e-4)
+    return q, k, v, args, want
+
+
 def test_prefix_cache_hit_never_reads_another_requests_window():
     """A request that reuses another's cached blocks (vLLM prefix caching) and gets a ring row
     a finished request left behind reads the shared prefix from INT2 where its own ring is
@@ -306,15 +322,7 @@ def test_prefix_cache_hit_never_reads_another_requests_window():
     pc.block_table[1, :2] = pc.block_table[0, :2]
     pc.ring_slots[1] = pc.ring_slots[0]
     pc.window_pos[pc.ring_slots[1]] = -1
-    pc.done[1] = 128
-    step = pc.schedule({1: 5})
-    q = random_rows((5, hkv * g, d), torch.float32, 3)
-    k, v = random_rows((5, hkv, d), torch.float32, 4), random_rows((5, hkv, d), torch.float32, 5)
-    out = torch.full_like(q, float("nan"))
-    args = cache_args(pc, step)
-    oscar_prefill_attention(out, q, q @ rot, k, v, *args, 1, 0.125, sink, recent)
-    want = oscar_attention_reference(q, q @ rot, k, v, *args, 1, 0.125, sink, recent)
-    torch.testing.assert_close(out.float().cpu(), want, rtol=1e-4, atol=1e-4)
+    q, k, v, args, want = _prefill_request_one(pc, rot, 128, hkv, g, sink, recent)
     # The same query with request 0's stale ring entries left in place would differ: the
     # emptied row is what keeps request 0's data out.
     stale = pc.window_pos.clone()
@@ -357,6 +365,34 @@ def test_a_hit_reads_the_shared_sink_pages_in_bf16(new):
     other = oscar_attention_reference(q, q @ rot, k, v, pc.cache, pc.windows, pc.window_pages, int2_sink,
                                       *args[4:], 1, 0.125, sink, recent)
     assert (other - want).abs().max() > 1e-3
+
+
+def test_a_hit_reads_the_ring_it_took_from_an_ended_request():
+    """``hit_ring`` ``reuse``: request 1 hits request 0's three blocks and takes all of its window
+    pages (oscar_vllm.serving.window_pages); the builder marks the positions they hold, and those
+    are the positions request 0's own writes left there. Kernel and twin then read them in BF16."""
+    from types import SimpleNamespace
+
+    from oscar_vllm.serving.backend import OscarAttentionMetadataBuilder
+
+    d, hkv, g, sink, recent = 64, 1, 2, 4, 8
+    pc, rot = _request_zero_written(d, hkv, sink, recent)
+    ring0, ring1 = int(pc.ring_slots[0]), int(pc.ring_slots[1])
+    pc.window_pos[ring1] = 7  # what an earlier request left in the row
+    pc.block_table[1, :3] = pc.block_table[0, :3]
+    builder = SimpleNamespace(pages_per_ring=pc.window_pages.shape[1], window_pages=pc.window_pages, sink=sink,
+                              recent=recent, layers=[SimpleNamespace(window_pos=pc.window_pos)])
+    OscarAttentionMetadataBuilder.assign_windows(builder, [ring1], [pc.window_pages[ring0].tolist()],
+                                                 num_blocks=pc.windows.shape[0], sink_shared=[True],
+                                                 rings=[(0, 192)])
+    assert torch.equal(pc.window_pos[ring1], pc.window_pos[ring0])
+    assert sorted(pc.window_pos[ring1, sink:].tolist()) == list(range(192 - recent, 192)), "the last 8 written"
+    q, k, v, args, want = _prefill_request_one(pc, rot, 192, hkv, g, sink, recent)
+    int2 = pc.window_pos.clone()
+    int2[ring1, sink:] = -1
+    other = oscar_attention_reference(q, q @ rot, k, v, pc.cache, pc.windows, pc.window_pages, int2,
+                                      *args[4:], 1, 0.125, sink, recent)
+    assert (other - want).abs().max() > 1e-3, "the ring's BF16 positions differ from their INT2 copies"
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 4, 24, 64, 100, 256])

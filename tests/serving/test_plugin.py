@@ -167,7 +167,7 @@ def test_dense_prefill_is_taken_where_a_prefill_has_a_prefix_and_the_host_knows_
 def builder_state(max_seqs=4, pages=3, layers=2):
     from oscar_vllm.serving.backend import OscarAttentionMetadataBuilder
 
-    state = SimpleNamespace(null_row=max_seqs, pages_per_ring=pages, sink_pages=1, sink=2, batch_rows=None,
+    state = SimpleNamespace(null_row=max_seqs, pages_per_ring=pages, sink_pages=1, sink=2, recent=3, batch_rows=None,
                             window_pages=torch.zeros(max_seqs + 1, pages, dtype=torch.int32),
                             ring_slots=torch.full((max_seqs + 2,), max_seqs, dtype=torch.int32),
                             layers=[SimpleNamespace(window_pos=torch.arange(float(max_seqs + 1) * 5).view(-1, 5).int())
@@ -233,6 +233,19 @@ def test_rows_that_share_a_cached_sink_read_it_and_nothing_else():
         assert (layer.window_pos[[2, 3]] == -1).all()
 
 
+def test_a_row_that_took_an_earlier_requests_ring_reads_the_positions_it_holds():
+    """A ring of positions [4, 9) (sink 2, recent 3): it holds the last three, 6, 7 and 8, each at
+    its entry 2 + (p - 2) % 3, as the write kernels left them; every other entry stays empty."""
+    cls, b = builder_state()
+    cls.assign_windows(b, [3], [[7, 8, 9]], num_blocks=10)
+    cls.assign_windows(b, [1, 2, 0], [[7, 5, 6], [1, 2, 4], [3, 5, 6]], num_blocks=10,
+                       sink_shared=[True, False, False], rings=[(4, 9), None, (7, 9)])
+    for layer in b.layers:
+        assert layer.window_pos[1].tolist() == [0, 1, 8, 6, 7], "the shared sink and the taken ring"
+        assert layer.window_pos[2].tolist() == [-1] * 5
+        assert layer.window_pos[0].tolist() == [-1, -1, 8, -1, 7], "a ring that holds only 7 and 8"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu/run.sh tests)")
 def test_admitting_requests_does_not_synchronize_the_gpu():
     # A synchronizing copy here made every step that admits requests wait for the step before.
@@ -244,12 +257,13 @@ def test_admitting_requests_does_not_synchronize_the_gpu():
     torch.cuda.set_sync_debug_mode("error")
     try:
         cls.assign_windows(b, [3], [[7, 8, 9]], num_blocks=10)
-        cls.assign_windows(b, [1, 2], [[7, 5, 6], [1, 2, 4]], num_blocks=10, sink_shared=[True, False])
+        cls.assign_windows(b, [1, 2], [[7, 5, 6], [1, 2, 4]], num_blocks=10, sink_shared=[True, False],
+                           rings=[(4, 9), None])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert b.window_pages[1].tolist() == [7, 5, 6] and b.window_pages[2].tolist() == [1, 2, 4]
     for layer in b.layers:
-        assert layer.window_pos[1].tolist() == [0, 1, -1, -1, -1] and (layer.window_pos[[2, 3]] == -1).all()
+        assert layer.window_pos[1].tolist() == [0, 1, 8, 6, 7] and (layer.window_pos[[2, 3]] == -1).all()
 
 
 def test_a_second_weight_hook_would_fold_twice_and_is_refused():

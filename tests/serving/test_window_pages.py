@@ -37,13 +37,13 @@ def config(num_blocks: int, block_size: int = BLOCK) -> KVCacheConfig:
                          kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
 
 
-def manager(num_blocks: int, caching: bool = True, install: bool = True, requests: dict | None = None
-            ) -> tuple[KVCacheManager, WindowPageAllocator]:
+def manager(num_blocks: int, caching: bool = True, install: bool = True, requests: dict | None = None,
+            reuse_rings: bool = False) -> tuple[KVCacheManager, WindowPageAllocator]:
     init_none_hash(sha256)
     kv = KVCacheManager(config(num_blocks), max_model_len=100 * BLOCK, scheduler_block_size=BLOCK,
                         hash_block_size=BLOCK, enable_caching=caching)
     allocator = WindowPageAllocator(kv.block_pool, SINK_PAGES, RECENT_PAGES, BLOCK, SINK, RECENT,
-                                    {} if requests is None else requests)
+                                    {} if requests is None else requests, reuse_rings)
     if install:
         allocator.install(kv.coordinator)
     return kv, allocator
@@ -278,7 +278,7 @@ def test_scheduler_output_names_the_pages_of_its_new_requests():
     scheduler = Scheduler()
     alloc = attach_to_scheduler(scheduler, SINK_PAGES, RECENT_PAGES, SINK, RECENT)
     given = pages_of_new_requests(scheduler.schedule(), ["a"])
-    assert given == {"a": (alloc.page_ids("a"), False)} and len(given["a"][0]) == PAGES
+    assert given == {"a": (alloc.page_ids("a"), False, None)} and len(given["a"][0]) == PAGES
     waiting.append(request("b", prompt + [3]))
     given_b = pages_of_new_requests(scheduler.schedule(), ["b"])["b"]
     assert given_b[1] and given_b[0][0] == given["a"][0][0], "b shares a's sink, cached after a's step"
@@ -288,14 +288,103 @@ def test_scheduler_output_names_the_pages_of_its_new_requests():
     assert scheduler.schedule is schedule, "attached once: the hook's scheduler, then a caller's call"
 
 
+def ended(kv, alloc, rid: str, tokens: list[int], computed: int | None = None, preempt: bool = False) -> Request:
+    """Request ``rid`` admitted, ``computed`` of its tokens (all) computed over a step, then
+    freed: it finished (or was preempted)."""
+    r = request(rid, tokens)
+    assert admit(kv, r, alloc)[0] is not None
+    end_step(kv, alloc)
+    r.num_computed_tokens = len(tokens) if computed is None else computed
+    kv.free(r)
+    if preempt:
+        r.num_computed_tokens = 0
+    return r
+
+
+def test_a_hit_takes_the_ring_an_ended_request_of_its_prefix_left():
+    """With ``reuse_rings``, the same prompt again hits every block vLLM's hit does (not a
+    recent window and a ring fewer) and takes the ended request's recent pages, as its own, with
+    the positions they hold: the last RECENT of what it computed, up to where the hit ends."""
+    kv, alloc = manager(40, reuse_rings=True)
+    free0 = kv.block_pool.get_num_free_blocks()
+    prompt = list(range(5 * BLOCK))
+    a = ended(kv, alloc, "a", prompt)
+    ring = alloc.page_ids("a")[SINK_PAGES:] if "a" in alloc.held else None
+    assert ring is None and kv.block_pool.get_num_free_blocks() == free0, "a's pages are back, evictable"
+    b = request("b", prompt + [7])
+    blocks, hit = admit(kv, b, alloc)
+    assert blocks is not None and hit == len(prompt), "vLLM's whole hit"
+    assert alloc.ring_of("b") == (len(prompt) - RECENT, len(prompt)) and alloc.sink_shared("b")
+    taken = [kv.block_pool.blocks[i] for i in alloc.page_ids("b")[SINK_PAGES:]]
+    assert all(p.ref_cnt == 1 and p.block_hash is None for p in taken), "b's own now, no longer cached"
+    c = request("c", prompt + [8])
+    assert admit(kv, c, alloc)[1] == (5 - RECENT // BLOCK - 1 - RING_BLOCKS) * BLOCK, "taken: c computes its own"
+    assert alloc.ring_of("c") is None
+    kv.free(b)
+    kv.free(c)
+    assert kv.block_pool.get_num_free_blocks() == free0 and alloc.pages_in_use == 0
+
+
+def test_without_reuse_a_hit_computes_its_ring_again():
+    kv, alloc = manager(40)
+    prompt = list(range(5 * BLOCK))
+    ended(kv, alloc, "a", prompt)
+    assert admit(kv, request("b", prompt + [7]), alloc)[1] == (5 - RECENT // BLOCK - 1 - RING_BLOCKS) * BLOCK
+    assert alloc.ring_of("b") is None and not alloc.rings
+
+
+def test_a_ring_serves_only_hits_it_holds_nearly_all_of_the_ring_before():
+    """A ring of positions [hi - RECENT, hi) serves a hit ending at a block boundary b only where
+    it holds all but at most a block of the RECENT - 1 positions before b: b in [hi - BLOCK - 1, hi]."""
+    kv, alloc = manager(40, reuse_rings=True)
+    prompt = list(range(5 * BLOCK + 10))  # hi = 330: boundaries 320 (10 short of hi) and 256 (74 short)
+    ended(kv, alloc, "a", prompt)
+    assert admit(kv, request("b", prompt[:4 * BLOCK] + [1] * 300), alloc)[1] < 4 * BLOCK, "256: too far back"
+    assert alloc.ring_of("b") is None
+    b2 = request("b2", prompt + [1])
+    assert admit(kv, b2, alloc)[1] == 5 * BLOCK and alloc.ring_of("b2") == (330 - RECENT, 5 * BLOCK)
+
+
+def test_an_evicted_or_reserved_ring_is_no_hit():
+    kv, alloc = manager(40, reuse_rings=True)
+    prompt = list(range(5 * BLOCK))
+    ended(kv, alloc, "a", prompt)
+    (ring,) = {id(r): r for r in alloc.rings.values()}.values()
+    kv.block_pool.evict_blocks({ring.pages[-1].block_id})  # as vLLM evicts a cached block it reuses
+    assert admit(kv, request("b", prompt + [7]), alloc)[1] < len(prompt) - RECENT
+    kv2, alloc2 = manager(40, reuse_rings=True)
+    ended(kv2, alloc2, "a", prompt)
+    hit, _, _ = kv2.get_computed_blocks(request("b", prompt + [7]))  # reserved by b, which is not admitted
+    assert len(hit.blocks[0]) == 5
+    assert admit(kv2, request("c", prompt + [8]), alloc2)[1] < len(prompt) - RECENT, "reserved in this step"
+    end_step(kv2, alloc2)
+    assert admit(kv2, request("d", prompt + [9]), alloc2)[1] == len(prompt), "the next step's to take"
+
+
+def test_a_preempted_request_resumes_on_its_own_ring():
+    kv, alloc = manager(40, reuse_rings=True)
+    prompt = list(range(6 * BLOCK))
+    a = ended(kv, alloc, "a", prompt, computed=5 * BLOCK + 20, preempt=True)  # mid-prefill, 340 computed
+    blocks, hit = admit(kv, a, alloc)
+    assert blocks is not None and hit == 5 * BLOCK and alloc.ring_of("a") == (340 - RECENT, 5 * BLOCK)
+
+
+def test_rings_of_ended_requests_are_forgotten_once_evicted():
+    kv, alloc = manager(40, reuse_rings=True)
+    for i in range(60):  # more rings than the pool holds: most are evicted by the later requests
+        ended(kv, alloc, str(i), list(range(1000 * i, 1000 * i + 3 * BLOCK)))
+    assert len(alloc.rings) <= 2 * kv.block_pool.num_gpu_blocks // RECENT_PAGES + 16
+    assert kv.block_pool.get_num_free_blocks() == 39 and alloc.pages_in_use == 0
+
+
 def test_worker_side_reads_the_pages_and_names_a_missing_request():
     class Output:
         pass
 
     out = Output()
     assert pages_of_new_requests(out, ["_warmup_0_"]) is None, "vLLM's start-up warm-up: no scheduler"
-    setattr(out, SCHEDULER_OUTPUT_FIELD, {"r1": ([4, 5], True)})
-    assert pages_of_new_requests(out, ["r1"]) == {"r1": ([4, 5], True)}
+    setattr(out, SCHEDULER_OUTPUT_FIELD, {"r1": ([4, 5], True, (100, 320))})
+    assert pages_of_new_requests(out, ["r1"]) == {"r1": ([4, 5], True, (100, 320))}
     with pytest.raises(WindowPagesError, match=r"\['r2'\] without their OSCAR window pages"):
         pages_of_new_requests(out, ["r1", "r2"])
 
