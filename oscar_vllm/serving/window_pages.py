@@ -207,8 +207,8 @@ class WindowPageAllocator:
         boundaries where its ring holds all but at most ``block_size`` of the ``recent - 1``
         positions before it."""
         request = self.requests.get(request_id)
-        if not (self.reuse_rings and pages.recent and request is not None):
-            return
+        if not (self.reuse_rings and self.block_pool.enable_caching and pages.recent and request is not None):
+            return  # (without prefix caching no hit would find it)
         hi = request.num_computed_tokens
         lo = max(pages.start, hi - self.recent, self.sink)
         bs = self.block_size

@@ -331,6 +331,9 @@ def test_without_reuse_a_hit_computes_its_ring_again():
     ended(kv, alloc, "a", prompt)
     assert admit(kv, request("b", prompt + [7]), alloc)[1] == (5 - RECENT // BLOCK - 1 - RING_BLOCKS) * BLOCK
     assert alloc.ring_of("b") is None and not alloc.rings
+    kv, alloc = manager(40, caching=False, reuse_rings=True)  # no prefix caching: no hit would find a ring
+    ended(kv, alloc, "a", prompt)
+    assert not alloc.rings and all(b.block_hash is None for b in kv.block_pool.blocks)
 
 
 def test_a_ring_serves_only_hits_it_holds_nearly_all_of_the_ring_before():
