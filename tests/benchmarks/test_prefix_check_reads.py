@@ -95,6 +95,10 @@ def test_the_report_pairs_every_row_with_caching_off_and_two_rings_with_one():
     assert "| caching on, two rings recomputed | 594 | 1.000 | +10.00% | 5.77% | 11.5% |" in text
     # Against one ring: -.1, .1, -.1, .1.
     assert "paired over the same tokens: +0.00% ± 5.77% (per-token SD 11.5%)" in text
+    # Rings reused against one recomputed: 0, 0, .1, -.1 (SD .0816, SE .0408).
+    result["caching on, rings reused"] = {"nll": [1.1, 2.1, 3.2, 4.0], "ppl": 1.0, "mean_hit": 960}
+    assert "Rings reused against one recomputed (the plugin's default), paired over the same tokens: +0.00% ± 4.08%" \
+        in prefix_check_reads.report(result, meta)
     del result["caching on, two rings recomputed"]
     assert "Two rings" not in prefix_check_reads.report(result, meta)
 
