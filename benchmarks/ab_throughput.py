@@ -1350,9 +1350,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, with the scenario presets expanded and the configurations in the order they
     run: FLASH_ATTN first (a budgeted run takes its sizes from its KV cache)."""
     args = parser().parse_args(argv)
-    if args.scenarios is None:  # a run on an earlier plan runs what that plan sized
-        sized = json.loads(Path(args.plan).read_text())["sizes"] if args.plan else {}
-        args.scenarios = [s for s in SCENARIOS if s in sized] if args.plan else ["issue18"]
+    if args.scenarios is None and args.plan:  # a run on an earlier plan runs what that plan sized
+        sized = json.loads(Path(args.plan).read_text())["sizes"]
+        args.scenarios = [s for s in SCENARIOS if s in sized]
+    elif args.scenarios is None:
+        args.scenarios = ["issue18"]
     args.scenarios = expand_scenarios(args.scenarios)
     args.configs = sorted(dict.fromkeys(args.configs), key=lambda c: c != BASELINE)
     return args

@@ -79,15 +79,14 @@ class RequestPages:
     ring: tuple[int, int] | None = None  # positions [lo, hi) a ring taken from an earlier request holds
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed as itself: the allocator keeps the step's reserved rings in a set
 class CachedRing:
     """An ended request's recent-window pages, evictable cached blocks of the pool whose entries
-    for positions ``[lo, hi)`` hold those positions (``tags``: the pages' keys in vLLM's map;
-    ``keys``: the boundaries it serves, in the allocator's index)."""
+    for the positions from ``lo`` up to where it ended hold those positions (``tags``: the pages'
+    keys in vLLM's map; ``keys``: the boundaries it serves, in the allocator's index)."""
     pages: list
     tags: list
     lo: int
-    hi: int
     keys: list
 
     def evicted(self) -> bool:
@@ -126,11 +125,10 @@ class WindowPageAllocator:
         self.unregistered: dict[str, None] = {}
         self.fresh: set[int] = set()  # blocks cached in the current schedule() call
         self.reuse_rings = reuse_rings
-        # Ended requests' rings by the hash of the block before a boundary each can serve; the
-        # ones a hit of this step reserved; hit tokens of the requests admitted with a hit.
+        # Ended requests' rings by the hash of the block before a boundary each can serve, and the
+        # ones a hit of this step reserved.
         self.rings: dict[bytes, CachedRing] = {}
-        self.reserved: set[int] = set()  # ids of CachedRings
-        self.hit_tokens: dict[str, int] = {}
+        self.reserved: set[CachedRing] = set()
         self.rings_cached = 0  # a counter that makes every ring's page keys its own
         self.logged_pages, self.logged_at = 0, float("-inf")  # the last usage line
 
@@ -178,9 +176,9 @@ class WindowPageAllocator:
         blocks of this prefix (and reserve it for the request that asked)."""
         key = self.ring_key(block_hashes, blocks) if self.reuse_rings and blocks > self.sink_block else None
         ring = self.rings.get(key) if key is not None else None
-        if ring is None or id(ring) in self.reserved or not ring.intact():
+        if ring is None or ring in self.reserved or not ring.intact():
             return False
-        self.reserved.add(id(ring))
+        self.reserved.add(ring)
         return True
 
     def take_ring(self, request_id: str, hit_blocks: int) -> None:
@@ -188,9 +186,9 @@ class WindowPageAllocator:
         its pages come off the free list now, before the request's new blocks could evict them."""
         request = self.requests[request_id]
         ring = self.rings.get(self.ring_key(request.block_hashes, hit_blocks))
-        if ring is None or id(ring) not in self.reserved or not ring.intact():
+        if ring is None or ring not in self.reserved or not ring.intact():
             return
-        self.reserved.discard(id(ring))
+        self.reserved.discard(ring)
         for key in ring.keys:
             if self.rings.get(key) is ring:
                 del self.rings[key]
@@ -198,9 +196,8 @@ class WindowPageAllocator:
         for page, tag in zip(ring.pages, ring.tags):
             self.block_pool.cached_block_hash_to_block.pop(tag, page.block_id)
             page.reset_hash()
-        pages = self.held.setdefault(request_id, RequestPages())
-        end = hit_blocks * self.block_size
-        pages.recent, pages.start, pages.ring = list(ring.pages), ring.lo, (ring.lo, end)
+        pages = self.held[request_id]
+        pages.recent, pages.start, pages.ring = list(ring.pages), ring.lo, (ring.lo, hit_blocks * self.block_size)
 
     def cache_ring(self, request_id: str, pages: RequestPages) -> None:
         """Leave an ending request's recent pages to later hits (``reuse_rings``): indexed by the
@@ -224,7 +221,7 @@ class WindowPageAllocator:
         for page, tag in zip(pages.recent, tags):
             page.set_block_hash(tag)
             self.block_pool.cached_block_hash_to_block.insert(tag, page)
-        ring = CachedRing(list(pages.recent), tags, lo, hi, keys)
+        ring = CachedRing(list(pages.recent), tags, lo, keys)
         for key in keys:
             self.rings[key] = ring
         if len(self.rings) > 2 * self.block_pool.num_gpu_blocks // self.recent_pages + 16:
@@ -251,14 +248,17 @@ class WindowPageAllocator:
             raise WindowPagesError(f"request {request_id} hit the sink block of a prefix whose sink pages are gone")
         return sink
 
-    def take_shared_sink(self, request_id: str, new_computed_blocks) -> None:
+    def take_hit_pages(self, request_id: str, new_computed_blocks) -> None:
+        """What a request admitted with hit blocks ``new_computed_blocks`` takes from the prefix
+        cache: its cached sink pages (shared) and a ring reserved for it (its own from now on)."""
         sink = self.shared_sink_of(request_id, new_computed_blocks)
-        if request_id not in self.held:
-            self.hit_tokens[request_id] = len(new_computed_blocks[0]) * self.block_size
-            if sink is not None:
-                self.block_pool.touch(sink)
-                self.held[request_id] = RequestPages(sink=list(sink), shared=True)
-            self.take_ring(request_id, len(new_computed_blocks[0]))
+        if request_id in self.held:
+            return
+        pages = self.held[request_id] = RequestPages(start=len(new_computed_blocks[0]) * self.block_size)
+        if sink is not None:
+            self.block_pool.touch(sink)
+            pages.sink, pages.shared = list(sink), True
+        self.take_ring(request_id, len(new_computed_blocks[0]))
 
     def take(self, request_id: str) -> None:
         pages = self.held.get(request_id)
@@ -272,14 +272,11 @@ class WindowPageAllocator:
                 self.unregistered[request_id] = None
         if not pages.recent:
             pages.recent = self.block_pool.get_new_blocks(self.recent_pages)
-            pages.start = self.hit_tokens.get(request_id, 0)
-        self.hit_tokens.pop(request_id, None)
 
     def release(self, request_id: str) -> list:
         """The request's page blocks, no longer held (the caller returns them to the pool), the
         sink last: cached sink pages outlive the request's other blocks in vLLM's LRU order."""
         self.unregistered.pop(request_id, None)
-        self.hit_tokens.pop(request_id, None)
         pages = self.held.pop(request_id, None)
         if not self.held:
             self.log_usage()
@@ -373,7 +370,7 @@ class WindowPageAllocator:
         def claim(original):
             def allocate_new_computed_blocks(*args, **kwargs):
                 original(*args, **kwargs)
-                self.take_shared_sink(request_id_of(args, kwargs), argument(args, kwargs, "new_computed_blocks", 1))
+                self.take_hit_pages(request_id_of(args, kwargs), argument(args, kwargs, "new_computed_blocks", 1))
             return allocate_new_computed_blocks
 
         def allocate(original):
