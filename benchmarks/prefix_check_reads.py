@@ -115,7 +115,8 @@ def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Pa
             while scheduler.has_requests():
                 out = scheduler.schedule()
                 for new in out.scheduled_new_reqs:
-                    requests[new.req_id]["ring"] = pages.ring_of(new.req_id)
+                    ring = pages.ring_of(new.req_id)
+                    requests[new.req_id]["ring"] = ring and ring[:2]
                 ids = list(out.num_scheduled_tokens)
                 for rid in ids:
                     r = requests[rid]

@@ -106,7 +106,9 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         self.fixed_splits = settings.decode_splits
         split_rows = decode_split_scratch_rows(self.decode_kernel, self.fixed_splits, max_batch, self.num_kv_heads,
                                                self.num_sms)
-        self.layers = [vllm_config.compilation_config.static_forward_context[name].impl for name in layer_names]
+        attention = vllm_config.compilation_config.static_forward_context
+        self.attention_layers = [attention[name] for name in layer_names]
+        self.layers = [layer.impl for layer in self.attention_layers]
         self.sink, self.recent = settings.sink_size, settings.recent_size
         self.decode_read = settings.prefill_read == "decode"
         self.pages_per_ring, self.sink_pages = window_pages_per_request(settings.sink_size, settings.recent_size,
@@ -119,13 +121,15 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         self.part_lse = torch.empty(split_rows * num_heads, dtype=torch.float32, device=device)
 
     def assign_windows(self, rows: list[int], pages: list[list[int]], num_blocks: int, allow_null: bool = False,
-                       sink_shared: list[bool] | None = None, rings: list[tuple[int, int] | None] | None = None
-                       ) -> None:
+                       sink_shared: list[bool] | None = None,
+                       rings: list[tuple[int, int, list[int]] | None] | None = None) -> None:
         """New requests took ``rows``, with window ``pages`` each (block ids < ``num_blocks``; the
         null block 0 only with ``allow_null``, for vLLM's start-up warm-up): empty their rings in
         every layer before they run, so no row reads a window it did not write, but for the sink
         of rows whose sink pages came from the prefix cache (``sink_shared``), and the positions
-        ``[lo, hi)`` of a ring taken from an earlier request (``rings``): those read them."""
+        ``[lo, hi)`` of a ring an earlier request left in ``source`` pages (``rings``: ``(lo, hi,
+        source)``): those pages are copied into the row's recent pages, in every layer, and the
+        row reads those positions."""
         if not rows:
             return
         first = 0 if allow_null else 1
@@ -134,6 +138,11 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
                 f"window pages {pages} for rows {rows}: each row needs {self.pages_per_ring} block ids in "
                 f"[{first}, {num_blocks})"
             )
+        recent_pages = self.pages_per_ring - self.sink_pages
+        copies = [(ring[2], row_pages[self.sink_pages:]) for row_pages, ring in zip(pages, rings or []) if ring]
+        if any(len(s) != recent_pages or not all(first <= b < num_blocks for b in s) for s, _ in copies):
+            raise WindowPagesError(f"ring source pages {[s for s, _ in copies]}: each needs {recent_pages} block ids "
+                                   f"in [{first}, {num_blocks})")
         # From pinned memory, without waiting: a blocking or pageable copy would synchronize the
         # stream, so every step that admits a request would wait for the step before it to finish
         # (no overlap of the host's next step with the GPU's, which vLLM's async scheduling gives).
@@ -153,14 +162,23 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
             held = torch.arange(self.sink, dtype=torch.int32, device=index.device).expand(len(shared), -1)
             for impl in self.layers:
                 impl.window_pos[shared_index, :self.sink] = held
+        if copies:  # before the step's kernels, on the same stream: ahead of any write into the sources
+            source = to_device([b for s, _ in copies for b in s], torch.long)
+            target = to_device([b for _, t in copies for b in t], torch.long)
+            for cache in self.layer_caches():
+                cache.index_copy_(0, target, cache.index_select(0, source))
         taken = [(r, range(max(lo, self.sink, hi - self.recent), hi)) for r, ring in zip(rows, rings or []) if ring
-                 for lo, hi in [ring]]
+                 for lo, hi in [ring[:2]]]
         if taken:  # each held position at its ring entry, as the write kernels leave it
             row_of = to_device([r for r, held in taken for _ in held], torch.long)
             positions = to_device([p for _, held in taken for p in held], torch.int32)
             at = (row_of, window_index(positions.long(), self.sink, self.recent))
             for impl in self.layers:
                 impl.window_pos.index_put_(at, positions)
+
+    def layer_caches(self) -> list[torch.Tensor]:
+        """Each layer's KV cache (its blocks hold the window pages), as vLLM bound it."""
+        return [layer.kv_cache for layer in self.attention_layers]
 
     def fill_ring_slots(self, num_entries: int) -> None:
         """Each batch entry's ring: the rows of the batch's requests, then the null row for the

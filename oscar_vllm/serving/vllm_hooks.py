@@ -197,7 +197,7 @@ def kernel_pages(blocks: list[int], ratio: int, count: int) -> list[int]:
 def assign_window_pages(runner, scheduler_output) -> None:
     """Give the rows of this step's new (and resumed) requests their window pages, as kernel
     block ids, in every OSCAR builder; their rings start empty but for a cached sink and the
-    positions a ring taken from an earlier request holds."""
+    positions a ring copied from an earlier request holds."""
     from csrc_triton.paged_layout import BLOCK_SIZE
 
     builders = oscar_builders(runner.attn_groups)
@@ -216,7 +216,9 @@ def assign_window_pages(runner, scheduler_output) -> None:
                      + kernel_pages(given[r][0][sink_blocks:], ratio, builder.pages_per_ring - builder.sink_pages)
                      for r in new]
             shared = [given[r][1] for r in new]
-            rings = [given[r][2] for r in new]
+            rings = [None if given[r][2] is None else
+                     (*given[r][2][:2], kernel_pages(given[r][2][2], ratio, builder.pages_per_ring - builder.sink_pages))
+                     for r in new]
         builder.assign_windows(rows, pages, runner.kv_cache_config.num_blocks * ratio, allow_null=given is None,
                                sink_shared=shared, rings=rings)
 

@@ -34,7 +34,10 @@ Prefix-cache hits keep both windows in BF16, as a run without caching has them:
   takes those pages as its own recent pages instead of computing the ring again: the hit then
   ends where vLLM's does, and the worker marks the positions the ring holds (``ring``) as held,
   as it marks a shared sink; a position it does not hold reads its 2-bit copy, as a stale entry
-  always does. The pages are taken, not copied: the request writes on in them.
+  always does. The pages are copied, not taken: the worker copies them into the request's own
+  recent pages before the step runs, and the ring stays cached for the next hit. So every hit
+  of a prefix reads the same ring while it is cached (taken pages would serve one hit, and the
+  next would compute its ring again: the same prompt sent twice would be computed two ways).
 * **A hit covers only blocks an earlier step wrote.** vLLM caches a block when it schedules
   it, so a request could hit blocks another request of the same step fills, and sink pages
   written in the same step; the hit ends before the first such block instead.
@@ -56,7 +59,8 @@ from oscar_vllm.core.errors import OscarError
 logger = logging.getLogger("vllm.oscar_vllm")
 # {request id: (page block ids, sink shared, ring)} of the step's new requests; ``sink shared``:
 # the sink pages came from the prefix cache and hold the sink already, else the request writes
-# them; ``ring``: (lo, hi), the positions a ring taken from an earlier request holds, or None.
+# them; ``ring``: (lo, hi, source block ids), the positions a ring of an earlier request holds
+# and its recent pages, to copy into the request's own before it runs, or None.
 SCHEDULER_OUTPUT_FIELD = "oscar_window_pages"
 SINK_TAG = b"oscar_vllm.sink"
 RING_TAG = b"oscar_vllm.ring"
@@ -76,10 +80,11 @@ class RequestPages:
     recent: list = field(default_factory=list)  # KVCacheBlocks of the recent window, its own
     shared: bool = False  # the sink pages came from the prefix cache, holding the sink already
     start: int = 0  # the first position its ring holds: what it computed, or a taken ring's
-    ring: tuple[int, int] | None = None  # positions [lo, hi) a ring taken from an earlier request holds
+    ring: tuple[int, int] | None = None  # positions [lo, hi) a ring copied from an earlier request holds
+    ring_source: list = field(default_factory=list)  # that ring's pages (cached blocks, read once)
 
 
-@dataclass(eq=False)  # compared and hashed as itself: the allocator keeps the step's reserved rings in a set
+@dataclass(eq=False)  # compared and hashed as itself: the allocator keys the step's reserved rings by it
 class CachedRing:
     """An ended request's recent-window pages, evictable cached blocks of the pool whose entries
     for the positions from ``lo`` up to where it ended hold those positions (``tags``: the pages'
@@ -128,7 +133,7 @@ class WindowPageAllocator:
         # Ended requests' rings by the hash of the block before a boundary each can serve, and the
         # ones a hit of this step reserved.
         self.rings: dict[bytes, CachedRing] = {}
-        self.reserved: set[CachedRing] = set()
+        self.reserved: dict[CachedRing, None] = {}  # in the order reserved: unpinned in that order
         self.rings_cached = 0  # a counter that makes every ring's page keys its own
         self.logged_pages, self.logged_at = 0, float("-inf")  # the last usage line
 
@@ -172,32 +177,29 @@ class WindowPageAllocator:
         return bytes(block_hashes[blocks - 1]) if 0 < blocks <= len(block_hashes) else None
 
     def reserve_ring(self, block_hashes, blocks: int) -> bool:
-        """Whether an intact ring, not reserved yet in this step, serves a hit of ``blocks``
-        blocks of this prefix (and reserve it for the request that asked)."""
+        """Whether an intact ring serves a hit of ``blocks`` blocks of this prefix. The first hit
+        of a step that finds it pins its pages (off the free list) until the step's end, so that
+        no block this step allocates evicts them before the worker copies them."""
         key = self.ring_key(block_hashes, blocks) if self.reuse_rings and blocks > self.sink_block else None
         ring = self.rings.get(key) if key is not None else None
-        if ring is None or ring in self.reserved or not ring.intact():
+        if ring is None:
             return False
-        self.reserved.add(ring)
+        if ring not in self.reserved:
+            if not ring.intact():
+                return False
+            self.block_pool.touch(ring.pages)
+            self.reserved[ring] = None
         return True
 
     def take_ring(self, request_id: str, hit_blocks: int) -> None:
         """Give a request admitted with a hit of ``hit_blocks`` blocks the ring reserved for it:
-        its pages come off the free list now, before the request's new blocks could evict them."""
+        the worker copies its pages into the request's own recent pages, and it stays cached."""
         request = self.requests[request_id]
         ring = self.rings.get(self.ring_key(request.block_hashes, hit_blocks))
-        if ring is None or ring not in self.reserved or not ring.intact():
+        if ring is None or ring not in self.reserved:
             return
-        self.reserved.discard(ring)
-        for key in ring.keys:
-            if self.rings.get(key) is ring:
-                del self.rings[key]
-        self.block_pool.touch(ring.pages)
-        for page, tag in zip(ring.pages, ring.tags):
-            self.block_pool.cached_block_hash_to_block.pop(tag, page.block_id)
-            page.reset_hash()
         pages = self.held[request_id]
-        pages.recent, pages.start, pages.ring = list(ring.pages), ring.lo, (ring.lo, hit_blocks * self.block_size)
+        pages.start, pages.ring, pages.ring_source = ring.lo, (ring.lo, hit_blocks * self.block_size), ring.pages
 
     def cache_ring(self, request_id: str, pages: RequestPages) -> None:
         """Leave an ending request's recent pages to later hits (``reuse_rings``): indexed by the
@@ -250,7 +252,7 @@ class WindowPageAllocator:
 
     def take_hit_pages(self, request_id: str, new_computed_blocks) -> None:
         """What a request admitted with hit blocks ``new_computed_blocks`` takes from the prefix
-        cache: its cached sink pages (shared) and a ring reserved for it (its own from now on)."""
+        cache: its cached sink pages (shared) and a ring reserved for it (to copy)."""
         sink = self.shared_sink_of(request_id, new_computed_blocks)
         if request_id in self.held:
             return
@@ -291,9 +293,11 @@ class WindowPageAllocator:
             raise WindowPagesError(f"request {request_id} is scheduled but holds no window pages")
         return [b.block_id for b in pages.sink + pages.recent]
 
-    def ring_of(self, request_id: str) -> tuple[int, int] | None:
-        """The positions ``[lo, hi)`` of the ring the request took from an earlier one, or None."""
-        return self.held[request_id].ring
+    def ring_of(self, request_id: str) -> tuple[int, int, list[int]] | None:
+        """``(lo, hi, source pages)``: the positions ``[lo, hi)`` of the ring the request copies
+        from an earlier one and that ring's recent pages (block ids), or None."""
+        pages = self.held[request_id]
+        return None if pages.ring is None else (*pages.ring, [b.block_id for b in pages.ring_source])
 
     def sink_shared(self, request_id: str) -> bool:
         """Whether the request's sink pages came from the prefix cache (it reads, never writes them)."""
@@ -317,12 +321,16 @@ class WindowPageAllocator:
 
     def begin_step(self) -> None:
         self.fresh.clear()
-        self.reserved.clear()  # reserved by hits of requests the last step did not admit
 
     def end_step(self, blocks_of) -> None:
-        """Cache the sink pages of requests whose sink block got cached in this step
-        (``blocks_of(request_id)``: its KV blocks). Their sink is written by the end of the
-        step, so later steps can read it; a prefix cached already keeps its first copy."""
+        """Unpin the rings this step's hits reserved: the worker copies them before the step
+        runs, ahead of any write into blocks a later step allocates. Cache the sink pages of
+        requests whose sink block got cached in this step (``blocks_of(request_id)``: its KV
+        blocks). Their sink is written by the end of the step, so later steps can read it; a
+        prefix cached already keeps its first copy."""
+        for ring in self.reserved:
+            self.block_pool.free_blocks(ring.pages)
+        self.reserved.clear()
         for request_id in list(self.unregistered):
             blocks = blocks_of(request_id)
             if len(blocks) <= self.sink_block or blocks[self.sink_block].block_hash is None:

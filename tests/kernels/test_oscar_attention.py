@@ -367,24 +367,35 @@ def test_a_hit_reads_the_shared_sink_pages_in_bf16(new):
     assert (other - want).abs().max() > 1e-3
 
 
-def test_a_hit_reads_the_ring_it_took_from_an_ended_request():
-    """``hit_ring`` ``reuse``: request 1 hits request 0's three blocks and takes all of its window
-    pages (oscar_vllm.serving.window_pages); the builder marks the positions they hold, and those
-    are the positions request 0's own writes left there. Kernel and twin then read them in BF16."""
+def test_a_hit_reads_the_ring_it_copied_from_an_ended_request():
+    """``hit_ring`` ``reuse``: request 1 hits request 0's three blocks, shares its sink pages and
+    copies its recent pages into its own (oscar_vllm.serving.window_pages); the builder copies them
+    and marks the positions they hold, the positions request 0's own writes left there. Kernel and
+    twin then read them in BF16, and request 0's pages are as they were."""
     from types import SimpleNamespace
 
     from oscar_vllm.serving.backend import OscarAttentionMetadataBuilder
+    from oscar_vllm.serving.window_pages import WindowPagesError
 
     d, hkv, g, sink, recent = 64, 1, 2, 4, 8
     pc, rot = _request_zero_written(d, hkv, sink, recent)
     ring0, ring1 = int(pc.ring_slots[0]), int(pc.ring_slots[1])
+    sink_pages = sink // window_entries_per_page(pc.windows.shape[1], hkv, d, sink)
+    source = pc.window_pages[ring0, sink_pages:].tolist()
+    own = pc.window_pages[ring1, sink_pages:].tolist()
+    assert not set(source) & set(own)
+    bits = pc.windows.view(torch.int16)  # compared bit for bit: unwritten entries are NaN
+    before = bits[source].clone()
     pc.window_pos[ring1] = 7  # what an earlier request left in the row
     pc.block_table[1, :3] = pc.block_table[0, :3]
-    builder = SimpleNamespace(pages_per_ring=pc.window_pages.shape[1], window_pages=pc.window_pages, sink=sink,
-                              recent=recent, layers=[SimpleNamespace(window_pos=pc.window_pos)])
-    OscarAttentionMetadataBuilder.assign_windows(builder, [ring1], [pc.window_pages[ring0].tolist()],
+    builder = SimpleNamespace(pages_per_ring=pc.window_pages.shape[1], sink_pages=sink_pages,
+                              window_pages=pc.window_pages, sink=sink, recent=recent,
+                              layers=[SimpleNamespace(window_pos=pc.window_pos)], layer_caches=lambda: [pc.windows])
+    OscarAttentionMetadataBuilder.assign_windows(builder, [ring1], [pc.window_pages[ring0, :sink_pages].tolist() + own],
                                                  num_blocks=pc.windows.shape[0], sink_shared=[True],
-                                                 rings=[(0, 192)])
+                                                 rings=[(0, 192, source)])
+    assert pc.window_pages[ring1].tolist() == pc.window_pages[ring0, :sink_pages].tolist() + own
+    assert torch.equal(bits[own], before) and torch.equal(bits[source], before), "copied, not moved"
     assert torch.equal(pc.window_pos[ring1], pc.window_pos[ring0])
     assert sorted(pc.window_pos[ring1, sink:].tolist()) == list(range(192 - recent, 192)), "the last 8 written"
     q, k, v, args, want = _prefill_request_one(pc, rot, 192, hkv, g, sink, recent)
@@ -393,6 +404,9 @@ def test_a_hit_reads_the_ring_it_took_from_an_ended_request():
     other = oscar_attention_reference(q, q @ rot, k, v, pc.cache, pc.windows, pc.window_pages, int2,
                                       *args[4:], 1, 0.125, sink, recent)
     assert (other - want).abs().max() > 1e-3, "the ring's BF16 positions differ from their INT2 copies"
+    with pytest.raises(WindowPagesError, match="ring source pages"):
+        OscarAttentionMetadataBuilder.assign_windows(builder, [ring1], [pc.window_pages[ring1].tolist()],
+                                                     num_blocks=pc.windows.shape[0], rings=[(0, 192, source[:1])])
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 4, 24, 64, 100, 256])

@@ -172,6 +172,9 @@ def builder_state(max_seqs=4, pages=3, layers=2):
                             ring_slots=torch.full((max_seqs + 2,), max_seqs, dtype=torch.int32),
                             layers=[SimpleNamespace(window_pos=torch.arange(float(max_seqs + 1) * 5).view(-1, 5).int())
                                     for _ in range(layers)])
+    # Each layer's KV cache: 12 blocks of 4 bytes, every byte its own value.
+    state.caches = [torch.arange(48, dtype=torch.int32).view(12, 4).to(torch.uint8) + 64 * i for i in range(layers)]
+    state.layer_caches = lambda: state.caches
     return OscarAttentionMetadataBuilder, state
 
 
@@ -233,17 +236,28 @@ def test_rows_that_share_a_cached_sink_read_it_and_nothing_else():
         assert (layer.window_pos[[2, 3]] == -1).all()
 
 
-def test_a_row_that_took_an_earlier_requests_ring_reads_the_positions_it_holds():
+def test_a_row_that_copies_an_earlier_requests_ring_reads_the_positions_it_holds():
     """A ring of positions [4, 9) (sink 2, recent 3): it holds the last three, 6, 7 and 8, each at
-    its entry 2 + (p - 2) % 3, as the write kernels left them; every other entry stays empty."""
+    its entry 2 + (p - 2) % 3, as the write kernels left them; every other entry stays empty. Its
+    pages (8, 9) are copied into each taker's recent pages in every layer, and stay as they were."""
+    from oscar_vllm.serving.window_pages import WindowPagesError
+
     cls, b = builder_state()
-    cls.assign_windows(b, [3], [[7, 8, 9]], num_blocks=10)
-    cls.assign_windows(b, [1, 2, 0], [[7, 5, 6], [1, 2, 4], [3, 5, 6]], num_blocks=10,
-                       sink_shared=[True, False, False], rings=[(4, 9), None, (7, 9)])
+    before = [c.clone() for c in b.caches]
+    cls.assign_windows(b, [3], [[7, 8, 9]], num_blocks=12)
+    cls.assign_windows(b, [1, 2, 0], [[7, 5, 6], [1, 2, 4], [3, 10, 11]], num_blocks=12,
+                       sink_shared=[True, False, False], rings=[(4, 9, [8, 9]), None, (7, 9, [8, 9])])
     for layer in b.layers:
-        assert layer.window_pos[1].tolist() == [0, 1, 8, 6, 7], "the shared sink and the taken ring"
+        assert layer.window_pos[1].tolist() == [0, 1, 8, 6, 7], "the shared sink and the copied ring"
         assert layer.window_pos[2].tolist() == [-1] * 5
         assert layer.window_pos[0].tolist() == [-1, -1, 8, -1, 7], "a ring that holds only 7 and 8"
+    for cache, old in zip(b.caches, before):
+        assert torch.equal(cache[[5, 6]], old[[8, 9]]) and torch.equal(cache[[10, 11]], old[[8, 9]])
+        untouched = [i for i in range(12) if i not in (5, 6, 10, 11)]
+        assert torch.equal(cache[untouched], old[untouched]), "the sources and every other block as they were"
+    for bad in ([8], [8, 12], [0, 8]):  # too few; past the pool; the null block
+        with pytest.raises(WindowPagesError, match="ring source pages"):
+            cls.assign_windows(b, [1], [[7, 5, 6]], num_blocks=12, rings=[(4, 9, bad)])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu/run.sh tests)")
@@ -253,12 +267,13 @@ def test_admitting_requests_does_not_synchronize_the_gpu():
     b.window_pages, b.ring_slots = b.window_pages.cuda(), b.ring_slots.cuda()
     for layer in b.layers:
         layer.window_pos = layer.window_pos.cuda()
+    b.caches = [c.cuda() for c in b.caches]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         cls.assign_windows(b, [3], [[7, 8, 9]], num_blocks=10)
         cls.assign_windows(b, [1, 2], [[7, 5, 6], [1, 2, 4]], num_blocks=10, sink_shared=[True, False],
-                           rings=[(4, 9), None])
+                           rings=[(4, 9, [8, 9]), None])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert b.window_pages[1].tolist() == [7, 5, 6] and b.window_pages[2].tolist() == [1, 2, 4]

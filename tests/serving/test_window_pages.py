@@ -301,27 +301,34 @@ def ended(kv, alloc, rid: str, tokens: list[int], computed: int | None = None, p
     return r
 
 
-def test_a_hit_takes_the_ring_an_ended_request_of_its_prefix_left():
+def test_hits_copy_the_ring_an_ended_request_of_its_prefix_left():
     """With ``reuse_rings``, the same prompt again hits every block vLLM's hit does (not a
-    recent window and a ring fewer) and takes the ended request's recent pages, as its own, with
-    the positions they hold: the last RECENT of what it computed, up to where the hit ends."""
+    recent window and a ring fewer) and names the ended request's recent pages to copy, with the
+    positions they hold: the last RECENT of what it computed, up to where the hit ends. The ring
+    stays cached: two hits of one step copy it, and so does a hit of a later step."""
     kv, alloc = manager(40, reuse_rings=True)
     free0 = kv.block_pool.get_num_free_blocks()
     prompt = list(range(5 * BLOCK))
-    a = ended(kv, alloc, "a", prompt)
-    ring = alloc.page_ids("a")[SINK_PAGES:] if "a" in alloc.held else None
-    assert ring is None and kv.block_pool.get_num_free_blocks() == free0, "a's pages are back, evictable"
-    b = request("b", prompt + [7])
-    blocks, hit = admit(kv, b, alloc)
-    assert blocks is not None and hit == len(prompt), "vLLM's whole hit"
-    assert alloc.ring_of("b") == (len(prompt) - RECENT, len(prompt)) and alloc.sink_shared("b")
-    taken = [kv.block_pool.blocks[i] for i in alloc.page_ids("b")[SINK_PAGES:]]
-    assert all(p.ref_cnt == 1 and p.block_hash is None for p in taken), "b's own now, no longer cached"
-    c = request("c", prompt + [8])
-    assert admit(kv, c, alloc)[1] == (5 - RECENT // BLOCK - 1 - RING_BLOCKS) * BLOCK, "taken: c computes its own"
-    assert alloc.ring_of("c") is None
-    kv.free(b)
-    kv.free(c)
+    ended(kv, alloc, "a", prompt)
+    assert kv.block_pool.get_num_free_blocks() == free0, "a's pages are back, evictable"
+    (ring,) = {id(r): r for r in alloc.rings.values()}.values()
+    source = [p.block_id for p in ring.pages]
+    b, c = request("b", prompt + [7]), request("c", prompt + [8])
+    for r in (b, c):
+        blocks, hit = admit(kv, r, alloc)
+        assert blocks is not None and hit == len(prompt), "vLLM's whole hit"
+        assert alloc.ring_of(r.request_id) == (len(prompt) - RECENT, len(prompt), source)
+        assert alloc.sink_shared(r.request_id)
+        own = alloc.page_ids(r.request_id)[SINK_PAGES:]
+        assert not set(own) & set(source), "its own recent pages, the copy's target"
+    assert all(p.ref_cnt == 1 for p in ring.pages), "pinned until the step ends: no block of the step evicts them"
+    end_step(kv, alloc)
+    assert ring.intact() and all(p.block_hash == t for p, t in zip(ring.pages, ring.tags)), "still cached"
+    d = request("d", prompt + [9])
+    assert admit(kv, d, alloc)[1] == len(prompt) and alloc.ring_of("d")[2] == source, "the next step's hit too"
+    end_step(kv, alloc)
+    for r in (b, c, d):
+        kv.free(r)
     assert kv.block_pool.get_num_free_blocks() == free0 and alloc.pages_in_use == 0
 
 
@@ -345,23 +352,30 @@ def test_a_ring_serves_only_hits_it_holds_nearly_all_of_the_ring_before():
     assert admit(kv, request("b", prompt[:4 * BLOCK] + [1] * 300), alloc)[1] < 4 * BLOCK, "256: too far back"
     assert alloc.ring_of("b") is None
     b2 = request("b2", prompt + [1])
-    assert admit(kv, b2, alloc)[1] == 5 * BLOCK and alloc.ring_of("b2") == (330 - RECENT, 5 * BLOCK)
+    assert admit(kv, b2, alloc)[1] == 5 * BLOCK and alloc.ring_of("b2")[:2] == (330 - RECENT, 5 * BLOCK)
 
 
-def test_an_evicted_or_reserved_ring_is_no_hit():
+def test_an_evicted_ring_is_no_hit_and_a_reserved_one_is_not_evicted():
     kv, alloc = manager(40, reuse_rings=True)
     prompt = list(range(5 * BLOCK))
     ended(kv, alloc, "a", prompt)
     (ring,) = {id(r): r for r in alloc.rings.values()}.values()
     kv.block_pool.evict_blocks({ring.pages[-1].block_id})  # as vLLM evicts a cached block it reuses
     assert admit(kv, request("b", prompt + [7]), alloc)[1] < len(prompt) - RECENT
-    kv2, alloc2 = manager(40, reuse_rings=True)
-    ended(kv2, alloc2, "a", prompt)
+    kv2, alloc2 = manager(12, reuse_rings=True)
+    ended(kv2, alloc2, "a", prompt)  # 5 blocks and 3 pages, all cached, in a pool of 11
+    (ring2,) = {id(r): r for r in alloc2.rings.values()}.values()
     hit, _, _ = kv2.get_computed_blocks(request("b", prompt + [7]))  # reserved by b, which is not admitted
     assert len(hit.blocks[0]) == 5
-    assert admit(kv2, request("c", prompt + [8]), alloc2)[1] < len(prompt) - RECENT, "reserved in this step"
+    assert all(p.ref_cnt == 1 for p in ring2.pages), "pinned by the hit that found it"
+    cached = {b.block_id: b.block_hash for b in kv2.block_pool.blocks if b.block_hash is not None}
+    other = request("o", list(range(1000, 1000 + 3 * BLOCK)))
+    assert admit(kv2, other, alloc2)[0] is not None
+    evicted = [i for i, h in cached.items() if kv2.block_pool.blocks[i].block_hash != h]
+    assert evicted, "3 blocks and 3 pages evict cached ones"
+    assert all(p.block_hash == t for p, t in zip(ring2.pages, ring2.tags)), "none of the pinned ring's pages"
     end_step(kv2, alloc2)
-    assert admit(kv2, request("d", prompt + [9]), alloc2)[1] == len(prompt), "the next step's to take"
+    assert ring2.intact(), "unpinned at the step's end, cached"
 
 
 def test_a_preempted_request_resumes_on_its_own_ring():
@@ -369,7 +383,7 @@ def test_a_preempted_request_resumes_on_its_own_ring():
     prompt = list(range(6 * BLOCK))
     a = ended(kv, alloc, "a", prompt, computed=5 * BLOCK + 20, preempt=True)  # mid-prefill, 340 computed
     blocks, hit = admit(kv, a, alloc)
-    assert blocks is not None and hit == 5 * BLOCK and alloc.ring_of("a") == (340 - RECENT, 5 * BLOCK)
+    assert blocks is not None and hit == 5 * BLOCK and alloc.ring_of("a")[:2] == (340 - RECENT, 5 * BLOCK)
 
 
 def test_rings_of_ended_requests_are_forgotten_once_evicted():
@@ -386,8 +400,8 @@ def test_worker_side_reads_the_pages_and_names_a_missing_request():
 
     out = Output()
     assert pages_of_new_requests(out, ["_warmup_0_"]) is None, "vLLM's start-up warm-up: no scheduler"
-    setattr(out, SCHEDULER_OUTPUT_FIELD, {"r1": ([4, 5], True, (100, 320))})
-    assert pages_of_new_requests(out, ["r1"]) == {"r1": ([4, 5], True, (100, 320))}
+    setattr(out, SCHEDULER_OUTPUT_FIELD, {"r1": ([4, 5], True, (100, 320, [9]))})
+    assert pages_of_new_requests(out, ["r1"]) == {"r1": ([4, 5], True, (100, 320, [9]))}
     with pytest.raises(WindowPagesError, match=r"\['r2'\] without their OSCAR window pages"):
         pages_of_new_requests(out, ["r1", "r2"])
 
