@@ -96,6 +96,17 @@ BASELINE = "FLASH_ATTN"
 QWEN3_8B_CONFIG = Path(__file__).parent / "configs" / "qwen3-8b.json"
 
 
+def oscar_environment(environ=os.environ) -> dict[str, str]:
+    """The OSCAR settings this run's environment sets (``OSCAR_HIT_RING`` and the like), which
+    every OSCAR engine it starts reads: a report names them, as it names the engine arguments."""
+    from dataclasses import fields
+
+    from oscar_vllm.core.settings import OscarSettings
+
+    names = (OscarSettings.env_name(f.name) for f in fields(OscarSettings))
+    return {n: environ[n] for n in names if environ.get(n)}
+
+
 def _version(pkg: str) -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -1108,6 +1119,8 @@ def report(out: Path, *more: Path) -> str:
                          f"{m['hardware']}; `{m['command']}`")
         if i == 0 or m["versions"] != meta["versions"]:
             lines.append(f"- {m['versions']}")
+        if m.get("oscar_env"):
+            lines.append(f"- OSCAR settings from the environment: {json.dumps(m['oscar_env'])}")
         if m.get("gpus", 1) > 1:
             lines.append(f"- {m['gpus']} configurations at a time, one GPU each (sharing the host's CPUs)")
         if plan:
@@ -1397,7 +1410,7 @@ def main() -> None:
     env["versions"] += "".join(f", {pkg} {_version(pkg)}" for pkg in ("vllm", "triton"))
     model_name = "Qwen3-8B shape, dummy weights" if args.model.endswith("qwen3-8b-shape") else args.model
     (out / "meta.json").write_text(json.dumps({**env, "model": model_name, "engine_args": args.engine_args,
-                                               "gpus": len(gpus)}))
+                                               "oscar_env": oscar_environment(), "gpus": len(gpus)}))
     plan_path = out / "plan.json"
     plan_path.write_text(json.dumps(plan, indent=1))
     print(plan_text(plan), flush=True)

@@ -603,6 +603,24 @@ def test_report_merges_two_runs_of_one_plan(ab, tmp_path):
     assert (first / "ab.md").read_text() == text and not (second / "ab.md").exists()
 
 
+def test_a_report_names_the_oscar_settings_its_environment_set(ab, tmp_path):
+    """An OSCAR engine reads OSCAR_* settings from the environment: the run records them and its
+    report names them, beside the engine arguments (a run with OSCAR_HIT_RING=reuse said so only
+    in its operator's notes)."""
+    env = ab.oscar_environment({"OSCAR_HIT_RING": "reuse", "OSCAR_SINK_SIZE": "", "OSCAR_CORPUS_DIR": "/c", "HOME": "/h"})
+    assert env == {"OSCAR_HIT_RING": "reuse"}, "settings only, and only those set"
+    first, second = tmp_path / "ab1", tmp_path / "ab2"
+    write_runs(first, {"FLASH_ATTN": issue18_run(812_160, 1.0)})
+    write_runs(second, {"OSCAR": issue18_run(5_766_272, 2.0)})
+    (second / "meta.json").write_text(json.dumps({**META, "oscar_env": env}))
+    text = ab.report(first, second)
+    lines = text.splitlines()
+    at = lines.index('- OSCAR settings from the environment: {"OSCAR_HIT_RING": "reuse"}')
+    assert lines[at - 1].startswith("- run 2 (OSCAR): "), "under the run that set it"
+    assert text.count("OSCAR settings from the environment") == 1
+    assert "from the environment" not in ab.report(first)
+
+
 def test_report_takes_an_earlier_runs_baseline_of_the_same_sizes(ab, tmp_path):
     """A run split over invocations (a GPU call's time limit): a run without FLASH_ATTN takes the
     ratios of an earlier run's, marked, where its plan's sizes and engine arguments are the same."""

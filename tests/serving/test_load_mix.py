@@ -326,6 +326,7 @@ def test_the_stages_parse_their_arguments(serve_load):
     assert parser.parse_args(["refuse", "--model", "m"]).rotations == "results/smollm2_rotations"
     with pytest.raises(SystemExit):
         parser.parse_args(["load"])
+    assert parser.parse_args(["load", "--model", "m", "--graph-batches"]).graph_batches == [], "no eager server"
 
 
 def idle(usage, pages=None):
@@ -372,6 +373,12 @@ def test_the_load_summary_renders(serve_load, monkeypatch):
     assert "| same batch 20 times: requests that differed (the first third on shared system prompts) | not recorded | [2, 17] |" in text
     assert '"prefill_read": "decode"' in text and '"sink_size": 64' in text and "rotation_path" not in text
     assert "Checks: all passed" in text
+    # A run without the eager server (--graph-batches with no sizes) beside one with it.
+    results["OSCAR"]["graphs_vs_eager"], results["OSCAR"]["start_seconds_eager"] = {}, "not started"
+    assert serve_load.load_checks(results) == []
+    text = serve_load.load_markdown(results, {"requests": 512}, [], meta)
+    assert "| graphs vs eager, batch 7: equal / near tie / far | 5 / 0 / 0 | not run |" in text
+    assert "| server start, graphs / eager (s) | 60 / 20 | 60 / not started |" in text
 
 
 def test_the_tp2_checkpoint_has_the_weights_vllm_and_transformers_load(serve_load, tmp_path):
