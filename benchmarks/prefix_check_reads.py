@@ -70,68 +70,16 @@ def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Pa
     the CPU: vLLM's ``Scheduler`` with the OSCAR hooks, fed one sampled token per request whose
     prefill a step completes; a hit stops ``rings`` rings short of the cached blocks (the plugin: 1),
     or with ``reuse_rings`` takes an ended request's ring where one serves it."""
-    sys.path.insert(0, str(REPO / "tests"))  # vllm_configs_on_cpu: vLLM's configs buildable without a GPU
-    from vllm_cpu import SMOLLM2_CONFIG, vllm_configs_on_cpu
+    sys.path.insert(0, str(REPO / "tests"))  # vLLM's scheduler with the OSCAR hooks, on the CPU
+    from vllm_cpu import oscar_scheduler_on_cpu, serve_on_cpu
 
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
-    with vllm_configs_on_cpu() as engine_args:
-        from vllm import SamplingParams
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-        from vllm.v1.outputs import ModelRunnerOutput
-        from vllm.v1.request import Request
-        from vllm.v1.structured_output import StructuredOutputManager
-
-        from oscar_vllm.serving.vllm_hooks import give_scheduler_window_pages, oscar_kv_cache_spec
-
-        config = engine_args(model=str(work), attention_backend="OSCAR", skip_tokenizer_init=True,
-                             load_format="dummy", max_model_len=4096, max_num_batched_tokens=chunk, max_num_seqs=32,
-                             enable_prefix_caching=caching, additional_config={"oscar": {
-                                 "rotation_path": str(REPO / "results" / "smollm2_rotations"), "recent_size": recent,
-                                 "hit_ring": "reuse" if reuse_rings else "recompute"}}
-                             ).create_engine_config()
-        config.cache_config.block_size = BLOCK_SIZE  # what the backend asks vLLM for on a GPU
-        config.cache_config.num_gpu_blocks = 20000  # roomy: nothing is evicted or preempted
-        layer = type("Layer", (), {"num_kv_heads": 3, "head_size": 64})()
-        spec = oscar_kv_cache_spec(layer, config)
-        kv_config = KVCacheConfig(num_blocks=20000, kv_cache_tensors=[KVCacheTensor(size=1, shared_by=["l0"])],
-                                  kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-        init_none_hash(sha256)
-        scheduler = Scheduler(config, kv_config, StructuredOutputManager(config), block_size=BLOCK_SIZE)
-        pages = give_scheduler_window_pages(scheduler)
+    oscar = {"recent_size": recent, "hit_ring": "reuse" if reuse_rings else "recompute"}
+    with oscar_scheduler_on_cpu(work, chunk, caching, oscar) as (scheduler, pages):
         pages.ring_blocks *= rings
-        hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
-
-        def serve(prompts: list[list[int]], tag: str) -> list[dict]:
-            requests = {}
-            for i, prompt in enumerate(prompts):
-                r = Request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=2, ignore_eos=True), None,
-                            block_hasher=hasher)
-                requests[r.request_id] = {"request": r, "len": len(prompt), "chunks": [], "ring": None}
-                scheduler.add_request(r)
-            while scheduler.has_requests():
-                out = scheduler.schedule()
-                for new in out.scheduled_new_reqs:
-                    ring = pages.ring_of(new.req_id)
-                    requests[new.req_id]["ring"] = ring and ring[:2]
-                ids = list(out.num_scheduled_tokens)
-                for rid in ids:
-                    r = requests[rid]
-                    start = r["request"].num_computed_tokens - out.num_scheduled_tokens[rid]  # counted at schedule()
-                    if start < r["len"]:
-                        r["chunks"].append((start, out.num_scheduled_tokens[rid]))
-                sampled = [[7] if requests[rid]["request"].num_computed_tokens >= requests[rid]["len"] else []
-                           for rid in ids]
-                scheduler.update_from_output(out, ModelRunnerOutput(
-                    req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)}, sampled_token_ids=sampled))
-            return [{"len": r["len"], "chunks": r["chunks"], "ring": r["ring"]} for r in requests.values()]
-
         shared = windows[0][:512]
-        serve([shared + [shared[0]]], "shared")  # the check caches the shared prefix first
-        return serve([w[:512 + c] for w in windows for c in CACHED_PREFIX_CUTS], "cut")
+        serve_on_cpu(scheduler, [shared + [shared[0]]], "shared")  # the check caches the shared prefix first
+        scored = serve_on_cpu(scheduler, [w[:512 + c] for w in windows for c in CACHED_PREFIX_CUTS], "cut")
+    return [{**r, "ring": r["ring"] and r["ring"][:2]} for r in scored]
 
 
 def bf16_from(scored: list[dict], cuts: int, chunk: int, recent: int = RECENT) -> list[torch.Tensor]:

@@ -40,3 +40,79 @@ def vllm_configs_on_cpu():
         yield EngineArgs
     finally:
         patch.undo()
+
+
+@contextmanager
+def oscar_scheduler_on_cpu(work, chunk: int, caching: bool = True, oscar: dict | None = None,
+                           num_blocks: int = 20000):
+    """vLLM's V1 ``Scheduler`` for a SmolLM2-shaped OSCAR engine (no model, prefill chunks of
+    ``chunk``, ``oscar`` settings beside the committed rotations), with the plugin's window-page
+    hooks installed as the engine installs them: yields ``(scheduler, its WindowPageAllocator)``.
+    ``num_blocks`` of the kernel's block size: the default is roomy, nothing evicted or preempted."""
+    import json
+    from pathlib import Path
+
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from csrc_triton.paged_layout import BLOCK_SIZE
+    from oscar_vllm.serving.vllm_hooks import give_scheduler_window_pages, oscar_kv_cache_spec
+
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    rotations = Path(__file__).resolve().parents[1] / "results" / "smollm2_rotations"
+    with vllm_configs_on_cpu() as engine_args:
+        config = engine_args(model=str(work), attention_backend="OSCAR", skip_tokenizer_init=True,
+                             load_format="dummy", max_model_len=4096, max_num_batched_tokens=chunk, max_num_seqs=32,
+                             enable_prefix_caching=caching,
+                             additional_config={"oscar": {"rotation_path": str(rotations), **(oscar or {})}}
+                             ).create_engine_config()
+        config.cache_config.block_size = BLOCK_SIZE  # what the backend asks vLLM for on a GPU
+        config.cache_config.num_gpu_blocks = num_blocks
+        layer = type("Layer", (), {"num_kv_heads": 3, "head_size": 64})()
+        kv_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[KVCacheTensor(size=1, shared_by=["l0"])],
+                                  kv_cache_groups=[KVCacheGroupSpec(["l0"], oscar_kv_cache_spec(layer, config))])
+        init_none_hash(sha256)
+        scheduler = Scheduler(config, kv_config, StructuredOutputManager(config), block_size=BLOCK_SIZE)
+        yield scheduler, give_scheduler_window_pages(scheduler)
+
+
+def serve_on_cpu(scheduler, prompts: list[list[int]], tag: str, max_tokens: int = 2) -> list[dict]:
+    """``prompts`` (token ids) sent together to ``oscar_scheduler_on_cpu``'s scheduler and run to
+    the end, every request sampling one token (7) a step once its prefill is done, ``max_tokens``
+    in all: each request's ``{"len", "chunks": [(first token, tokens), ...] of its prompt, "ring":
+    the window pages' ring_of, (lo, hi, source pages) or None}``, in the prompts' order."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    from csrc_triton.paged_layout import BLOCK_SIZE
+
+    pages = scheduler.oscar_window_pages
+    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+    requests = {}
+    for i, prompt in enumerate(prompts):
+        r = Request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                    block_hasher=hasher)
+        requests[r.request_id] = {"request": r, "len": len(prompt), "chunks": [], "ring": None}
+        scheduler.add_request(r)
+    while scheduler.has_requests():
+        out = scheduler.schedule()
+        for new in out.scheduled_new_reqs:
+            requests[new.req_id]["ring"] = pages.ring_of(new.req_id)
+        ids = list(out.num_scheduled_tokens)
+        for rid in ids:
+            r = requests[rid]
+            start = r["request"].num_computed_tokens - out.num_scheduled_tokens[rid]  # counted at schedule()
+            if start < r["len"]:
+                r["chunks"].append((start, out.num_scheduled_tokens[rid]))
+        sampled = [[7] if requests[rid]["request"].num_computed_tokens >= requests[rid]["len"] else [] for rid in ids]
+        scheduler.update_from_output(out, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)}, sampled_token_ids=sampled))
+    return [{"len": r["len"], "chunks": r["chunks"], "ring": r["ring"]} for r in requests.values()]

@@ -35,7 +35,8 @@ Prefix-cache hits keep both windows in BF16, as a run without caching has them:
   ends where vLLM's does, and the worker marks the positions the ring holds (``ring``) as held,
   as it marks a shared sink; a position it does not hold reads its 2-bit copy, as a stale entry
   always does. The pages are copied, not taken: the worker copies them into the request's own
-  recent pages before the step runs, and the ring stays cached for the next hit. So every hit
+  recent pages before the step runs, and the ring stays cached for the next hit; a ring left
+  later for the same boundary replaces it only where it holds earlier positions. So every hit
   of a prefix reads the same ring while it is cached (taken pages would serve one hit, and the
   next would compute its ring again: the same prompt sent twice would be computed two ways).
 * **A hit covers only blocks an earlier step wrote.** vLLM caches a block when it schedules
@@ -88,11 +89,10 @@ class RequestPages:
 class CachedRing:
     """An ended request's recent-window pages, evictable cached blocks of the pool whose entries
     for the positions from ``lo`` up to where it ended hold those positions (``tags``: the pages'
-    keys in vLLM's map; ``keys``: the boundaries it serves, in the allocator's index)."""
+    keys in vLLM's map)."""
     pages: list
     tags: list
     lo: int
-    keys: list
 
     def evicted(self) -> bool:
         """Whether vLLM reused a page (it drops a page's key when it does)."""
@@ -204,7 +204,10 @@ class WindowPageAllocator:
     def cache_ring(self, request_id: str, pages: RequestPages) -> None:
         """Leave an ending request's recent pages to later hits (``reuse_rings``): indexed by the
         boundaries where its ring holds all but at most ``block_size`` of the ``recent - 1``
-        positions before it."""
+        positions before it, and no cached ring holds more of them. A ring already cached for a
+        boundary stays where the new one holds no earlier position: a request that copied it holds
+        the same values there, or fewer of them (its own writes moved its ring on), and a hit of
+        the same prompt should read what the hits before it read."""
         request = self.requests.get(request_id)
         if not (self.reuse_rings and self.block_pool.enable_caching and pages.recent and request is not None):
             return  # (without prefix caching no hit would find it)
@@ -214,7 +217,8 @@ class WindowPageAllocator:
         keys = [self.ring_key(request.block_hashes, b // bs)
                 for b in range(hi // bs * bs, max(lo, hi - bs - 1) - 1, -bs)
                 if b > max(lo, self.sink_block * bs) and lo - (b - self.recent + 1) <= bs]
-        keys = [k for k in keys if k is not None]
+        keys = [k for k in keys if k is not None and (k not in self.rings or self.rings[k].lo > lo
+                                                      or self.rings[k].evicted())]
         if not keys:
             return
         self.rings_cached += 1
@@ -223,7 +227,7 @@ class WindowPageAllocator:
         for page, tag in zip(pages.recent, tags):
             page.set_block_hash(tag)
             self.block_pool.cached_block_hash_to_block.insert(tag, page)
-        ring = CachedRing(list(pages.recent), tags, lo, keys)
+        ring = CachedRing(list(pages.recent), tags, lo)
         for key in keys:
             self.rings[key] = ring
         if len(self.rings) > 2 * self.block_pool.num_gpu_blocks // self.recent_pages + 16:

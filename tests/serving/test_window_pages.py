@@ -1,6 +1,7 @@
 """Window pages from vLLM's own block pool: vLLM's real KV cache manager (CPU, no model) with
 the OSCAR allocator installed, driven as the scheduler drives it."""
 import pytest
+import torch
 
 from csrc_triton.paged_layout import window_pages_per_request
 from oscar_vllm.serving.window_pages import (
@@ -418,3 +419,28 @@ def test_pages_per_request_follow_the_scheduler_block_size(block_size, ratio):
     # A page (64 INT2 tokens of 8 heads) holds 9 entries' K and V in BF16, not 10.
     assert 9 * 8 * 128 * 2 * 2 <= 64 * 8 * 72 < 10 * 8 * 128 * 2 * 2
     assert spec.page_size_bytes == ratio * 64 * 8 * 72
+
+
+@pytest.mark.parametrize("hit_ring", ["recompute", "reuse"])
+def test_a_batch_sent_again_is_scheduled_alike_every_time(tmp_path, hit_ring):
+    """On the H200 (2026-12-04) the load check's 24 prompts, cached by a load pass where many
+    requests ended next to their prompt's end, sent 20 times gave 9 of 24 replies identical every
+    time while hits took rings (22 computing them): the first repeat took the load pass's rings and
+    the later ones computed theirs. On vLLM's scheduler (CPU): a pass that ends every request one
+    token past its prompt, then the same batch four times, 48 tokens out: each repeat schedules
+    every request alike, its hit, its chunks and the ring it copies (with ``reuse``, every hit; the
+    ring a repeat leaves holds fewer positions before the hit and does not replace it)."""
+    from vllm_cpu import oscar_scheduler_on_cpu, serve_on_cpu
+
+    rng = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (n,), generator=rng).tolist() for n in (700, 901, 1300, 2047, 3000)]
+    with oscar_scheduler_on_cpu(tmp_path, chunk=2048, oscar={"hit_ring": hit_ring}) as (scheduler, _):
+        serve_on_cpu(scheduler, prompts, "load", max_tokens=1)
+        repeats = [serve_on_cpu(scheduler, prompts, f"repeat{k}", max_tokens=48) for k in range(4)]
+    assert all(r == repeats[0] for r in repeats[1:])
+    hits = [r["chunks"][0][0] for r in repeats[0]]
+    if hit_ring == "reuse":
+        assert all(r["ring"] is not None and r["ring"][1] == hit == (n - 1) // 64 * 64
+                   for r, hit, n in zip(repeats[0], hits, map(len, prompts))), "vLLM's whole hit, every time"
+    else:
+        assert all(r["ring"] is None and hit <= len(p) - 256 - 256 for r, hit, p in zip(repeats[0], hits, prompts))
