@@ -54,7 +54,7 @@ from oscar_vllm.core.settings import OscarSettings
 REPO = Path(__file__).resolve().parents[1]
 RECENT = OscarSettings.recent_size  # the plugin's default recent window, the check's
 # vLLM's enable_prefix_caching, the rings a hit leaves to be computed again (the plugin: one), and
-# whether a hit takes the ring an ended request left instead (hit_ring "reuse"). Two rings: the
+# whether a hit copies the ring an ended request left instead (hit_ring "reuse"). Two rings: the
 # tokens the last position reads in BF16 were themselves computed with a ring of BF16 before them,
 # as in an uncached prefill, where with one ring the first of them read the cached prefix in 2-bit
 # right up to themselves (what the third row measures).
@@ -66,10 +66,10 @@ def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Pa
                    rings: int = 1, reuse_rings: bool = False) -> list[dict]:
     """Every scored request of the check as vLLM's scheduler serves it: ``{"len", "chunks":
     [(first token, tokens), ...], "ring": (lo, hi) or None}`` in the check's order (the first chunk
-    starts at its hit; ``ring``: the positions a ring it took from an ended request holds). Runs on
+    starts at its hit; ``ring``: the positions of the ring it copied from an ended request). Runs on
     the CPU: vLLM's ``Scheduler`` with the OSCAR hooks, fed one sampled token per request whose
     prefill a step completes; a hit stops ``rings`` rings short of the cached blocks (the plugin: 1),
-    or with ``reuse_rings`` takes an ended request's ring where one serves it."""
+    or with ``reuse_rings`` copies an ended request's ring where one serves it."""
     sys.path.insert(0, str(REPO / "tests"))  # vLLM's scheduler with the OSCAR hooks, on the CPU
     from vllm_cpu import oscar_scheduler_on_cpu, serve_on_cpu
 
@@ -85,7 +85,7 @@ def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Pa
 def bf16_from(scored: list[dict], cuts: int, chunk: int, recent: int = RECENT) -> list[torch.Tensor]:
     """For each scored request, where each of its positions reads keys past the sink in BF16
     from (``[len]``): its chunk's start less the ring, never below the request's hit (the ring
-    holds only what the request computed), or below the first position of a ring it took. A
+    holds only what the request computed), or below the first position of a ring it copied. A
     position under the hit reads as the request that wrote its block did: the earliest request of
     the same window that computed the whole block, else the one that cached the shared prefix
     (chunks of ``chunk`` from 0)."""

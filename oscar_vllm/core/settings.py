@@ -22,7 +22,7 @@ SCALE_DTYPES = ("fp16", "bf16")
 # reads them (replies that do not depend on vLLM's schedule; docs/backend.md).
 PREFILL_READS = ("chunk", "decode")
 # Where a prefix-cache hit's BF16 recent window and the ring before its first new token come
-# from: "recompute", computed again (the hit ends that much earlier); or "reuse", taken from the
+# from: "recompute", computed again (the hit ends that much earlier); or "reuse", copied from the
 # ring an earlier request of the same prefix left, where one is still in the pool (the hit then
 # ends where vLLM's does), else computed again (oscar_vllm.serving.window_pages).
 HIT_RINGS = ("recompute", "reuse")

@@ -39,7 +39,7 @@ FLAGS = {
                               "power of two fixes it, so a request's decode does not depend on its batch "
                               "(default: 0)"),
     "--oscar-hit-ring": ("hit_ring", str, "{recompute,reuse}",
-                         "a prefix-cache hit computes its BF16 recent window again (recompute), or takes "
+                         "a prefix-cache hit computes its BF16 recent window again (recompute), or copies "
                          "the ring an earlier request of the prefix left, where one is cached (reuse) "
                          "(default: recompute)"),
     "--oscar-warm-up-threads": ("warm_up_threads", int, "N",

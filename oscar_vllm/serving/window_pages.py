@@ -26,16 +26,16 @@ Prefix-cache hits keep both windows in BF16, as a run without caching has them:
   the cached middle of the prefix in 2-bit right up to itself. A hit costs one ring of prefill
   more (the window's tokens again) and gives the prompt's tail the reads of an uncached prefill
   that had a chunk boundary where the cached prefix ends.
-* **Or a hit takes the ring an earlier request left** (``hit_ring`` ``reuse``). A request that
+* **Or a hit copies the ring an earlier request left** (``hit_ring`` ``reuse``). A request that
   ends (or is preempted) leaves its recent-window pages in the pool as evictable cached blocks,
   indexed by the hashes of the block boundaries its ring can serve: those where its ring holds
   all but at most ``block_size`` of the ``recent - 1`` positions before the boundary. A hit that
   ends at such a boundary (the same prompt again, a follow-up turn, a preempted request resuming)
-  takes those pages as its own recent pages instead of computing the ring again: the hit then
-  ends where vLLM's does, and the worker marks the positions the ring holds (``ring``) as held,
-  as it marks a shared sink; a position it does not hold reads its 2-bit copy, as a stale entry
-  always does. The pages are copied, not taken: the worker copies them into the request's own
-  recent pages before the step runs, and the ring stays cached for the next hit; a ring left
+  reads those pages instead of computing the ring again: the hit then ends where vLLM's does,
+  and the worker marks the positions the ring holds (``ring``) as held, as it marks a shared
+  sink; a position it does not hold reads its 2-bit copy, as a stale entry always does. The
+  pages are copied, not taken: the worker copies them into the request's own recent pages
+  before the step runs, and the ring stays cached for the next hit; a ring left
   later for the same boundary replaces it only where it holds earlier positions. So every hit
   of a prefix reads the same ring while it is cached (taken pages would serve one hit, and the
   next would compute its ring again: the same prompt sent twice would be computed two ways).
@@ -80,7 +80,7 @@ class RequestPages:
     sink: list = field(default_factory=list)  # KVCacheBlocks of the sink, maybe shared
     recent: list = field(default_factory=list)  # KVCacheBlocks of the recent window, its own
     shared: bool = False  # the sink pages came from the prefix cache, holding the sink already
-    start: int = 0  # the first position its ring holds: what it computed, or a taken ring's
+    start: int = 0  # the first position its ring holds: what it computed, or a copied ring's
     ring: tuple[int, int] | None = None  # positions [lo, hi) a ring copied from an earlier request holds
     ring_source: list = field(default_factory=list)  # that ring's pages (cached blocks, read once)
 
@@ -458,7 +458,7 @@ def attach_to_scheduler(scheduler, sink_pages: int, recent_pages: int, sink: int
 
 def pages_of_new_requests(scheduler_output, req_ids) -> dict[str, tuple[list[int], bool, tuple | None]] | None:
     """The window pages of the requests a worker adds this step, whether their sink pages hold a
-    cached sink, and the positions a ring taken from an earlier request holds (or None).
+    cached sink, and the ring it copies from an earlier request: (lo, hi, source pages) or None.
 
     ``None`` for an output no scheduler built: vLLM's start-up warm-up runs made-up requests
     through the model before the scheduler exists; their rings go to the null block (no request

@@ -45,9 +45,9 @@ def test_the_cpu_scheduler_hits_what_vllm_hit_on_the_h200(windows, tmp_path):
     assert moved and all(b == a - 4 * 64 for a, b in moved)
 
 
-def test_with_rings_reused_later_requests_hit_further_and_read_the_taken_ring(windows, tmp_path):
+def test_with_rings_reused_later_requests_hit_further_and_read_the_copied_ring(windows, tmp_path):
     """hit_ring "reuse": a request admitted after one of its window (or the shared prefix's) ended
-    takes that ring and hits where vLLM's hit ends; its positions read BF16 from the ring's first."""
+    copies that ring and hits where vLLM's hit ends; its positions read BF16 from the ring's first."""
     one = prefix_check_reads.schedule_check(windows, 256, True, tmp_path)
     reused = prefix_check_reads.schedule_check(windows, 256, True, tmp_path, reuse_rings=True)
     took = [(a, b) for a, b in zip(one, reused) if b["ring"]]
@@ -59,7 +59,7 @@ def test_with_rings_reused_later_requests_hit_further_and_read_the_taken_ring(wi
     starts = prefix_check_reads.bf16_from(reused, len(CACHED_PREFIX_CUTS), chunk=256)
     i = next(i for i, r in enumerate(reused) if r["ring"])
     lo, hi = reused[i]["ring"]
-    assert starts[i][hi] == max(lo, hi - 255), "the first new position reads the taken ring in BF16"
+    assert starts[i][hi] == max(lo, hi - 255), "the first new position reads the copied ring in BF16"
 
 
 def test_positions_read_bf16_from_their_chunks_ring_never_under_the_hit():
