@@ -618,7 +618,8 @@ def _prefill_decode(timed, sizes, vocab, result) -> None:
                          "prefill_tok_s": round(n * length / call.seconds, 1)}
     if "decode" in sizes:
         k = sizes["decode"]["output_len"]
-        hit = timed(prompts, 1, "decode")  # prefix-cached: the hit's prefill (OSCAR recomputes rings), one token
+        # Prefix-cached: the hit's prefill (OSCAR computes its rings again unless hit_ring is reuse), one token.
+        hit = timed(prompts, 1, "decode")
         sk = timed(prompts, k, "decode")
         step = decode_step_s(sk.results)
         result["decode"] = {"requests": n, "context": length, "output_len": k, "seconds": round(sk.seconds, 3),

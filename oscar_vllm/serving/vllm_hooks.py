@@ -212,12 +212,11 @@ def assign_window_pages(runner, scheduler_output) -> None:
             pages, shared, rings = [[0] * builder.pages_per_ring for _ in new], [False] * len(new), None
         else:
             sink_blocks = scheduler_blocks(builder.sink_pages, ratio)
+            recent_pages = builder.pages_per_ring - builder.sink_pages
             pages = [kernel_pages(given[r][0][:sink_blocks], ratio, builder.sink_pages)
-                     + kernel_pages(given[r][0][sink_blocks:], ratio, builder.pages_per_ring - builder.sink_pages)
-                     for r in new]
+                     + kernel_pages(given[r][0][sink_blocks:], ratio, recent_pages) for r in new]
             shared = [given[r][1] for r in new]
-            rings = [None if given[r][2] is None else
-                     (*given[r][2][:2], kernel_pages(given[r][2][2], ratio, builder.pages_per_ring - builder.sink_pages))
+            rings = [None if given[r][2] is None else (*given[r][2][:2], kernel_pages(given[r][2][2], ratio, recent_pages))
                      for r in new]
         builder.assign_windows(rows, pages, runner.kv_cache_config.num_blocks * ratio, allow_null=given is None,
                                sink_shared=shared, rings=rings)

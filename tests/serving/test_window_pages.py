@@ -407,6 +407,28 @@ def test_worker_side_reads_the_pages_and_names_a_missing_request():
         pages_of_new_requests(out, ["r1", "r2"])
 
 
+def test_workers_give_each_new_row_its_pages_and_ring_in_kernel_blocks():
+    """The worker's hook (vllm_hooks.assign_window_pages): scheduler blocks of 128 tokens are two
+    kernel blocks each; a row's sink page, its recent pages and the pages of the ring it copies
+    reach the builder as kernel block ids, the ring's positions unchanged."""
+    from types import SimpleNamespace
+
+    from oscar_vllm.serving.vllm_hooks import assign_window_pages
+
+    calls = []
+    builder = SimpleNamespace(pages_per_ring=5, sink_pages=1, assign_windows=lambda *a, **k: calls.append((a, k)))
+    group = SimpleNamespace(backend=SimpleNamespace(get_name=lambda: "OSCAR"), metadata_builders=[builder],
+                            kv_cache_spec=SimpleNamespace(block_size=128))
+    runner = SimpleNamespace(attn_groups=[[group]], kv_cache_config=SimpleNamespace(num_blocks=50),
+                             req_states=SimpleNamespace(req_id_to_index={"a": 3, "b": 0}))
+    out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="a"), SimpleNamespace(req_id="b")])
+    setattr(out, SCHEDULER_OUTPUT_FIELD, {"a": ([4, 7, 8], True, (100, 320, [20, 21])), "b": ([9, 10, 11], False, None)})
+    assign_window_pages(runner, out)
+    (args, kwargs), = calls
+    assert args == ([3, 0], [[8, 14, 15, 16, 17], [18, 20, 21, 22, 23]], 100)
+    assert kwargs == {"allow_null": False, "sink_shared": [True, False], "rings": [(100, 320, [40, 41, 42, 43]), None]}
+
+
 @pytest.mark.parametrize("block_size,ratio", [(64, 1), (128, 2)])
 def test_pages_per_request_follow_the_scheduler_block_size(block_size, ratio):
     """Qwen3-8B's ring (8 KV heads x 128, 64 + 256 entries): a kernel page fits 9 entries and
