@@ -133,14 +133,18 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         if not rows:
             return
         first = 0 if allow_null else 1
-        if any(len(p) != self.pages_per_ring or not all(first <= b < num_blocks for b in p) for p in pages):
+
+        def misfit(ids: list[int], count: int) -> bool:
+            return len(ids) != count or not all(first <= b < num_blocks for b in ids)
+
+        if any(misfit(p, self.pages_per_ring) for p in pages):
             raise WindowPagesError(
                 f"window pages {pages} for rows {rows}: each row needs {self.pages_per_ring} block ids in "
                 f"[{first}, {num_blocks})"
             )
         recent_pages = self.pages_per_ring - self.sink_pages
         copies = [(ring[2], row_pages[self.sink_pages:]) for row_pages, ring in zip(pages, rings or []) if ring]
-        if any(len(s) != recent_pages or not all(first <= b < num_blocks for b in s) for s, _ in copies):
+        if any(misfit(s, recent_pages) for s, _ in copies):
             raise WindowPagesError(f"ring source pages {[s for s, _ in copies]}: each needs {recent_pages} block ids "
                                    f"in [{first}, {num_blocks})")
         # From pinned memory, without waiting: a blocking or pageable copy would synchronize the

@@ -81,8 +81,9 @@ class RequestPages:
     recent: list = field(default_factory=list)  # KVCacheBlocks of the recent window, its own
     shared: bool = False  # the sink pages came from the prefix cache, holding the sink already
     start: int = 0  # the first position its ring holds: what it computed, or a copied ring's
-    ring: tuple[int, int] | None = None  # positions [lo, hi) a ring copied from an earlier request holds
-    ring_source: list = field(default_factory=list)  # that ring's pages (cached blocks, read once)
+    # (lo, hi, pages): the positions [lo, hi) a ring copied from an earlier request holds, and
+    # that ring's pages (cached blocks, read once), or None
+    ring: tuple[int, int, list] | None = None
 
 
 @dataclass(eq=False)  # compared and hashed as itself: the allocator keys the step's reserved rings by it
@@ -199,7 +200,7 @@ class WindowPageAllocator:
         if ring is None or ring not in self.reserved:
             return
         pages = self.held[request_id]
-        pages.start, pages.ring, pages.ring_source = ring.lo, (ring.lo, hit_blocks * self.block_size), ring.pages
+        pages.start, pages.ring = ring.lo, (ring.lo, hit_blocks * self.block_size, ring.pages)
 
     def cache_ring(self, request_id: str, pages: RequestPages) -> None:
         """Leave an ending request's recent pages to later hits (``reuse_rings``): indexed by the
@@ -300,8 +301,8 @@ class WindowPageAllocator:
     def ring_of(self, request_id: str) -> tuple[int, int, list[int]] | None:
         """``(lo, hi, source pages)``: the positions ``[lo, hi)`` of the ring the request copies
         from an earlier one and that ring's recent pages (block ids), or None."""
-        pages = self.held[request_id]
-        return None if pages.ring is None else (*pages.ring, [b.block_id for b in pages.ring_source])
+        ring = self.held[request_id].ring
+        return None if ring is None else (ring[0], ring[1], [b.block_id for b in ring[2]])
 
     def sink_shared(self, request_id: str) -> bool:
         """Whether the request's sink pages came from the prefix cache (it reads, never writes them)."""
