@@ -30,6 +30,8 @@ Reference: :func:`oscar_vllm.reference.oscar_decode.oscar_decode_reference`. Glu
 under ``TRITON_INTERPRET``: the CPU tests compile it for sm_90 and read the machine code
 (``tests/kernels/test_kernels_compile.py``), the GPU tests compare it with the reference.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -53,21 +55,39 @@ TILE = gl.constexpr(64)  # keys per step: one INT2 block, or 8 ring pages
 MIN_SPLIT_TILES = gl.constexpr(1)  # a split reads at least this many tiles (one: short contexts gain from more programs)
 # Launch by batch size (the largest key <= requests): (registers a thread may use, one-warp
 # programs the split count aims for per SM, the INT2 block prefetched into L2 this many steps
-# ahead, INT2 blocks a BF16 ring tile counts as when the splits share a request's keys).
+# ahead, INT2 blocks a BF16 ring tile counts as when the splits share a request's keys, whether
+# the split count fills one whole wave of those programs rather than the power of two above).
 # Uncapped, ptxas takes 255 registers (the ring tile's loads), 8 warps an SM: one request's
 # splits fit in one wave and run fastest so, with 256 splits and blocks 4 ahead in L2 (a split's
 # loads then wait for L2, not DRAM). From 8 requests on, 168 registers (12 warps an SM, a few
-# bytes of spills outside the INT2 loop), more and shorter splits, and 2 blocks ahead. The ring
-# tile's weight: counted as one block, the split holding the five ring tiles was the one the
-# others waited for (1 x 32K 41 us, 28 at 4); from 16 requests the programs run in several
-# waves and 2 is best or within 3%. H200, Qwen3-8B shape: `benchmarks/kernels/oscar_decode.py
-# sweep` (results/kernels/prefetch/, results/kernels/ring/).
-DECODE_LAUNCH = {1: (None, 8, 4, 4), 8: (168, 16, 2, 4), 16: (168, 16, 2, 2)}
+# bytes of spills outside the INT2 loop) and 2 blocks ahead. The split count follows the time:
+# from 8 to 32 requests one whole wave of 12 programs an SM is the fastest count (8 x 32K 24
+# splits 0.078 ms against 0.086 at 64; 32 x 32K 6, 0.240 against 0.246 at 16), a count leaving
+# part of a second wave the slowest; from 33, powers of two at 16 an SM (64 x 8K: 8 splits 4%
+# ahead of a wave's 3; results/kernels/sweep_wave_ctas12/). The ring tile's weight: counted as
+# one block, the split holding the five ring tiles was the one the others waited for (1 x 32K 41
+# us, 28 at 4); from 16 requests the programs run in several waves and 2 is best or within 3%.
+# H200, Qwen3-8B shape: `benchmarks/kernels/oscar_decode.py sweep` (results/kernels/prefetch/,
+# results/kernels/ring/).
+class DecodeLaunch(NamedTuple):
+    maxnreg: int | None
+    ctas_per_sm: int
+    prefetch: int
+    ring_cost: int
+    whole_wave: bool
+
+
+DECODE_LAUNCH = {
+    1: DecodeLaunch(None, 8, 4, 4, False),
+    8: DecodeLaunch(168, 12, 2, 4, True),
+    16: DecodeLaunch(168, 12, 2, 2, True),
+    33: DecodeLaunch(168, 16, 2, 2, False),
+}
 # A fixed split count (the backend's decode_splits setting: replies that do not depend on the
 # batch) needs split boundaries that do not follow the batch size either: one ring weight for
 # every batch, the table's largest bucket's. With the table's per batch, a request's boundaries,
 # hence its merged sums, moved as its batch crossed 16 requests.
-FIXED_SPLITS_RING_COST = DECODE_LAUNCH[max(DECODE_LAUNCH)][3]
+FIXED_SPLITS_RING_COST = DECODE_LAUNCH[max(DECODE_LAUNCH)].ring_cost
 
 # PTX: a word of packed codes -> each byte's code of each quarter i (bits 2i, 2i+1) as an fp16
 # subnormal. Two byte permutes put bytes (0, 1) and (2, 3) into the low halves of 16-bit lanes,
@@ -664,8 +684,8 @@ def split_shares(n_blocks: int, active: int, ring_tiles: int, ring_cost: int) ->
             for s in range(active)]
 
 
-def decode_launch(num_reqs: int) -> tuple[int | None, int, int, int]:
-    """``(maxnreg, ctas_per_sm, prefetch, ring_cost)`` for a decode batch of ``num_reqs`` requests."""
+def decode_launch(num_reqs: int) -> DecodeLaunch:
+    """The launch of a decode batch of ``num_reqs`` requests (``DECODE_LAUNCH``'s bucket)."""
     return launch_bucket(DECODE_LAUNCH, num_reqs)
 
 
@@ -673,20 +693,21 @@ def decode_ring_cost(num_reqs: int, fixed_splits: int = 0) -> int:
     """INT2 blocks a ring tile counts as when a batch of ``num_reqs`` requests splits their keys:
     ``DECODE_LAUNCH``'s, or ``FIXED_SPLITS_RING_COST`` for every batch when the split count is
     fixed (``fixed_splits`` > 0)."""
-    return FIXED_SPLITS_RING_COST if fixed_splits else decode_launch(num_reqs)[3]
+    return FIXED_SPLITS_RING_COST if fixed_splits else decode_launch(num_reqs).ring_cost
 
 
 def decode_splits(num_reqs: int, num_kv_heads: int, num_sms: int, ctas_per_sm: int | None = None,
-                  max_splits: int | None = None, whole_wave: bool = False) -> int:
+                  max_splits: int | None = None, whole_wave: bool | None = None) -> int:
     """Most splits a decode batch of ``num_reqs`` requests uses (>= 1): enough one-warp programs
-    for ``ctas_per_sm`` (else ``DECODE_LAUNCH``'s) per SM, rounded up to a power of two, or
-    (``whole_wave``) as many as fit in one wave of that many (a count that need not be a power
-    of two: at 8 x 32K, 64 splits made 4,096 programs, 2.6 waves at the 12 an SM 168 registers
-    allow), at most ``max_splits`` (else ``MAX_DECODE_SPLITS``)."""
-    ctas = ctas_per_sm or decode_launch(num_reqs)[1]
-    programs = ctas * num_sms
+    for ``ctas_per_sm`` per SM, rounded up to a power of two, or (``whole_wave``) as many as fit
+    in one wave of that many (a count that need not be a power of two: at 8 x 32K, 64 splits made
+    4,096 programs, 2.6 waves at the 12 an SM 168 registers allow), at most ``max_splits`` (else
+    ``MAX_DECODE_SPLITS``). ``ctas_per_sm`` and ``whole_wave`` left None: ``DECODE_LAUNCH``'s."""
+    launch = decode_launch(num_reqs)
+    programs = (ctas_per_sm or launch.ctas_per_sm) * num_sms
     per_split = max(1, num_reqs * num_kv_heads)
-    want = programs // per_split if whole_wave else triton.next_power_of_2(triton.cdiv(programs, per_split))
+    wave = launch.whole_wave if whole_wave is None else whole_wave
+    want = programs // per_split if wave else triton.next_power_of_2(triton.cdiv(programs, per_split))
     return max(1, min(max_splits or MAX_DECODE_SPLITS, want))
 
 
@@ -753,11 +774,11 @@ def oscar_decode(
     if win.pop("WIN_E") != _WINDOW_ENTRIES:
         raise ValueError(f"oscar_decode reads rings of {_WINDOW_ENTRIES} entries per page")
     n_pad = 8 if g <= 8 else 16
-    table_maxnreg, _, table_prefetch, table_ring_cost = decode_launch(num_reqs)
+    table = decode_launch(num_reqs)
     if maxnreg == -1:
-        maxnreg = table_maxnreg if n_pad == 8 else None
+        maxnreg = table.maxnreg if n_pad == 8 else None
     if prefetch is None:
-        prefetch = table_prefetch
+        prefetch = table.prefetch
     split = num_splits > 1
     if split:
         part_out = part_out.view(-1)[: num_reqs * hq * num_splits * d]
@@ -769,7 +790,7 @@ def oscar_decode(
         q_rot.stride(0), q_rot.stride(1), out.stride(0), out.stride(1), block_table.stride(0), cache.stride(0),
         win["stride_wp"], win["stride_page"],
         HKV=hkv, G=g, N=n_pad, D=d, SINK=sink, RECENT=recent, SPLIT=split, PREFETCH=prefetch,
-        RING_COST=ring_cost or table_ring_cost, num_warps=1,
+        RING_COST=ring_cost or table.ring_cost, num_warps=1,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     if split:

@@ -1,8 +1,8 @@
 """Compile every kernel variant a server can launch, before it serves.
 
 Triton compiles a kernel the first time it meets a new set of compile-time choices (the
-launch table's warps and stages, split or not, merge or own keys, the split count of the
-merge). Left to first use, that happens while requests wait, seconds per variant (the
+launch table's warps and stages, split or not, merge or own keys, the split count's power of
+two in the merge). Left to first use, that happens while requests wait, seconds per variant (the
 Qwen3-8B shape's 15, the Gluon decode kernels' among them, took 32.9 s on the H200), and the
 prefill-side variants are not reached by vLLM's own warm-up or graph capture (a prefix-cache
 hit over many requests is the first to need the INT2 prefill kernel). The kernels leave the sizes that change per step unspecialized
@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import triton
 
 from csrc_triton.oscar_attention import (
     DECODE_LAUNCH,
@@ -51,12 +52,15 @@ def decode_variants(max_num_seqs: int, num_kv_heads: int, num_sms: int, fixed_sp
 def gluon_decode_variants(max_num_seqs: int, num_kv_heads: int, num_sms: int,
                           fixed_splits: int = 0) -> dict[tuple, int]:
     """The same for ``oscar_decode``: ``{(maxnreg, prefetch, ring_cost, splits): smallest batch
-    that takes it}``."""
+    that takes it}``, ``splits`` rounded up to a power of two: the decode and merge kernels take
+    the count at run time and compile per power of two (the merge's ``SPLITS_POW2``), so the
+    launch at that count compiles what every count it rounds compiles."""
     variants: dict[tuple, int] = {}
     for n in range(1, max_num_seqs + 1):
-        maxnreg, _, prefetch, _ = gluon_decode.decode_launch(n)
-        key = (maxnreg, prefetch, gluon_decode.decode_ring_cost(n, fixed_splits),
-               fixed_splits or gluon_decode.decode_splits(n, num_kv_heads, num_sms))
+        launch = gluon_decode.decode_launch(n)
+        splits = fixed_splits or gluon_decode.decode_splits(n, num_kv_heads, num_sms)
+        key = (launch.maxnreg, launch.prefetch, gluon_decode.decode_ring_cost(n, fixed_splits),
+               triton.next_power_of_2(splits))
         variants.setdefault(key, n)
     return variants
 

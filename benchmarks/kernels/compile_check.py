@@ -81,10 +81,10 @@ def write_consts(args) -> dict:
 
 
 def gluon_decode_consts(args) -> dict:
-    _, _, prefetch, ring_cost = oscar_decode.decode_launch(8 if args.maxnreg else 1)
+    launch = oscar_decode.decode_launch(8 if args.maxnreg else 1)
     return dict(HKV=8, G=args.g, N=8 if args.g <= 8 else 16, D=args.d, SINK=64, RECENT=256, SPLIT=True,
-                PREFETCH=prefetch if args.prefetch is None else args.prefetch,
-                RING_COST=ring_cost if args.ring_cost is None else args.ring_cost)
+                PREFETCH=launch.prefetch if args.prefetch is None else args.prefetch,
+                RING_COST=launch.ring_cost if args.ring_cost is None else args.ring_cost)
 
 
 def write_decode_consts(args) -> dict:

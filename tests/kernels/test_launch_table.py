@@ -46,15 +46,23 @@ def test_write_table_covers_every_token_count():
 
 def test_gluon_decode_table_covers_every_batch_with_valid_choices():
     """The Gluon decode kernel's table: register cap (None: ptxas's choice), programs per SM, the
-    L2 prefetch depth and a ring tile's weight; its split scratch covers every batch up to the largest."""
+    L2 prefetch depth, a ring tile's weight and whether the split count fills one wave (then every
+    program is resident at once); its split scratch covers every batch up to the largest."""
     from csrc_triton import oscar_decode as od
 
     assert min(od.DECODE_LAUNCH) == 1
     for n in range(1, 2049):
-        maxnreg, ctas, prefetch, ring_cost = od.decode_launch(n)
+        maxnreg, ctas, prefetch, ring_cost, whole_wave = od.decode_launch(n)
         assert (maxnreg is None or 128 <= maxnreg <= 255) and ctas >= 1 and 0 <= prefetch <= 8 and ring_cost >= 1
+        assert isinstance(whole_wave, bool)
     for hkv in (1, 2, 4, 8):
         rows = od.decode_split_rows(256, hkv, 132)
         splits = [od.decode_splits(n, hkv, 132) for n in range(1, 257)]
-        assert all(triton.next_power_of_2(s) == s <= od.MAX_DECODE_SPLITS for s in splits)
+        assert all(1 <= s <= od.MAX_DECODE_SPLITS for s in splits)
+        for n, s in zip(range(1, 257), splits):
+            launch = od.decode_launch(n)
+            if launch.whole_wave:  # one wave: every program resident at once
+                assert n * hkv * s <= launch.ctas_per_sm * 132 or s == 1
+            else:
+                assert triton.next_power_of_2(s) == s
         assert all(n * s <= rows for n, s in zip(range(1, 257), splits))

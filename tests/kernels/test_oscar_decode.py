@@ -253,17 +253,27 @@ def test_supported_shapes():
 def test_decode_splits_fill_the_gpu_and_stay_bounded():
     assert decode_splits(1, 8, 132) == MAX_DECODE_SPLITS
     assert decode_splits(1024, 8, 132) == 1
-    for n in (1, 3, 32, 100, 1024):
+    for n in (1, 3, 8, 20, 32, 33, 100, 1024):
         s = decode_splits(n, 8, 132)
-        assert 1 <= s <= MAX_DECODE_SPLITS and s & (s - 1) == 0
+        assert 1 <= s <= MAX_DECODE_SPLITS
         assert n * 8 * s >= 132 or s == MAX_DECODE_SPLITS
+        assert decode_launch(n).whole_wave or s & (s - 1) == 0
+
+
+def test_the_table_takes_one_whole_wave_from_8_to_32_requests():
+    """Where the sweep found one wave of 12 programs an SM fastest (8 x 32K: 24 splits, 32 x 8K and
+    32 x 32K: 6), the table takes it; from 33 requests, powers of two at 16 an SM (64: 8 splits)."""
+    assert [decode_splits(n, 8, 132) for n in (8, 32, 33, 64)] == [24, 6, 8, 8]
+    for n in range(8, 33):
+        s = decode_splits(n, 8, 132)
+        assert n * 8 * s <= 12 * 132 < n * 8 * (s + 1), n
 
 
 def test_whole_wave_splits_fill_one_wave_of_programs():
     """At 12 one-warp programs an SM (168 registers) and 132 SMs: 8 requests of 8 KV heads take 24
     splits (1,536 programs, one wave) where the power of two takes 32 at that aim (2,048: 1.3 waves)."""
     assert decode_splits(8, 8, 132, ctas_per_sm=12, whole_wave=True) == 24
-    assert decode_splits(8, 8, 132, ctas_per_sm=12) == 32
+    assert decode_splits(8, 8, 132, ctas_per_sm=12, whole_wave=False) == 32
     for n in (1, 3, 8, 32, 100, 1024):
         s = decode_splits(n, 8, 132, ctas_per_sm=12, whole_wave=True)
         assert 1 <= s <= MAX_DECODE_SPLITS
