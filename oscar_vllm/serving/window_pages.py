@@ -39,6 +39,9 @@ Prefix-cache hits keep both windows in BF16, as a run without caching has them:
   later for the same boundary replaces it only where it holds earlier positions. So every hit
   of a prefix reads the same ring while it is cached (taken pages would serve one hit, and the
   next would compute its ring again: the same prompt sent twice would be computed two ways).
+  A ring serves no position its request computed again after a hit cut short (``recomputed``):
+  the next hit of the prompt would copy what the first recomputed, and be computed another way
+  than the first (the same batch sent twice differed so on the H200).
 * **A hit covers only blocks an earlier step wrote.** vLLM caches a block when it schedules
   it, so a request could hit blocks another request of the same step fills, and sink pages
   written in the same step; the hit ends before the first such block instead.
@@ -81,6 +84,10 @@ class RequestPages:
     recent: list = field(default_factory=list)  # KVCacheBlocks of the recent window, its own
     shared: bool = False  # the sink pages came from the prefix cache, holding the sink already
     start: int = 0  # the first position its ring holds: what it computed, or a copied ring's
+    # Positions below this one were in the prefix cache when it was admitted and it computed them
+    # again (its hit cut short): not the values the prefill that cached them left, so no ring it
+    # leaves serves them (0: none).
+    recomputed: int = 0
     # (lo, hi, pages): the positions [lo, hi) a ring copied from an earlier request holds, and
     # that ring's pages (cached blocks, read once), or None
     ring: tuple[int, int, list] | None = None
@@ -136,6 +143,9 @@ class WindowPageAllocator:
         self.rings: dict[bytes, CachedRing] = {}
         self.reserved: dict[CachedRing, None] = {}  # in the order reserved: unpinned in that order
         self.rings_cached = 0  # a counter that makes every ring's page keys its own
+        # Hits cut short in this step, by the id of the request's block hash list: the blocks
+        # vLLM offered (read when the request takes its pages, in the same schedule() call).
+        self.offered: dict[int, int] = {}
         self.logged_pages, self.logged_at = 0, float("-inf")  # the last usage line
 
     @property
@@ -166,12 +176,21 @@ class WindowPageAllocator:
         ``num_tokens`` tokens) the request may use: none the current step fills; then, at the
         longest boundary an ended request's ring serves, all up to it; else none of its last
         ``recent`` tokens, and ``ring_blocks`` fewer than that (see the module's docstring)."""
-        n = next((i for i, b in enumerate(hit) if b.block_id in self.fresh), len(hit))
+        offered = n = next((i for i, b in enumerate(hit) if b.block_id in self.fresh), len(hit))
         trimmed = max(0, min(n, max(0, num_tokens - self.recent) // self.block_size) - self.ring_blocks)
         n = next((b for b in range(n, trimmed, -1) if self.reserve_ring(block_hashes, b)), trimmed)
         if self.sink_pages and n > 0 and (n <= self.sink_block or self.cached_sink(block_hashes) is None):
             n = 0
+        if n < offered:
+            self.offered[id(block_hashes)] = offered
         return n
+
+    def new_pages(self, request_id: str, start: int = 0) -> RequestPages:
+        """The pages record of a request admitted now, computing from ``start``."""
+        request = self.requests.get(request_id)
+        offered = self.offered.pop(id(request.block_hashes), 0) if self.reuse_rings and request is not None else 0
+        pages = self.held[request_id] = RequestPages(start=start, recomputed=offered * self.block_size)
+        return pages
 
     def ring_key(self, block_hashes, blocks: int) -> bytes | None:
         """The key of the boundary after ``blocks`` blocks of the prefix these hashes name."""
@@ -213,7 +232,7 @@ class WindowPageAllocator:
         if not (self.reuse_rings and self.block_pool.enable_caching and pages.recent and request is not None):
             return  # (without prefix caching no hit would find it)
         hi = request.num_computed_tokens
-        lo = max(pages.start, hi - self.recent, self.sink)
+        lo = max(pages.start, pages.recomputed, hi - self.recent, self.sink)
         bs = self.block_size
         keys = [self.ring_key(request.block_hashes, b // bs)
                 for b in range(hi // bs * bs, max(lo, hi - bs - 1) - 1, -bs)
@@ -261,7 +280,7 @@ class WindowPageAllocator:
         sink = self.shared_sink_of(request_id, new_computed_blocks)
         if request_id in self.held:
             return
-        pages = self.held[request_id] = RequestPages(start=len(new_computed_blocks[0]) * self.block_size)
+        pages = self.new_pages(request_id, len(new_computed_blocks[0]) * self.block_size)
         if sink is not None:
             self.block_pool.touch(sink)
             pages.sink, pages.shared = list(sink), True
@@ -272,7 +291,7 @@ class WindowPageAllocator:
         if pages is not None and pages.recent and (pages.sink or not self.sink_pages):
             return  # a running request: called every step
         if pages is None:
-            pages = self.held[request_id] = RequestPages()
+            pages = self.new_pages(request_id)
         if not pages.sink:
             pages.sink = self.block_pool.get_new_blocks(self.sink_pages)
             if self.sink_pages:
@@ -326,6 +345,7 @@ class WindowPageAllocator:
 
     def begin_step(self) -> None:
         self.fresh.clear()
+        self.offered.clear()
 
     def end_step(self, blocks_of) -> None:
         """Unpin the rings this step's hits reserved: the worker copies them before the step
