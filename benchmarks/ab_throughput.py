@@ -289,8 +289,8 @@ def scenario_s(name: str, config: str, sizes: dict, caps: Caps) -> float:
     z = sizes[name]
     if name == "prefill":
         return z["requests"] * prefill_s(z["prompt_len"])
-    if name == "decode":  # without a prefill scenario, it prefills its prompts itself first (_prefill_decode)
-        first = 0 if "prefill" in sizes else z["requests"] * prefill_s(z["context"])
+    if name == "decode":
+        first = z["requests"] * prefill_s(z["context"]) if decode_prefills_itself(sizes) else 0
         return first + batch_s(config, caps, z["requests"], z["context"], z["output_len"], cached=z["context"])
     if name == "long":
         return prefill_s(z["prompt_len"])
@@ -589,7 +589,7 @@ def run_worker(args, result: dict, save) -> None:
     llm.generate(distinct_prompts(2, 512, vocab, 99), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     wall = result["scenario_wall_s"] = {}  # each scenario with its warm-up, to compare with the plan's estimate
     for name in (s for s in SCENARIOS if s in sizes):
-        if name == "decode" and "prefill" in sizes:
+        if name == "decode" and not decode_prefills_itself(sizes):
             continue  # run with prefill, over its prompts
         result["running"] = name
         save(result)
@@ -601,10 +601,17 @@ def run_worker(args, result: dict, save) -> None:
     result.pop("running", None)
 
 
+def decode_prefills_itself(sizes: dict) -> bool:
+    """Whether a plan's decode scenario prefills its prompts itself: the decode scenario runs in
+    `_prefill_decode` after the prefill scenario's call, over its prompts, and a plan without a
+    prefill scenario times that call as prefill all the same."""
+    return "decode" in sizes and "prefill" not in sizes
+
+
 def scenario_sizes(sizes: dict, scen: str) -> dict | None:
     """A scenario's sizes in a plan's ``sizes``; the prefill scenario's, where it has none of its
     own, are the decode scenario's prompts (one call prefills and times them, `_prefill_decode`)."""
-    if scen == "prefill" and "prefill" not in sizes and "decode" in sizes:
+    if scen == "prefill" and decode_prefills_itself(sizes):
         return {"requests": sizes["decode"]["requests"], "prompt_len": sizes["decode"]["context"]}
     return sizes.get(scen)
 
