@@ -181,14 +181,14 @@ class WindowPageAllocator:
         n = next((b for b in range(n, trimmed, -1) if self.reserve_ring(block_hashes, b)), trimmed)
         if self.sink_pages and n > 0 and (n <= self.sink_block or self.cached_sink(block_hashes) is None):
             n = 0
-        if n < offered:
+        if n < offered and self.reuse_rings:
             self.offered[id(block_hashes)] = offered
         return n
 
     def new_pages(self, request_id: str, start: int = 0) -> RequestPages:
         """The pages record of a request admitted now, computing from ``start``."""
         request = self.requests.get(request_id)
-        offered = self.offered.pop(id(request.block_hashes), 0) if self.reuse_rings and request is not None else 0
+        offered = self.offered.pop(id(request.block_hashes), 0) if request is not None else 0
         pages = self.held[request_id] = RequestPages(start=start, recomputed=offered * self.block_size)
         return pages
 
