@@ -17,14 +17,18 @@ layer stores ``4 + 32/group``. "With windows at L" adds the BF16 sink and recent
 sequence of L tokens (16 bits per element) to the page's bits, averaged over the L tokens; the
 capacity column is how many KV tokens a byte of pool holds against today's page, at long context.
 
+Rows with a key mean (``half-key-mean*``) round each key less a calibrated mean and add it back
+where they read it (``oscar_vllm.core.key_mean``): no bits in the page, so the same page bits.
+
 Everything that takes long is cached in ``--cache`` (default ``runs/quality_cache``, ignored by
-git): the calibrations (rotations and clip ratios, keyed by what they were made from), the layer
-sensitivities, and each row's per-position scores per window. A rerun computes only what is
+git): the calibrations (rotations and clip ratios, keyed by what they were made from; key means), the
+layer sensitivities, and each row's per-position scores per window. A rerun computes only what is
 missing, so rows can be added one at a time; ``--fresh`` ignores the scores (not the calibrations).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import pickle
@@ -40,7 +44,8 @@ from oscar_vllm.calibration import corpus
 from oscar_vllm.calibration.calibrate import capture_stats
 from oscar_vllm.calibration.fit import LayerStats, build_rotation_sets, fit_clip_ratios
 from oscar_vllm.calibration.evaluate import environment
-from oscar_vllm.calibration.models import LoadedModel, MixedCacheHook, attention_hooks, load_model
+from oscar_vllm.calibration.models import LoadedModel, MixedCacheHook, attention_hooks, load_model, rope_tables
+from oscar_vllm.core.key_mean import KeyMean, pre_rope_mean, rope, strongest_pairs
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
 from oscar_vllm.core.rotation_io import OscarRotations, hadamard_rotation_sets, load_rotations
 
@@ -143,6 +148,47 @@ class Calibrator:
         path.write_bytes(pickle.dumps(rot))
         return rot
 
+    def key_means(self, c: Calibration, skip: int) -> tuple[dict, dict]:
+        """Over the rotations' calibration text, its sequences' first ``skip`` positions left out,
+        by ``before-rope`` and ``after-rope``: per layer, the mean key of each KV head ``[Hkv, d]``
+        before RoPE and after it, and the share of the keys' energy each leaves (a mean over KV
+        heads of E‖k - mean‖² / E‖k‖², the mean before RoPE turned to each key's position)."""
+        path = self.cache / f"{c.key}-key-means-skip{skip}.pt"
+        if path.exists():
+            return torch.load(path)
+        stats = self.capture(c.text, 0, c.tokens, c.seq_len, c.value_weights == "softmax")
+        cos, sin = rope_tables(self.lm, c.seq_len)
+        means, left = {"before-rope": {}, "after-rope": {}}, {"before-rope": {}, "after-rope": {}}
+        for i, s in stats.items():
+            before = pre_rope_mean(s.keys, cos, sin, skip)
+            keys = [k[skip:].double() for k in s.keys]
+            after = torch.cat(keys).mean(0)
+            energy = sum(k.square().sum((0, 2)) for k in keys)
+            turned = [rope(before[None], cos[skip:k.shape[0] + skip, None].double(),
+                           sin[skip:k.shape[0] + skip, None].double()) for k in keys]
+            means["before-rope"][i], means["after-rope"][i] = before.float(), after.float()
+            left["before-rope"][i] = (sum((k - m).square().sum((0, 2)) for k, m in zip(keys, turned)) / energy).mean().item()
+            left["after-rope"][i] = (sum((k - after).square().sum((0, 2)) for k in keys) / energy).mean().item()
+        self.cache.mkdir(parents=True, exist_ok=True)
+        torch.save((means, left), path)
+        return means, left
+
+    def clip_less_mean(self, rot: OscarRotations, c: Calibration, means: dict[int, torch.Tensor],
+                       skip: int) -> OscarRotations:
+        """``rot`` with its key clip ratios fitted again, on the held-out keys less ``means`` (before
+        RoPE, turned to each key's position): what rounding sees of them with the mean taken off."""
+        path = self.cache / f"{c.key}-clip-less-mean-skip{skip}.pkl"
+        if path.exists():
+            return pickle.loads(path.read_bytes())
+        heldout = self.capture(c.text, c.tokens, c.heldout, min(c.seq_len, 2048), c.value_weights == "softmax")
+        cos, sin = rope_tables(self.lm, min(c.seq_len, 2048))
+        less = {i: dataclasses.replace(st, keys=[k - rope(means[i][None], cos[:k.shape[0], None], sin[:k.shape[0], None])
+                                                 for k in st.keys]) for i, st in heldout.items()}
+        ck, _, report = fit_clip_ratios(rot.key, rot.value, less, c.value_weights)
+        out = dataclasses.replace(rot, clip_ratios_k=ck, calibration={**rot.calibration, "clip_fit_less_key_mean": report})
+        path.write_bytes(pickle.dumps(out))
+        return out
+
     def forget_captures(self) -> None:
         self.captures.clear()
 
@@ -160,12 +206,18 @@ class Row:
     recent_fraction: float = 0.0  # > 0: the recent window grows, max(recent, fraction * position)
     int4_layers: int = 0  # the most sensitive layers (calibration's measure) cached in INT4
     logit_correction: float = 0.0  # λ of LayerCacheSpec: quantized logits less λ/2 their rounding variance
+    # Keys rounded less a calibrated mean: "before-rope", turned to each key's position, or "after-rope",
+    # one vector for all positions (what a mean of keys as the cache sees them gives)
+    key_mean: str = ""
+    clip_less_mean: bool = False  # the key clip ratios fitted again on the keys less the mean
+    key_mean_pairs: int = 0  # > 0: the mean on each KV head's strongest RoPE pairs only
 
     @property
     def key_groups(self) -> int:
         return self.calibration.key_groups if self.calibration else 1
 
-    def specs(self, rot: OscarRotations, int4: set[int], num_layers: int) -> dict[int, LayerCacheSpec]:
+    def specs(self, rot: OscarRotations, int4: set[int], num_layers: int,
+              key_means: dict[int, KeyMean] | None = None) -> dict[int, LayerCacheSpec]:
         head_dim = rot.key.head_dim
         specs = {}
         for i in range(num_layers):
@@ -176,7 +228,7 @@ class Row:
                 quant_k = RowQuantizer("int2", tuple(ck) if isinstance(ck, list) else ck, head_dim // self.key_groups)
                 quant_v = RowQuantizer("int2", tuple(cv) if isinstance(cv, list) else cv)
             specs[i] = LayerCacheSpec(rot.key.rotations[i], rot.value.rotations[i], quant_k, quant_v,
-                                      self.logit_correction)
+                                      self.logit_correction, key_means[i] if self.key_mean else None)
         return specs
 
     def recent_at(self, positions: torch.Tensor) -> int | torch.Tensor:
@@ -244,6 +296,19 @@ ROWS = [
         int4_layers=4, logit_correction=0.5),
     Row("half-int4-2layers-recent-grows", "λ = 0.5, INT4 for 2 layers, the recent window max(256, position/8)",
         calibration=None, int4_layers=2, recent_fraction=1 / 8, logit_correction=0.5),
+    Row("half-key-mean", "λ = 0.5, keys rounded less their mean before RoPE (from the calibration text, turned "
+        "to each key's position) and read with it added back: no bytes in the page, d numbers a KV head and "
+        "layer, a per-key term in the kernels", calibration=None, logit_correction=0.5, key_mean="before-rope"),
+    Row("half-key-mean-after-rope", "λ = 0.5, keys rounded less one mean of the keys after RoPE (the same "
+        "positions' average) and read with it added back", calibration=None, logit_correction=0.5,
+        key_mean="after-rope"),
+    Row("half-key-mean-clip", "half-key-mean, with the key clip ratios fitted again on the held-out keys less "
+        "their mean", calibration=None, logit_correction=0.5, key_mean="before-rope", clip_less_mean=True),
+    Row("half-key-mean-8pairs", "half-key-mean, the mean on each KV head's 8 RoPE pairs of most energy only (a "
+        "kernel adds 8 pairs' terms to a 2-bit key's logit, not d/2)", calibration=None, logit_correction=0.5,
+        key_mean="before-rope", key_mean_pairs=8),
+    Row("half-key-mean-int4-2layers", "half-key-mean, with INT4 for the 2 most sensitive layers", calibration=None,
+        int4_layers=2, logit_correction=0.5, key_mean="before-rope"),
 ]
 ROWS_BY_NAME = {r.name: r for r in ROWS}
 
@@ -381,6 +446,18 @@ def cost(row: Row, num_layers: int, head_dim: int) -> dict:
     }
 
 
+def key_energy_lines(left: dict) -> list[str]:
+    """A line per calibration's key means: the share of the keys' energy past the sink that each
+    mean leaves, the range over layers (the same for every row of one calibration: the first row's)."""
+    if not left:
+        return []
+    by_kind = next(iter(left.values()))
+    span = {k: f"{min(v.values()):.2f}-{max(v.values()):.2f}" for k, v in by_kind.items()}
+    return [f"- keys' energy past the sink that their calibrated mean leaves, on the calibration text's sequences "
+            f"(a range over layers): {span['before-rope']} with the mean before RoPE turned to each position, "
+            f"{span['after-rope']} with one mean after RoPE"]
+
+
 def markdown(results: dict, meta: dict) -> str:
     lines = [
         f"# Quality per bit: {meta['model']}",
@@ -394,6 +471,7 @@ def markdown(results: dict, meta: dict) -> str:
         f"- calibration: {meta['calibration']}",
         f"- INT4 layers (most sensitive first, by KL of that layer alone in INT2 on {SENSITIVITY_TOKENS:,} held-out "
         f"calibration tokens): {', '.join(str(i) for i in meta['sensitive_layers'][:6])}, ...",
+        *key_energy_lines(meta.get("key_energy_left_by_the_mean", {})),
         "",
         "ΔPPL against the BF16 cache on the same tokens; KL: mean KL(BF16 ‖ row) per token (nats); top-1: agreement "
         "with the BF16 cache's argmax.",
@@ -436,8 +514,8 @@ def plot(results: dict, meta: dict, path: Path) -> None:
     for name, r in results.items():
         y = [r["contexts"][str(c)]["delta_ppl_pct"] for c in CONTEXTS]
         style = dict(lw=2.2, color="k") if name == "today" else dict(lw=1.2)
-        ax1.plot(CONTEXTS, y, marker="o", label=name, **style)
-        ax2.scatter(r["cost"]["page_bits_d128"], r["contexts"]["8192"]["delta_ppl_pct"], s=25)
+        (line,) = ax1.plot(CONTEXTS, y, marker="o", label=name, **style)
+        ax2.scatter(r["cost"]["page_bits_d128"], r["contexts"]["8192"]["delta_ppl_pct"], s=25, color=line.get_color())
         ax2.annotate(name, (r["cost"]["page_bits_d128"], r["contexts"]["8192"]["delta_ppl_pct"]), fontsize=7,
                      xytext=(3, 3), textcoords="offset points")
     ax1.axhline(2.5, color="tab:red", ls=":", lw=1)
@@ -490,9 +568,22 @@ def main() -> None:
     configs = {"bf16": ({i: LayerCacheSpec(None, None, RowQuantizer("bf16"), RowQuantizer("bf16")) for i in range(n)},
                         0, 0)}
     positions = torch.arange(WINDOW)
+    cos, sin = rope_tables(lm, WINDOW)
+    key_energy_left = {}  # by row: what each mean leaves of the keys' energy, by layer
+    key_clip_ratios = {}
     for row in rows:
         rot = committed if row.calibration is None else calibrate(row.calibration)
-        configs[row.name] = (row.specs(rot, set(ranked[:row.int4_layers]), n), row.sink, row.recent_at(positions))
+        key_means = {}
+        if row.key_mean:  # the committed rotations came from the default calibration text: their means do too
+            means, key_energy_left[row.name] = calibrate.key_means(row.calibration or AUSTEN, row.sink)
+            if row.clip_less_mean:
+                rot = calibrate.clip_less_mean(rot, row.calibration or AUSTEN, means["before-rope"], row.sink)
+            turn = (cos, sin) if row.key_mean == "before-rope" else (torch.ones_like(cos), torch.zeros_like(sin))
+            key_means = {i: KeyMean(strongest_pairs(m, row.key_mean_pairs) if row.key_mean_pairs else m, *turn)
+                         for i, m in means[row.key_mean].items()}
+        configs[row.name] = (row.specs(rot, set(ranked[:row.int4_layers]), n, key_means), row.sink,
+                             row.recent_at(positions))
+        key_clip_ratios[row.name] = [rot.clip_ratio("key", i) for i in range(n)]
     calibrate.forget_captures()
     scores = Study(lm, windows, args.cache, args.fresh).run(configs)
 
@@ -502,6 +593,7 @@ def main() -> None:
             "what": row.what,
             "calibration": row.calibration.describe() if row.calibration else "the committed rotations",
             "sink": row.sink, "recent": row.recent, "recent_fraction": row.recent_fraction,
+            "key_clip_ratios": key_clip_ratios[row.name],
             "int4_layers": ranked[:row.int4_layers],
             "contexts": {str(c): summarize(scores[row.name], scores["bf16"], c) for c in CONTEXTS},
             "cost": cost(row, n, lm.shape.head_dim),
@@ -513,6 +605,7 @@ def main() -> None:
         "calibration": f"{AUSTEN.tokens:,} tokens of {corpus.CALIBRATION_NAME} for the rotations, {AUSTEN.heldout:,} "
                        "more for the clip fit, unless the row says otherwise",
         "sensitive_layers": ranked, "layer_sensitivity": sensitivity,
+        "key_energy_left_by_the_mean": key_energy_left,
         "seconds": round(time.time() - t0),
     }
     args.out.mkdir(parents=True, exist_ok=True)

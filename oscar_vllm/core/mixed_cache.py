@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from oscar_vllm.core.key_mean import KeyMean
 from oscar_vllm.core.quant import (
     SCALE_EPS,
     fake_quantize_int2,
@@ -77,6 +78,9 @@ class LayerCacheSpec:
     Rounding noise ε in a logit inflates its softmax weight by ``E[exp(ε)] = exp(σ²/2)`` on average,
     so without it the quantized part of a long context draws more attention than it should; λ = 1
     removes that bias for uniform rounding noise. It costs no bytes: the kernels have ``s_g`` and ``q``.
+
+    ``key_mean``: keys are quantized less their mean as RoPE turns it at their position, which is
+    added back after (``oscar_vllm.core.key_mean``); the keys of a call are positions ``0 .. Tk-1``.
     """
 
     key_rotation: torch.Tensor | None
@@ -84,6 +88,7 @@ class LayerCacheSpec:
     key_quant: RowQuantizer
     value_quant: RowQuantizer
     logit_correction: float = 0.0
+    key_mean: KeyMean | None = None
 
 
 def high_precision_mask(
@@ -159,12 +164,17 @@ def mixed_cache_attention(
     # queries is one [Hkv, block * g, d] batch.
     qr = rotate(q, layer.key_rotation).reshape(tq, hkv, g, d).transpose(0, 1).contiguous()
     k_hi, v_hi = (x.to(window_dtype).to(compute).transpose(0, 1).contiguous() for x in (kr, vr))
-    k_lo, v_lo = (quant(x).to(compute).transpose(0, 1).contiguous() for quant, x in ((layer.key_quant, kr), (layer.value_quant, vr)))
+    # What 2-bit rounding sees of a key: the key, or the key less its mean at its position
+    k_mean = None if layer.key_mean is None else rotate(layer.key_mean.at(tk), layer.key_rotation)
+    k_rounded = kr if k_mean is None else kr - k_mean
+    k_lo = layer.key_quant(k_rounded)
+    k_lo = (k_lo if k_mean is None else k_lo + k_mean).to(compute).transpose(0, 1).contiguous()
+    v_lo = layer.value_quant(vr).to(compute).transpose(0, 1).contiguous()
     q_lo = qr
     if layer.logit_correction:
         # One more dimension per key group: q_g's squared norm against -λ/2 · scale_attn · var_g,
         # so that q·k̂ - λ/2 · scale_attn · Σ_g ‖q_g‖² var_g is one dot product (scaled once after).
-        var = layer.key_quant.rounding_variance(kr).to(compute).transpose(0, 1)  # [Hkv, Tk, G]
+        var = layer.key_quant.rounding_variance(k_rounded).to(compute).transpose(0, 1)  # [Hkv, Tk, G]
         groups = var.shape[-1]
         q_norms = qr.reshape(hkv, tq, g, groups, d // groups).square().sum(-1)  # [Hkv, Tq, g, G]
         q_lo = torch.cat([qr, q_norms], dim=-1)

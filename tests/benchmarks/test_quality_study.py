@@ -42,3 +42,16 @@ def test_a_context_reads_the_first_positions_of_every_window():
     assert at3["tokens"] == 4
     assert at3["delta_ppl_pct"] == pytest.approx(100 * (math.exp(7.0 / 4) / math.exp(6.0 / 4) - 1))
     assert at3["kl"] == pytest.approx(0.2) and at3["top1"] == 0.75
+
+
+def test_the_key_mean_row_keeps_the_page_and_gives_each_int2_layer_its_mean():
+    row = study.ROWS_BY_NAME["half-key-mean"]
+    assert row.page_bits(128, 30) == study.ROWS_BY_NAME["today"].page_bits(128, 30)
+    key, value = study.hadamard_rotation_sets([0, 1, 2], 64)
+    rot = study.OscarRotations(key, value)
+    cos, sin = torch.ones(16, 64), torch.zeros(16, 64)
+    means = {i: study.KeyMean(torch.full((3, 64), float(i)), cos, sin) for i in range(3)}
+    specs = row.specs(rot, {1}, 3, means)
+    assert specs[0].key_mean is means[0] and specs[2].key_mean is means[2]
+    assert specs[1].key_quant.kind == "int4" and specs[1].key_mean is means[1]
+    assert all(s.key_mean is None for s in study.ROWS_BY_NAME["debiased-half"].specs(rot, set(), 3, means).values())

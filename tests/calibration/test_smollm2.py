@@ -8,9 +8,12 @@ import torch
 
 from oscar_vllm.calibration import corpus
 from oscar_vllm.calibration import evaluate as evaluate_module
+from oscar_vllm.calibration.calibrate import capture_stats
 from oscar_vllm.calibration.calibrate import main as calibrate_main
 from oscar_vllm.calibration.evaluate import METHODS_BY_NAME, curve_tokens, evaluate, rotation_variants, write_report
 from oscar_vllm.calibration.evaluate import main as evaluate_main
+from oscar_vllm.calibration.models import rope_tables
+from oscar_vllm.core.key_mean import pre_rope_mean, unrope
 from oscar_vllm.core.rotation_io import METADATA_FILE, load_rotations
 
 
@@ -29,6 +32,26 @@ def test_the_gguf_model_loads_dense(smollm2):
     linears = [m for m in smollm2.model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 30 * 7 + 1  # q, k, v, o, gate, up, down per layer; the LM head
     assert all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 for m in linears)
+
+
+def test_the_models_rope_table_gives_back_the_keys_before_rope(smollm2):
+    """What the attention hooks see, turned back with ``rope_tables``, is what k_proj wrote: the
+    table and the rotate-half form are the model's own, at every position."""
+    ids = corpus.tokenize(smollm2.tokenizer, corpus.calibration_text())[:300]
+    written = []
+    k_proj = smollm2.model.model.layers[3].self_attn.k_proj
+    handle = k_proj.register_forward_hook(lambda module, args, out: written.append(out[0].detach()))
+    try:
+        stats = capture_stats(smollm2, ids, 300)
+    finally:
+        handle.remove()
+    cos, sin = rope_tables(smollm2, 300)
+    post = stats[3].keys[0]  # [T, Hkv, d]
+    before = written[0].view(post.shape)
+    torch.testing.assert_close(unrope(post, cos[:, None], sin[:, None]), before, atol=2e-4, rtol=2e-4)
+    assert (post - before)[1:].abs().max() > 0.1  # RoPE did turn them
+    mean = pre_rope_mean(stats[3].keys, cos, sin, skip=64)
+    torch.testing.assert_close(mean.float(), before[64:].mean(0), atol=1e-4, rtol=1e-4)
 
 
 def test_calibration_cli_end_to_end(tmp_path, smollm2):
