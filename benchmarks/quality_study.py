@@ -45,7 +45,7 @@ from oscar_vllm.calibration.calibrate import capture_stats
 from oscar_vllm.calibration.fit import LayerStats, build_rotation_sets, fit_clip_ratios
 from oscar_vllm.calibration.evaluate import environment
 from oscar_vllm.calibration.models import LoadedModel, MixedCacheHook, attention_hooks, load_model, rope_tables
-from oscar_vllm.core.key_mean import KeyMean, pre_rope_mean, rope, strongest_pairs
+from oscar_vllm.core.key_mean import KeyMean, pre_rope_mean, strongest_pairs
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
 from oscar_vllm.core.rotation_io import OscarRotations, hadamard_rotation_sets, load_rotations
 
@@ -164,8 +164,7 @@ class Calibrator:
             keys = [k[skip:].double() for k in s.keys]
             after = torch.cat(keys).mean(0)
             energy = sum(k.square().sum((0, 2)) for k in keys)
-            turned = [rope(before[None], cos[skip:k.shape[0] + skip, None].double(),
-                           sin[skip:k.shape[0] + skip, None].double()) for k in keys]
+            turned = [KeyMean(before, cos, sin).at(k.shape[0] + skip)[skip:].double() for k in keys]
             means["before-rope"][i], means["after-rope"][i] = before.float(), after.float()
             left["before-rope"][i] = (sum((k - m).square().sum((0, 2)) for k, m in zip(keys, turned)) / energy).mean().item()
             left["after-rope"][i] = (sum((k - after).square().sum((0, 2)) for k in keys) / energy).mean().item()
@@ -182,8 +181,8 @@ class Calibrator:
             return pickle.loads(path.read_bytes())
         heldout = self.capture(c.text, c.tokens, c.heldout, min(c.seq_len, 2048), c.value_weights == "softmax")
         cos, sin = rope_tables(self.lm, min(c.seq_len, 2048))
-        less = {i: dataclasses.replace(st, keys=[k - rope(means[i][None], cos[:k.shape[0], None], sin[:k.shape[0], None])
-                                                 for k in st.keys]) for i, st in heldout.items()}
+        less = {i: dataclasses.replace(st, keys=[k - KeyMean(means[i], cos, sin).at(k.shape[0]) for k in st.keys])
+                for i, st in heldout.items()}
         ck, _, report = fit_clip_ratios(rot.key, rot.value, less, c.value_weights)
         out = dataclasses.replace(rot, clip_ratios_k=ck, calibration={**rot.calibration, "clip_fit_less_key_mean": report})
         path.write_bytes(pickle.dumps(out))
@@ -578,6 +577,7 @@ def main() -> None:
             means, key_energy_left[row.name] = calibrate.key_means(row.calibration or AUSTEN, row.sink)
             if row.clip_less_mean:
                 rot = calibrate.clip_less_mean(rot, row.calibration or AUSTEN, means["before-rope"], row.sink)
+            # After RoPE the mean is one vector at every position: a table that turns nothing
             turn = (cos, sin) if row.key_mean == "before-rope" else (torch.ones_like(cos), torch.zeros_like(sin))
             key_means = {i: KeyMean(strongest_pairs(m, row.key_mean_pairs) if row.key_mean_pairs else m, *turn)
                          for i, m in means[row.key_mean].items()}
