@@ -308,6 +308,16 @@ ROWS = [
         key_mean="before-rope", key_mean_pairs=8),
     Row("half-key-mean-int4-2layers", "half-key-mean, with INT4 for the 2 most sensitive layers", calibration=None,
         int4_layers=2, logit_correction=0.5, key_mean="before-rope"),
+    Row("quarter-key-mean", "keys less their mean before RoPE, the correction at λ = 0.25 (the rounding variance "
+        "it corrects is smaller with the mean taken off)", calibration=None, logit_correction=0.25,
+        key_mean="before-rope"),
+    Row("half-key-mean-recent-grows", "half-key-mean, with the recent window max(256, position/8)", calibration=None,
+        recent_fraction=1 / 8, logit_correction=0.5, key_mean="before-rope"),
+    Row("half-key-mean-recent-grows16", "half-key-mean, with the recent window max(256, position/16): 512 at 8K",
+        calibration=None, recent_fraction=1 / 16, logit_correction=0.5, key_mean="before-rope"),
+    Row("half-key-mean-int4-2layers-recent-grows16", "half-key-mean, INT4 for 2 layers, the recent window "
+        "max(256, position/16)", calibration=None, int4_layers=2, recent_fraction=1 / 16, logit_correction=0.5,
+        key_mean="before-rope"),
 ]
 ROWS_BY_NAME = {r.name: r for r in ROWS}
 

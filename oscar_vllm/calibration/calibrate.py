@@ -5,7 +5,8 @@
 
 Runs the model in transformers over calibration text, captures per layer the queries
 and keys after q/k norm and RoPE and the values, builds ``R_K`` from ``C_Q`` and ``R_V``
-from ``C_S``, fits per-layer clip ratios on held-out tokens the rotations never saw, and
+from ``C_S``, fits per-layer clip ratios on held-out tokens the rotations never saw, takes each
+KV head's mean key before RoPE (past the sink's positions; ``oscar_vllm.core.key_mean``), and
 writes both rotation files with their metadata. Without ``--model-path``/``--gguf-file``
 it calibrates the embedded default, SmolLM2-135M-Instruct.
 """
@@ -27,11 +28,21 @@ from oscar_vllm.calibration.fit import (
     build_rotation_sets,
     fit_clip_ratios,
 )
-from oscar_vllm.calibration.models import CaptureHook, LoadedModel, add_model_arguments, attention_hooks, load_model
+from oscar_vllm.calibration.models import (
+    CaptureHook,
+    LoadedModel,
+    ModelError,
+    add_model_arguments,
+    attention_hooks,
+    load_model,
+    rope_tables,
+)
 from oscar_vllm.core.atomic_output import atomic_output_dir, check_replaceable
 from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
+from oscar_vllm.core.key_mean import pre_rope_mean
 from oscar_vllm.core.quant import PARAM_DTYPES, param_dtype_from_name
 from oscar_vllm.core.rotation_io import OscarRotations, save_rotations, validate_rotations
+from oscar_vllm.core.settings import OscarSettings
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +81,27 @@ def capture_stats(
     return stats
 
 
+def key_means_from_stats(loaded: LoadedModel, stats: dict[int, LayerStats], skip: int) -> dict[int, torch.Tensor] | None:
+    """Each layer's mean key before RoPE ``[Hkv, d]`` over the calibration sequences, their first
+    ``skip`` positions left out (the sink holds those in BF16), turned back with the model's own
+    RoPE table; None, with the reason logged, where the model's RoPE is not the rotate-half form
+    over the whole head that ``core.key_mean`` takes (the means would be wrong, not missing)."""
+    longest = max(k.shape[0] for st in stats.values() for k in st.keys)
+    try:
+        cos, sin = rope_tables(loaded, longest)
+    except ModelError as e:
+        logger.warning("no key means: %s", e)
+        return None
+    d = loaded.shape.head_dim
+    if cos.shape[-1] != d or not torch.equal(cos[:, : d // 2], cos[:, d // 2:]):
+        logger.warning("no key means: %s's RoPE table is not rotate-half over all %d dims", loaded.name, d)
+        return None
+    if longest <= skip:
+        raise OscarError(f"calibration sequences of {longest} tokens leave no key past the first {skip} "
+                         "to average; raise --seq-len or lower --key-mean-skip")
+    return {i: pre_rope_mean(st.keys, cos, sin, skip).float() for i, st in stats.items()}
+
+
 def rotations_from_stats(
     loaded: LoadedModel,
     stats: dict[int, LayerStats],
@@ -79,14 +111,19 @@ def rotations_from_stats(
     group_size: int | None = None,
     param_dtype: torch.dtype = torch.float16,
     calibration_info: dict | None = None,
+    key_mean_skip: int | None = None,
 ) -> OscarRotations:
-    """OSCAR rotations from captured statistics; clip ratios fitted when ``heldout`` is given."""
+    """OSCAR rotations from captured statistics; clip ratios fitted when ``heldout`` is given,
+    key means taken when ``key_mean_skip`` is (``key_means_from_stats``)."""
     key, value = build_rotation_sets(stats, per_head, value_weights)
     info = dict(calibration_info or {})
     info.update(per_head=per_head, value_weights=value_weights, tokens=next(iter(stats.values())).num_tokens)
+    key_means = None if key_mean_skip is None else key_means_from_stats(loaded, stats, key_mean_skip)
+    if key_means is not None:
+        info["key_mean_skip"] = key_mean_skip
     rot = OscarRotations(
         key=key, value=value, model=loaded.name,
-        model_fingerprint=dict(loaded.shape.fingerprint), calibration=info,
+        model_fingerprint=dict(loaded.shape.fingerprint), calibration=info, key_means=key_means,
     )
     if heldout is not None:
         rot.clip_ratios_k, rot.clip_ratios_v, report = fit_clip_ratios(
@@ -115,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--corpus", type=Path,
                         help="a UTF-8 text file to calibrate on (default: the embedded corpus, Jane Austen)")
     parser.add_argument("--group-size", type=int, help="quantization group for the clip fit (default: head_dim)")
+    parser.add_argument("--key-mean-skip", type=int, default=OscarSettings.sink_size,
+                        help="the key means leave out each sequence's first positions, which the sink holds in "
+                             "BF16; -1 takes no key means (default: %(default)s, the default sink)")
     parser.add_argument("--scale-dtype", choices=sorted(PARAM_DTYPES), default="fp16",
                         help="scale and min dtype the clip fit assumes (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")
@@ -158,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         loaded, stats, heldout, args.per_head, args.value_weights, args.group_size,
         param_dtype_from_name(args.scale_dtype),
         {"corpus": corpus_name, "seq_len": args.seq_len, "heldout_tokens": args.heldout_tokens},
+        key_mean_skip=None if args.key_mean_skip < 0 else args.key_mean_skip,
     )
     with atomic_output_dir(args.output_dir) as tmp:  # killed at any moment: the old folder, or none
         save_rotations(rot, tmp)

@@ -40,8 +40,16 @@ from oscar_vllm import __version__
 from oscar_vllm.calibration import corpus
 from oscar_vllm.calibration.calibrate import DTYPES, capture_stats, full_windows, rotations_from_stats
 from oscar_vllm.calibration.fit import fit_clip_ratios
-from oscar_vllm.calibration.models import LoadedModel, MixedCacheHook, add_model_arguments, attention_hooks, load_model
+from oscar_vllm.calibration.models import (
+    LoadedModel,
+    MixedCacheHook,
+    add_model_arguments,
+    attention_hooks,
+    load_model,
+    rope_tables,
+)
 from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
+from oscar_vllm.core.key_mean import KeyMean
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
 from oscar_vllm.core.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
 from oscar_vllm.core.rotation_io import OscarRotations, hadamard_rotation_sets, load_rotations
@@ -66,6 +74,7 @@ class Method:
     windows: bool = True
     scale_dtype: torch.dtype = torch.float16
     logit_correction: float = 0.0  # see LayerCacheSpec: quantized keys' logits less λ/2 their rounding variance
+    key_mean: bool = False  # keys rounded less the rotation file's mean before RoPE (core.key_mean)
 
     def describe(self) -> dict:
         return {
@@ -97,12 +106,20 @@ EXTRA_METHODS = [
     Method("oscar-int2-fit-debiased", "oscar", "int2", clip="fitted", logit_correction=1.0),
     Method("oscar-int2-fit-debiased-half", "oscar", "int2", clip="fitted", logit_correction=0.5),
     Method("oscar-int2-debiased-half", "oscar", "int2", logit_correction=0.5),
+    Method("oscar-int2-fit-debiased-half-key-mean", "oscar", "int2", clip="fitted", logit_correction=0.5,
+           key_mean=True),
 ]
 METHODS_BY_NAME = {m.name: m for m in METHODS + EXTRA_METHODS}
 
 
-def layer_specs(method: Method, rotations: dict[str, OscarRotations], layer_ids: list[int]) -> dict[int, LayerCacheSpec]:
+def layer_specs(method: Method, rotations: dict[str, OscarRotations], layer_ids: list[int],
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[int, LayerCacheSpec]:
+    """Each layer's cache under ``method``; ``rope``: the model's RoPE table ``(cos, sin)`` over
+    the positions scored, which a method with key means turns them with."""
     rot = rotations.get(method.rotation)
+    if method.key_mean and (rot is None or rot.key_means is None or rope is None):
+        raise ValueError(f"{method.name} needs rotations with key means (oscar-calibrate writes them) and the "
+                         "model's RoPE table")
     specs = {}
     for i in layer_ids:
         if method.quant == "int2":
@@ -120,6 +137,7 @@ def layer_specs(method: Method, rotations: dict[str, OscarRotations], layer_ids:
             RowQuantizer(method.quant, ck, None, method.scale_dtype),
             RowQuantizer(method.quant, cv, None, method.scale_dtype),
             method.logit_correction,
+            KeyMean(rot.key_means[i], *rope) if method.key_mean else None,
         )
     return specs
 
@@ -262,8 +280,9 @@ def evaluate(
     if methods[0].name != REFERENCE:
         methods = [METHODS_BY_NAME[REFERENCE]] + [m for m in methods if m.name != REFERENCE]
     layer_ids = list(range(loaded.shape.num_layers))
+    rope = rope_tables(loaded, context) if any(m.key_mean for m in methods) else None
     configs = {
-        m.name: CacheConfig(layer_specs(m, rotations, layer_ids), *((sink, recent) if m.windows else (0, 0)))
+        m.name: CacheConfig(layer_specs(m, rotations, layer_ids, rope), *((sink, recent) if m.windows else (0, 0)))
         for m in methods
     }
     scores = score_windows(loaded, eval_ids, context, configs, prefill_chunk)
@@ -609,12 +628,14 @@ def plot_curve(curves: dict[int, dict[str, dict]], meta: dict, path: Path) -> No
 
 
 def rotation_variants(
-    loaded: LoadedModel, methods: list[Method], calib_ids: torch.Tensor, heldout_ids: torch.Tensor, seq_len: int, info: dict
+    loaded: LoadedModel, methods: list[Method], calib_ids: torch.Tensor, heldout_ids: torch.Tensor, seq_len: int, info: dict,
+    key_mean_skip: int = OscarSettings.sink_size,
 ) -> dict[str, OscarRotations]:
     """Calibrate, from one capture, every rotation variant the methods need.
 
     Every variant gets clip ratios fitted on the held-out tokens, the data-free Hadamard
-    one included, so that "fitted" rows compare rotations under the same clip fit.
+    one included, so that "fitted" rows compare rotations under the same clip fit; the OSCAR
+    ones key means where a method reads them (their first ``key_mean_skip`` positions left out).
     """
     wanted = {m.rotation for m in methods} - {"none"}
     if not wanted:
@@ -633,7 +654,9 @@ def rotation_variants(
         ("oscar-softmax", False, "softmax"),
     ):
         if name in wanted:
-            variants[name] = rotations_from_stats(loaded, stats, heldout, per_head, weights, calibration_info=info)
+            skip = key_mean_skip if any(m.key_mean and m.rotation == name for m in methods) else None
+            variants[name] = rotations_from_stats(loaded, stats, heldout, per_head, weights, calibration_info=info,
+                                                  key_mean_skip=skip)
     return variants
 
 
@@ -738,10 +761,13 @@ def main(argv: list[str] | None = None) -> None:
         usable = [
             m for m in methods
             if m.rotation in ("none", "hadamard", "oscar") and (m.clip != "fitted" or rotations[m.rotation].clip_ratios_k)
+            and (not m.key_mean or rot.key_means is not None)
         ]
         skipped = [m.name for m in methods if m not in usable]
         if skipped:
-            logger.info("skipping %s: they need a calibration in this run (drop --rotations)", ", ".join(skipped))
+            logger.info("skipping %s: they need a calibration in this run (drop --rotations) or rotations with "
+                        "what they read (fitted clip ratios, key means: oscar-calibrate writes both)",
+                        ", ".join(skipped))
         methods = usable
         calibration = f"rotations from {args.rotations}"
     else:
@@ -751,7 +777,8 @@ def main(argv: list[str] | None = None) -> None:
             raise OscarError(f"the calibration text has {calib_ids.numel()} tokens, fewer than {need}")
         info = {"corpus": corpus.CALIBRATION_NAME, "seq_len": args.context}
         rotations = rotation_variants(
-            loaded, methods, calib_ids[: args.calib_tokens], calib_ids[args.calib_tokens : need], args.context, info
+            loaded, methods, calib_ids[: args.calib_tokens], calib_ids[args.calib_tokens : need], args.context, info,
+            key_mean_skip=args.sink,
         )
         calibration = (
             f"{args.calib_tokens} tokens for the rotations, {args.heldout_tokens} more for the clip fit, "

@@ -12,7 +12,10 @@ Ours, a folder::
     oscar_rotations.json       model, shape fingerprint, layer ids, head_dim, per-head,
                                calibration (tokens, corpus), clip ratios, format version
     k_rotation.safetensors     layers.{i}.rotation, layers.{i}.eigenvalues; the kind
-    v_rotation.safetensors     ("key"/"value") is also in the safetensors metadata
+    v_rotation.safetensors     ("key"/"value") is also in the safetensors metadata;
+                               format 2 adds layers.{i}.key_mean to the key file: f32
+                               [Hkv, d], each KV head's mean key before RoPE (rotate-half
+                               pairs), what a cache may round keys less (``core.key_mean``)
 
 Every loader validates what it reads and raises :class:`RotationFileError` naming the
 file and the problem. Depends on torch and safetensors only.
@@ -44,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 KEY, VALUE = "key", "value"
 FORMAT_NAME = "oscar_vllm.rotations"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # written with key means; without them, 1 (what earlier versions read)
+READ_FORMAT_VERSIONS = (1, 2)
 METADATA_FILE = "oscar_rotations.json"
 OUR_FILES = {KEY: "k_rotation.safetensors", VALUE: "v_rotation.safetensors"}
 ZOO_FORMAT_VERSIONS = (1, 2)
@@ -129,6 +133,9 @@ class OscarRotations:
     model_fingerprint: dict[str, Any] = field(default_factory=dict)
     calibration: dict[str, Any] = field(default_factory=dict)
     source_format: str = FORMAT_NAME
+    # layer id -> f32 [Hkv, d]: each KV head's mean key before RoPE (rotate-half pairs), in the
+    # model's basis (not rotated); None: not calibrated (RotationZoo files have none)
+    key_means: dict[int, torch.Tensor] | None = None
 
     @property
     def layer_ids(self) -> list[int]:
@@ -234,6 +241,8 @@ def validate_rotations(rot: OscarRotations, shape: ModelShape | None = None) -> 
         bad = [r for r in ratios if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 <= r <= 1)]
         if bad:
             raise RotationFileError(f"{kind} clip ratios must lie in [0, 1], got {bad[:4]}")
+    if rot.key_means is not None:
+        validate_key_means(rot, shape)
     if shape is None or not rot.model_fingerprint or not shape.fingerprint:
         return
     diffs = {
@@ -255,6 +264,28 @@ def validate_rotations(rot: OscarRotations, shape: ModelShape | None = None) -> 
             rot.model,
             shape.name,
         )
+
+
+def validate_key_means(rot: OscarRotations, shape: ModelShape | None = None) -> None:
+    """The key means cover the rotations' layers, each ``[Hkv, d]`` and finite."""
+    src = rot.key.source or "key rotations"
+    means = rot.key_means
+    if sorted(means) != rot.layer_ids:
+        missing, extra = sorted(set(rot.layer_ids) - set(means)), sorted(set(means) - set(rot.layer_ids))
+        raise _fail(src, "key means " + (f"missing for layers {_ranges(missing)}" if missing else
+                                         f"for layers {_ranges(extra)} that have no rotation"))
+    heads = shape.num_kv_heads if shape is not None else None
+    if heads is None and rot.key.per_head:
+        heads = rot.key.rotations[rot.layer_ids[0]].shape[0]
+    for layer_id in rot.layer_ids:
+        m = means[layer_id]
+        if m.dim() != 2 or m.shape[1] != rot.key.head_dim or (heads is not None and m.shape[0] != heads):
+            want = f"[{heads if heads is not None else 'Hkv'}, {rot.key.head_dim}]"
+            raise _fail(src, f"layer {layer_id} key mean has shape {tuple(m.shape)}, not {want}")
+        if not m.is_floating_point():
+            raise _fail(src, f"layer {layer_id} key mean is {str(m.dtype).removeprefix('torch.')}, not float")
+        if not torch.isfinite(m).all():
+            raise _fail(src, f"layer {layer_id} key mean contains NaN or Inf")
 
 
 def _first_line(e: Exception) -> str:
@@ -382,7 +413,8 @@ def _zoo_files(folder: Path) -> dict[str, Path] | None:
 # ---------------------------------------------------------------------------- ours
 
 
-def _load_our_file(path: Path, kind: str) -> RotationSet:
+def _load_our_file(path: Path, kind: str) -> tuple[RotationSet, dict[int, torch.Tensor]]:
+    """The file's rotation set, and its key means (format 2's key file; else empty)."""
     if not path.is_file():
         raise RotationFileError(f"{path}: missing ({kind} rotation file)")
     try:
@@ -393,31 +425,38 @@ def _load_our_file(path: Path, kind: str) -> RotationSet:
         raise _fail(str(path), f"is not a readable safetensors file ({_first_line(e)})") from e
     if meta.get("format") != FORMAT_NAME:
         raise _fail(str(path), f"is not an {FORMAT_NAME} file (metadata format={meta.get('format')!r})")
-    if int(meta.get("format_version", -1)) != FORMAT_VERSION:
-        raise _fail(str(path), f"has format_version {meta.get('format_version')}; this version reads {FORMAT_VERSION}")
-    rotations, eigenvalues = {}, {}
+    version = int(meta.get("format_version", -1))
+    if version not in READ_FORMAT_VERSIONS:
+        raise _fail(str(path), f"has format_version {meta.get('format_version')}; this version reads "
+                               f"{READ_FORMAT_VERSIONS}")
+    names = ("rotation", "eigenvalues") + (("key_mean",) if version >= 2 and kind == KEY else ())
+    found: dict[str, dict[int, torch.Tensor]] = {n: {} for n in names}
     for name, t in tensors.items():
         parts = name.split(".")
-        if len(parts) != 3 or parts[0] != "layers" or parts[2] not in ("rotation", "eigenvalues"):
+        if len(parts) != 3 or parts[0] != "layers" or parts[2] not in names or not parts[1].isdigit():
             raise _fail(str(path), f"unexpected tensor {name!r}")
         if parts[2] == "rotation" and t.dtype not in ROTATION_DTYPES:
             raise _fail(str(path), _dtype_problem(int(parts[1]), t.dtype))
-        (rotations if parts[2] == "rotation" else eigenvalues)[int(parts[1])] = t.float()
-    return RotationSet(meta.get("kind", ""), meta.get("objective", ""), rotations, eigenvalues, str(path))
+        found[parts[2]][int(parts[1])] = t if parts[2] == "key_mean" else t.float()
+    rs = RotationSet(meta.get("kind", ""), meta.get("objective", ""), found["rotation"], found["eigenvalues"], str(path))
+    return rs, found.get("key_mean", {})
 
 
 def save_rotations(rot: OscarRotations, folder: str | Path) -> Path:
     """Write ``rot`` in our format into ``folder`` (created); returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    version = FORMAT_VERSION if rot.key_means else 1
     for rs in (rot.key, rot.value):
         tensors = {f"layers.{i}.rotation": rs.rotations[i].float().contiguous() for i in rs.layer_ids}
         tensors.update({f"layers.{i}.eigenvalues": e.float().contiguous() for i, e in rs.eigenvalues.items()})
-        meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "kind": rs.kind, "objective": rs.objective}
+        if rs.kind == KEY and rot.key_means:
+            tensors.update({f"layers.{i}.key_mean": m.float().contiguous() for i, m in rot.key_means.items()})
+        meta = {"format": FORMAT_NAME, "format_version": str(version), "kind": rs.kind, "objective": rs.objective}
         save_file(tensors, str(folder / OUR_FILES[rs.kind]), metadata=meta)
     info = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": version,
         "created_by": f"oscar_vllm {__version__}",
         "model": rot.model,
         "model_fingerprint": rot.model_fingerprint,
@@ -441,17 +480,21 @@ def _load_ours(folder: Path) -> OscarRotations:
         raise _fail(str(meta_path), f"is not valid JSON ({e})") from e
     if info.get("format") != FORMAT_NAME:
         raise _fail(str(meta_path), f"is not an {FORMAT_NAME} metadata file")
-    if info.get("format_version") != FORMAT_VERSION:
-        raise _fail(str(meta_path), f"has format_version {info.get('format_version')}; this version reads {FORMAT_VERSION}")
+    if info.get("format_version") not in READ_FORMAT_VERSIONS:
+        raise _fail(str(meta_path), f"has format_version {info.get('format_version')}; this version reads "
+                                    f"{READ_FORMAT_VERSIONS}")
     clip = info.get("clip_ratios") or {}
+    key, key_means = _load_our_file(folder / OUR_FILES[KEY], KEY)
+    value, _ = _load_our_file(folder / OUR_FILES[VALUE], VALUE)
     return OscarRotations(
-        key=_load_our_file(folder / OUR_FILES[KEY], KEY),
-        value=_load_our_file(folder / OUR_FILES[VALUE], VALUE),
+        key=key,
+        value=value,
         clip_ratios_k=clip.get(KEY),
         clip_ratios_v=clip.get(VALUE),
         model=info.get("model", ""),
         model_fingerprint=info.get("model_fingerprint") or {},
         calibration=info.get("calibration") or {},
+        key_means=key_means or None,
     )
 
 
@@ -488,7 +531,9 @@ def load_rotations(path: str | Path, shape: ModelShape | None = None) -> OscarRo
 
 
 def save_rotationzoo(rot: OscarRotations, folder: str | Path) -> Path:
-    """Write ``rot`` as RotationZoo files (the clip ratios and metadata have no place there)."""
+    """Write ``rot`` as RotationZoo files (the clip ratios, key means and metadata have no place there)."""
+    if rot.key_means:
+        logger.warning("RotationZoo files have no place for key means: the converted files leave them out")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     for prefix, rs in (("k", rot.key), ("v", rot.value)):
@@ -512,6 +557,9 @@ def _summary(rot: OscarRotations) -> str:
             lines.append(f"clip {kind:5s}:  reference {rot.clip_ratio(kind, rot.layer_ids[0])}")
         else:
             lines.append(f"clip {kind:5s}:  per layer, {min(ratios):.4f}..{max(ratios):.4f}")
+    if rot.key_means:
+        size = next(iter(rot.key_means.values())).shape
+        lines.append(f"key means:   before RoPE, [{size[0]}, {size[1]}] per layer")
     return "\n".join(lines)
 
 

@@ -16,7 +16,8 @@ from oscar_vllm.calibration.fit import (
     clip_candidates,
     fit_clip_ratios,
 )
-from oscar_vllm.calibration.models import LoadedModel, attention_modules, check_supported
+from oscar_vllm.calibration.models import LoadedModel, attention_modules, check_supported, rope_tables
+from oscar_vllm.core.errors import OscarError
 from oscar_vllm.core.quant import clip_index
 from oscar_vllm.core.rotation import key_moment, rotation_from_moment
 from oscar_vllm.core.rotation_io import ModelShape, validate_rotations
@@ -232,3 +233,42 @@ def test_the_reference_cache_as_served_uses_the_serving_defaults():
     assert method == fitted and len(specs) == 30
     assert all(s.logit_correction == correction for s in specs.values())
     assert specs[3].key_quant.clip_ratio == committed.clip_ratio("key", 3)
+
+
+def pre_rope_keys(model, layer_idx, ids):
+    """One layer's keys as k_proj (and k_norm) give them, before RoPE: ``[T, Hkv, d]``."""
+    attn = attention_modules(model)[layer_idx]
+    seen = {}
+    handle = attn.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.update(h=args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    with torch.no_grad():
+        model(ids[None], use_cache=False)
+    handle.remove()
+    k = attn.k_proj(seen["h"]).view(*seen["h"].shape[:-1], -1, attn.head_dim)
+    return (attn.k_norm(k) if hasattr(attn, "k_norm") else k)[0].detach()
+
+
+@pytest.mark.parametrize("config_cls", [LlamaConfig, Qwen3Config])
+def test_key_means_are_the_mean_keys_before_rope_past_the_skip(config_cls):
+    loaded = tiny_model(config_cls, 8, 2)
+    ids = torch.randint(0, 128, (2, 40))
+    stats = capture_stats(loaded, ids.flatten(), seq_len=40)
+    rot = rotations_from_stats(loaded, stats, None, key_mean_skip=16)
+    for layer in (0, 1):
+        keys = torch.cat([pre_rope_keys(loaded.model, layer, seq)[16:] for seq in ids])
+        torch.testing.assert_close(rot.key_means[layer], keys.mean(0), atol=1e-5, rtol=1e-5)
+    assert rot.calibration["key_mean_skip"] == 16
+    assert rotations_from_stats(loaded, stats, None).key_means is None
+    with pytest.raises(OscarError, match="sequences of 40 tokens leave no key past the first 40"):
+        rotations_from_stats(loaded, stats, None, key_mean_skip=40)
+
+
+def test_no_key_means_where_rope_is_not_rotate_half(monkeypatch, caplog):
+    import oscar_vllm.calibration.calibrate as calibrate
+
+    loaded = tiny_model(LlamaConfig, 4, 2)
+    stats = capture_stats(loaded, torch.randint(0, 128, (40,)), seq_len=40)
+    table = lambda lm, n: tuple(t[:, :8].repeat_interleave(2, -1) for t in rope_tables(lm, n))  # noqa: E731
+    monkeypatch.setattr(calibrate, "rope_tables", table)  # pairs (2i, 2i+1), as GPT-J turns them
+    assert rotations_from_stats(loaded, stats, None, key_mean_skip=8).key_means is None
+    assert "RoPE table is not rotate-half over all 16 dims" in caplog.text

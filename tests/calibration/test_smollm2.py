@@ -69,14 +69,18 @@ def test_calibration_cli_end_to_end(tmp_path, smollm2):
     assert info["calibration"]["corpus"] == corpus.CALIBRATION_NAME
     assert len(info["clip_ratios"]["key"]) == 30 and all(0.7 < r < 1 for r in info["clip_ratios"]["value"])
     assert info["calibration"]["clip_fit"]["error_vs_reference_key"] <= 1.0
+    assert info["format_version"] == 2 and info["calibration"]["key_mean_skip"] == 64
+    assert sorted(rot.key_means) == list(range(30)) and rot.key_means[7].shape == (3, 64)
     # the evaluation CLI takes the folder as it is
     evaluate_main([
-        "--rotations", str(out), "--methods", "bf16,oscar-int2-fit", "--context", "512",
-        "--eval-tokens", "512", "--output-dir", str(tmp_path / "eval"),
+        "--rotations", str(out), "--methods", "bf16,oscar-int2-fit,oscar-int2-fit-debiased-half-key-mean",
+        "--context", "512", "--eval-tokens", "512", "--output-dir", str(tmp_path / "eval"),
     ])
     results = json.loads((tmp_path / "eval" / "fidelity.json").read_text())["results"]
-    assert list(results) == ["bf16", "oscar-int2-fit"]
+    assert list(results) == ["bf16", "oscar-int2-fit", "oscar-int2-fit-debiased-half-key-mean"]
     assert 0 < results["oscar-int2-fit"]["kl"] < 0.5 and results["oscar-int2-fit"]["tokens"] == 511
+    # keys less their mean: nearer BF16 than the same file's plain INT2 on these tokens
+    assert 0 < results["oscar-int2-fit-debiased-half-key-mean"]["kl"] < 0.8 * results["oscar-int2-fit"]["kl"]
 
 
 @pytest.fixture(scope="module")

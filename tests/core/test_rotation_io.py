@@ -181,9 +181,9 @@ def test_wrong_zoo_format_version(tmp_path):
 def test_wrong_our_format_version(tmp_path):
     save_rotations(small_rotations(), tmp_path)
     info = json.loads((tmp_path / METADATA_FILE).read_text())
-    info["format_version"] = 2
+    info["format_version"] = 3
     (tmp_path / METADATA_FILE).write_text(json.dumps(info))
-    with pytest.raises(RotationFileError, match="format_version 2"):
+    with pytest.raises(RotationFileError, match="format_version 3"):
         load_rotations(tmp_path)
 
 
@@ -295,3 +295,67 @@ def test_hadamard_sets_validate():
     validate_rotations(OscarRotations(k, v), SMALL)
     with pytest.raises(RotationFileError, match="given as the value rotation"):
         validate_rotations(OscarRotations(k, k), SMALL)
+
+
+def key_means(shape=SMALL, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return {i: torch.randn(shape.num_kv_heads, shape.head_dim, generator=g) for i in range(shape.num_layers)}
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_key_means_round_trip_in_format_2(tmp_path, per_head):
+    means = key_means()
+    save_rotations(small_rotations(per_head, key_means=means), tmp_path)
+    assert json.loads((tmp_path / METADATA_FILE).read_text())["format_version"] == 2
+    got = load_rotations(tmp_path, SMALL)
+    assert sorted(got.key_means) == [0, 1, 2, 3]
+    assert all(torch.equal(got.key_means[i], means[i]) for i in means)
+    assert load_rotations(save_rotations(small_rotations(per_head), tmp_path / "none"), SMALL).key_means is None
+
+
+def test_key_means_are_left_out_of_rotationzoo_files_with_a_warning(tmp_path, caplog):
+    save_rotationzoo(small_rotations(key_means=key_means()), tmp_path)
+    assert "leave them out" in caplog.text
+    assert load_rotations(tmp_path, SMALL).key_means is None
+
+
+def edit_key_file(folder, edit):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = folder / "k_rotation.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    edit(meta, tensors)
+    save_file(tensors, str(path), metadata=meta)
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda m, t: t.update({"layers.2.key_mean": torch.zeros(2, 8)}), r"layer 2 key mean has shape \(2, 8\), not \[2, 16\]"),
+    (lambda m, t: t.update({"layers.1.key_mean": torch.zeros(3, 16)}), r"layer 1 key mean has shape \(3, 16\), not \[2, 16\]"),
+    (lambda m, t: t["layers.0.key_mean"].__setitem__((1, 3), float("nan")), "layer 0 key mean contains NaN or Inf"),
+    (lambda m, t: t.update({"layers.3.key_mean": torch.zeros(2, 16, dtype=torch.int32)}), "layer 3 key mean is int32, not float"),
+    (lambda m, t: t.pop("layers.3.key_mean"), "key means missing for layers 3"),
+    (lambda m, t: m.update(format_version="1"), "unexpected tensor 'layers.0.key_mean'"),
+])
+def test_bad_key_means_are_refused_by_name(tmp_path, edit, problem):
+    save_rotations(small_rotations(key_means=key_means()), tmp_path)
+    edit_key_file(tmp_path, edit)
+    with pytest.raises(RotationFileError, match=problem):
+        load_rotations(tmp_path, SMALL)
+
+
+def test_a_key_mean_in_the_value_file_is_refused(tmp_path):
+    save_rotations(small_rotations(key_means=key_means()), tmp_path)
+    (tmp_path / "v_rotation.safetensors").unlink()
+    (tmp_path / "k_rotation.safetensors").rename(tmp_path / "v_rotation.safetensors")
+    save_rotations(small_rotations(), tmp_path / "keys")
+    (tmp_path / "keys" / "k_rotation.safetensors").rename(tmp_path / "k_rotation.safetensors")
+    with pytest.raises(RotationFileError, match="v_rotation.safetensors: unexpected tensor 'layers.0.key_mean'"):
+        load_rotations(tmp_path, SMALL)
+
+
+def test_inspect_names_the_key_means(tmp_path, capsys):
+    save_rotations(small_rotations(key_means=key_means()), tmp_path)
+    main(["inspect", str(tmp_path)])
+    assert "key means:   before RoPE, [2, 16] per layer" in capsys.readouterr().out
