@@ -14,7 +14,10 @@ sequence after this step.
 
 A program owns ``BLOCK_T`` tokens of one KV head (``WRITE_LAUNCH``), so the key rotation
 ``[d, d]`` is read once per tile and applied as one fp32 matrix product. Values arrive already
-rotated (the value rotation is folded into the model's weights). Reference:
+rotated (the value rotation is folded into the model's weights). With a key mean
+(``oscar_vllm.core.key_mean``) ``oscar_write`` rounds each key less the mean as RoPE turns it at
+the key's position, read from the model's own RoPE table; the ring keeps the key as it is (the
+Gluon decode write takes no mean). Reference:
 :func:`oscar_vllm.reference.oscar_write.oscar_write_reference`.
 """
 import torch
@@ -27,6 +30,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from csrc_triton.paged_layout import (
     BLOCK_SIZE,
     check_int2_cache,
+    check_key_mean,
     find_requests,
     launch_bucket,
     param_view,
@@ -127,11 +131,14 @@ def _oscar_write_kernel(
     window_v_ptr,  # the same pages from their values
     window_pages_ptr,  # int32 [S, pages per ring] page of each ring's entries
     window_pos_ptr,  # int32 [S, SINK + RECENT]
+    key_mean_ptr,  # fp32 [HKV, D] each KV head's mean key before RoPE (KEY_MEAN)
+    cos_sin_ptr,  # [P, D] RoPE table: each position's D/2 cosines, then its D/2 sines (KEY_MEAN)
     num_tokens,
     num_reqs,
     num_decodes,  # the first num_decodes tokens are one request each (vLLM orders decodes first)
     clip_idx_k,  # sorted-|x| index of the K clip threshold, -1 = no clip
     clip_idx_v,
+    stride_cs,  # cos_sin row stride
     stride_kt,
     stride_kh,
     stride_vt,
@@ -149,6 +156,7 @@ def _oscar_write_kernel(
     PARAM_BF16: tl.constexpr,
     BLOCK_T: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
+    KEY_MEAN: tl.constexpr,
 ):
     Q: tl.constexpr = D // 4
     REGION: tl.constexpr = BLOCK_SIZE * (D // 2 + 8)
@@ -158,19 +166,41 @@ def _oscar_write_kernel(
     live = slot >= 0
     dims = tl.arange(0, D)
     t64 = t.to(tl.int64)
+    if (tl.program_id(0) + 1) * BLOCK_T <= num_decodes:
+        r = t  # a decode tile: token i is request i, no search
+    else:
+        r = find_requests(cu_q_ptr, num_reqs, t, SEARCH_STEPS)
+    r_ok = live & (r >= 0)
+    q_start = tl.load(cu_q_ptr + r, mask=r_ok, other=0)
+    seq_len = tl.load(seq_lens_ptr + r, mask=r_ok, other=0)
+    pos = seq_len - (tl.load(cu_q_ptr + r + 1, mask=r_ok, other=0) - q_start) + (t - q_start)
     v = tl.load(value_ptr + t64[:, None] * stride_vt + h * stride_vh + dims[None, :], mask=live[:, None], other=0.0)
     v = v.to(tl.float32)
     # k @ R in fp32, over row slices of R small enough for shared memory at head_dim 256.
     KC: tl.constexpr = D if D <= 128 else 128
+    HALF: tl.constexpr = D // 2
     kc = tl.arange(0, KC)
     k_rot = tl.zeros([BLOCK_T, D], tl.float32)
+    k_less = tl.zeros([BLOCK_T, D], tl.float32)  # (k - RoPE_pos(μ)) @ R: what the INT2 page rounds
     for c in tl.static_range(D // KC):
         k = tl.load(key_ptr + t64[:, None] * stride_kt + h * stride_kh + c * KC + kc[None, :], mask=live[:, None],
-                    other=0.0)
+                    other=0.0).to(tl.float32)
         rot = tl.load(rot_k_ptr + h * ROT_HEAD_STRIDE + (c * KC + kc[:, None]) * D + dims[None, :])
-        k_rot = tl.dot(k.to(tl.float32), rot, k_rot, input_precision="ieee")
+        k_rot = tl.dot(k, rot, k_rot, input_precision="ieee")
+        if KEY_MEAN:
+            # RoPE in the rotate-half form: dim j pairs with j ± D/2 at frequency j mod D/2.
+            j = c * KC + kc
+            freq = j % HALF
+            row = cos_sin_ptr + pos.to(tl.int64)[:, None] * stride_cs
+            cos = tl.load(row + freq[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+            sin = tl.load(row + HALF + freq[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+            mean = tl.load(key_mean_ptr + h * D + j)
+            partner = tl.load(key_mean_ptr + h * D + (j + HALF) % D) * tl.where(j < HALF, -1.0, 1.0)
+            k_less = tl.dot(k - (mean[None, :] * cos + partner[None, :] * sin), rot, k_less, input_precision="ieee")
+    if not KEY_MEAN:
+        k_less = k_rot
 
-    codes_k, scale_k, min_k = _quantize_rows(k_rot, clip_idx_k, D)
+    codes_k, scale_k, min_k = _quantize_rows(k_less, clip_idx_k, D)
     codes_v, scale_v, min_v = _quantize_rows(v, clip_idx_v, D)
     base = (slot // BLOCK_SIZE) * stride_cb + h * REGION
     tok = slot % BLOCK_SIZE
@@ -184,27 +214,17 @@ def _oscar_write_kernel(
     tl.store(p + BLOCK_SIZE, _to_param(min_k, PARAM_BF16), mask=live)
     tl.store(p + 2 * BLOCK_SIZE, _to_param(scale_v, PARAM_BF16), mask=live)
     tl.store(p + 3 * BLOCK_SIZE, _to_param(min_v, PARAM_BF16), mask=live)
-    _write_windows(k_rot, v, t, live, h, num_reqs, num_decodes, cu_q_ptr, seq_lens_ptr, ring_slot_ptr,
-                   window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page,
-                   HKV, D, SINK, RECENT, WIN_E, BLOCK_T, SEARCH_STEPS)
+    _write_windows(k_rot, v, r, r_ok, pos, seq_len, h, ring_slot_ptr, window_k_ptr, window_v_ptr, window_pages_ptr,
+                   window_pos_ptr, stride_wp, stride_page, HKV, D, SINK, RECENT, WIN_E)
 
 
 @triton.jit
-def _write_windows(k_rot, v, t, live, h, num_reqs, num_decodes, cu_q_ptr, seq_lens_ptr, ring_slot_ptr,
-                   window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page,
-                   HKV: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
-                   WIN_E: tl.constexpr, BLOCK_T: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    """BF16 copies of the tile's sink and recent-window tokens into their requests' rings."""
+def _write_windows(k_rot, v, r, r_ok, pos, seq_len, h, ring_slot_ptr, window_k_ptr, window_v_ptr, window_pages_ptr,
+                   window_pos_ptr, stride_wp, stride_page, HKV: tl.constexpr, D: tl.constexpr, SINK: tl.constexpr,
+                   RECENT: tl.constexpr, WIN_E: tl.constexpr):
+    """BF16 copies of the tile's sink and recent-window tokens (request ``r`` at ``pos`` of
+    ``seq_len``, where ``r_ok``) into their requests' rings."""
     dims = tl.arange(0, D)
-    if (tl.program_id(0) + 1) * BLOCK_T <= num_decodes:
-        r = t  # a decode tile: token i is request i, no search
-    else:
-        r = find_requests(cu_q_ptr, num_reqs, t, SEARCH_STEPS)
-    r_ok = live & (r >= 0)
-    q_start = tl.load(cu_q_ptr + r, mask=r_ok, other=0)
-    q_len = tl.load(cu_q_ptr + r + 1, mask=r_ok, other=0) - q_start
-    seq_len = tl.load(seq_lens_ptr + r, mask=r_ok, other=0)
-    pos = seq_len - q_len + (t - q_start)
     keep = r_ok & ((pos < SINK) | (pos >= seq_len - RECENT))
     ring = tl.load(ring_slot_ptr + r, mask=keep, other=0).to(tl.int64)
     entry = window_index(pos, SINK, RECENT)
@@ -235,6 +255,8 @@ def oscar_write(
     param_dtype: torch.dtype = torch.float16,
     num_decodes: int = 0,
     launch: tuple[int, int] | None = None,
+    key_mean: torch.Tensor | None = None,
+    cos_sin: torch.Tensor | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[T, Hkv, d]`` into the INT2 ``cache`` and the BF16 windows.
 
@@ -242,12 +264,15 @@ def oscar_write(
     arguments as documented on the kernel; ``clip_idx_*`` as ``oscar_vllm.core.quant.clip_index``
     gives them. Tokens whose slot is negative are skipped. ``num_decodes``: the batch's first
     requests have one token each (a hint that skips the token -> request search; 0 is always right).
-    ``launch``: (tokens a program, warps), else from ``WRITE_LAUNCH``.
+    ``launch``: (tokens a program, warps), else from ``WRITE_LAUNCH``. ``key_mean`` fp32
+    ``[Hkv, d]`` with ``cos_sin`` ``[P, d]`` (vLLM's ``cos_sin_cache``, over every position written):
+    the INT2 pages round the keys less the mean turned to their positions.
     """
     t, hkv, d = key.shape
     if t == 0:
         return
     check_int2_cache(cache, d)
+    check_key_mean(key_mean, cos_sin, hkv, d)
     if num_reqs >= 2**SEARCH_STEPS:
         raise ValueError(f"at most {2**SEARCH_STEPS - 1} requests per batch, got {num_reqs}")
     block_t, num_warps = launch or launch_bucket(WRITE_LAUNCH, t)
@@ -255,13 +280,15 @@ def oscar_write(
         key_ptr=key, value_ptr=value, rot_k_ptr=rot_k.contiguous(), slot_mapping_ptr=slot_mapping, cu_q_ptr=cu_q,
         seq_lens_ptr=seq_lens, ring_slot_ptr=ring_slots, codes_ptr=cache, params_ptr=param_view(cache, param_dtype),
         **window_args(windows, window_pages, window_pos, hkv, d, sink, recent),
+        key_mean_ptr=key if key_mean is None else key_mean, cos_sin_ptr=key if cos_sin is None else cos_sin,
         num_tokens=t, num_reqs=num_reqs, num_decodes=num_decodes, clip_idx_k=clip_idx_k, clip_idx_v=clip_idx_v,
+        stride_cs=0 if cos_sin is None else cos_sin.stride(0),
         stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
         stride_cb=cache.stride(0),
         ROT_HEAD_STRIDE=d * d if rot_k.dim() == 3 else 0,
         HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, SINK=sink, RECENT=recent,
         PARAM_BF16=param_dtype == torch.bfloat16, BLOCK_T=block_t, SEARCH_STEPS=SEARCH_STEPS,
-        num_warps=num_warps,
+        KEY_MEAN=key_mean is not None, num_warps=num_warps,
     )
 
 

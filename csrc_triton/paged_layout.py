@@ -175,6 +175,22 @@ def find_request(cu_q_ptr, num_reqs, target, BLOCK_Q: tl.constexpr, Q_BLOCK_MODE
     return lo - 1
 
 
+def check_key_mean(key_mean: torch.Tensor | None, cos_sin: torch.Tensor | None, num_kv_heads: int,
+                   head_dim: int) -> None:
+    """A key mean comes with its RoPE table: fp32 ``[Hkv, d]`` contiguous, and ``[P, d]`` rows of
+    ``d/2`` cosines then ``d/2`` sines, unit stride along a row (vLLM's ``cos_sin_cache``)."""
+    if key_mean is None and cos_sin is None:
+        return
+    if key_mean is None or cos_sin is None:
+        raise ValueError("a key mean needs its RoPE table and the table its mean: pass both or neither")
+    if key_mean.shape != (num_kv_heads, head_dim) or key_mean.dtype != torch.float32 or not key_mean.is_contiguous():
+        raise ValueError(f"the key mean must be contiguous fp32 [{num_kv_heads}, {head_dim}], got "
+                         f"{key_mean.dtype} {tuple(key_mean.shape)}")
+    if cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim or cos_sin.stride(1) != 1:
+        raise ValueError(f"the RoPE table must be [positions, {head_dim}] with unit stride along a row, got "
+                         f"{tuple(cos_sin.shape)} strides {cos_sin.stride()}")
+
+
 @triton.jit
 def find_requests(cu_q_ptr, num_reqs, tokens, STEPS: tl.constexpr):
     """Vector form of ``find_request``: the request of each token in ``tokens`` ``[N]``.

@@ -50,12 +50,25 @@ class KeyMean:
             raise ValueError(f"a key mean [Hkv, d] and RoPE tables [P, d] are needed, got {tuple(self.mean.shape)}, "
                              f"{tuple(self.cos.shape)} and {tuple(self.sin.shape)}")
 
+    @classmethod
+    def from_cos_sin_cache(cls, mean: torch.Tensor, cos_sin_cache: torch.Tensor) -> "KeyMean":
+        """With vLLM's table, ``[P, d]``: the ``d/2`` cosines then the ``d/2`` sines of each
+        position (``RotaryEmbedding.cos_sin_cache``, rotate-half form)."""
+        cos, sin = cos_sin_cache.float().chunk(2, dim=-1)
+        return cls(mean, torch.cat([cos, cos], -1), torch.cat([sin, sin], -1))
+
     def at(self, num_positions: int) -> torch.Tensor:
         """``[T, Hkv, d]`` fp32: the mean as RoPE leaves it at positions ``0 .. T-1``."""
-        if num_positions > self.cos.shape[0]:
-            raise ValueError(f"the RoPE table covers {self.cos.shape[0]} positions, {num_positions} asked for")
-        cos, sin = (t[:num_positions, None].float() for t in (self.cos, self.sin))
-        return rope(self.mean.float()[None], cos, sin)
+        return self.turned(torch.arange(num_positions))
+
+    def turned(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[N, Hkv, d]`` fp32: the mean as RoPE leaves it at ``positions`` ``[N]``."""
+        positions = positions.long().cpu()
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            raise ValueError(f"the RoPE table covers {self.cos.shape[0]} positions, position {int(positions.max())} "
+                             "asked for")
+        cos, sin = (t.cpu()[positions][:, None].float() for t in (self.cos, self.sin))
+        return rope(self.mean.float().cpu()[None], cos, sin)
 
 
 def pre_rope_mean(keys: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, skip: int) -> torch.Tensor:

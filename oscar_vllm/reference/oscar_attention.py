@@ -5,7 +5,7 @@ import torch
 
 from oscar_vllm.core.quant import dequantize_int2, Int2Rows
 from oscar_vllm.reference.oscar_write import window_index
-from oscar_vllm.reference.paged import block_size_of, layout_views, read_ring, v_column
+from oscar_vllm.reference.paged import block_size_of, layout_views, read_ring, rotated_key_mean, v_column
 
 
 def read_int2_slots(cache: torch.Tensor, slots: torch.Tensor, head_dim: int,
@@ -58,9 +58,12 @@ def oscar_attention_reference(
     recent: int,
     param_dtype: torch.dtype = torch.float16,
     logit_correction: float = 0.0,
+    key_mean=None,
+    rot_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 ``[T, Hq, d]``: what :func:`csrc_triton.oscar_attention.oscar_attention` writes, its
-    INT2 kernels (the prefix's INT2 keys' logits lowered by ``logit_correction_bias``)."""
+    INT2 kernels (the prefix's INT2 keys' logits lowered by ``logit_correction_bias``; with
+    ``key_mean``, its INT2 keys read plus their mean turned to their positions, rotated by ``rot_k``)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -74,6 +77,8 @@ def oscar_attention_reference(
         kp = torch.arange(ctx)
         slots = block_table[r].long().cpu()[kp // bs] * bs + kp % bs
         k_lo, v_lo = read_int2_slots(cache, slots, d, param_dtype)
+        if key_mean is not None:
+            k_lo = k_lo + rotated_key_mean(key_mean, rot_k, kp)
         ring = int(ring_slots[r])
         idx = window_index(kp, sink, recent)
         held = window_pos[ring].long().cpu()[idx] == kp

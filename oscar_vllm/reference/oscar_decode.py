@@ -6,7 +6,7 @@ import torch
 
 from oscar_vllm.reference.oscar_attention import logit_correction_bias, read_int2_key_scales, read_int2_slots
 from oscar_vllm.reference.oscar_write import window_index
-from oscar_vllm.reference.paged import block_size_of, read_ring
+from oscar_vllm.reference.paged import block_size_of, read_ring, rotated_key_mean
 
 
 def oscar_decode_reference(
@@ -24,11 +24,14 @@ def oscar_decode_reference(
     recent: int,
     param_dtype: torch.dtype = torch.float16,
     logit_correction: float = 0.0,
+    key_mean=None,
+    rot_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 ``[num_reqs, Hq, d]``: request ``r``'s query ``q_rot[r]`` (key-rotated basis) over
     positions ``[0, seq_lens[r])``: the BF16 ring's copy where the ring holds a position of the
     window (the sink and the last ``recent`` positions), the INT2 copy elsewhere, whose logits
-    lose ``logit_correction_bias`` (λ = ``logit_correction``)."""
+    lose ``logit_correction_bias`` (λ = ``logit_correction``) and, with ``key_mean``, read plus
+    their mean turned to their positions, rotated by ``rot_k``."""
     _, hq, d = q_rot.shape
     hkv = cache.shape[1]
     g = hq // hkv
@@ -39,6 +42,8 @@ def oscar_decode_reference(
         kp = torch.arange(n)
         slots = block_table[r].long().cpu()[kp // bs] * bs + kp % bs
         k_lo, v_lo = read_int2_slots(cache, slots, d, param_dtype)
+        if key_mean is not None:
+            k_lo = k_lo + rotated_key_mean(key_mean, rot_k, kp)
         ring = int(ring_slots[r])
         idx = window_index(kp, sink, recent)
         held = window_pos[ring].long().cpu()[idx] == kp

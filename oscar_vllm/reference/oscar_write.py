@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from oscar_vllm.core.quant import quantize_int2
-from oscar_vllm.reference.paged import layout_views, ring_index, v_column, window_views
+from oscar_vllm.reference.paged import layout_views, ring_index, rotate_keys, rotated_key_mean, v_column, window_views
 
 
 def window_index(pos: torch.Tensor, sink: int, recent: int) -> torch.Tensor:
@@ -40,15 +40,20 @@ def oscar_write_reference(
     sink: int,
     recent: int,
     param_dtype: torch.dtype = torch.float16,
+    key_mean=None,
 ) -> None:
-    """What :func:`csrc_triton.oscar_write.oscar_write` does, in place, with ``quantize_int2``."""
+    """What :func:`csrc_triton.oscar_write.oscar_write` does, in place, with ``quantize_int2``.
+    ``key_mean`` (a ``core.key_mean.KeyMean``): the INT2 rows are the keys less their mean turned
+    to their positions; the ring keeps the keys as they are."""
     t, hkv, d = key.shape
     live = slot_mapping[:t].long().cpu() >= 0
-    if rot_k.dim() == 2:
-        k_rot = key.float() @ rot_k.float()
-    else:
-        k_rot = torch.einsum("thi,hij->thj", key.float(), rot_k.float())
-    qk = quantize_int2(k_rot, clip_ratio_k, None, param_dtype)
+    k_rot = rotate_keys(key, rot_k).to(key.device)
+    req, pos = token_positions(cu_q, seq_lens, num_reqs)
+    k_int2 = k_rot
+    if key_mean is not None:
+        k_int2 = k_rot.clone()
+        k_int2[: len(pos)] -= rotated_key_mean(key_mean, rot_k, pos).to(k_rot.device)
+    qk = quantize_int2(k_int2, clip_ratio_k, None, param_dtype)
     qv = quantize_int2(value.float(), clip_ratio_v, None, param_dtype)
     k_codes, v_codes, params = layout_views(cache, d, param_dtype)
     bs = k_codes.shape[2]
@@ -60,7 +65,6 @@ def oscar_write_reference(
     for i, x in enumerate((qk.scale, qk.bias, qv.scale, qv.bias)):
         params[blk, :, i, tok] = dev(x[..., 0])
 
-    req, pos = token_positions(cu_q, seq_lens, num_reqs)
     end = seq_lens[:num_reqs].long().cpu()[req]
     keep = live[: len(req)] & ((pos < sink) | (pos >= end - recent))
     ring = ring_slots[:num_reqs].long().cpu()[req][keep]

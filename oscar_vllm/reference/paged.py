@@ -71,3 +71,17 @@ def read_ring(windows: torch.Tensor, window_pages: torch.Tensor, ring: int, entr
     k_views, v_views = window_views(windows, num_kv_heads, head_dim, sink)
     page, slot = ring_index(window_pages, torch.full_like(entries, ring), entries, k_views.shape[1])
     return k_views[page, slot].float().cpu(), v_views[page, slot].float().cpu()
+
+
+def rotate_keys(x: torch.Tensor, rot_k: torch.Tensor) -> torch.Tensor:
+    """``x @ R_K`` in fp32 on the CPU, for keys ``[N, Hkv, d]`` (per KV head when ``rot_k`` is
+    ``[Hkv, d, d]``)."""
+    x, rot = x.float().cpu(), rot_k.float().cpu()
+    return x @ rot if rot.dim() == 2 else torch.einsum("thi,hij->thj", x, rot)
+
+
+def rotated_key_mean(key_mean, rot_k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """What a 2-bit key at each of ``positions`` ``[N]`` was rounded less and is read plus, in the
+    key-rotated basis: ``RoPE_p(μ) @ R_K``, fp32 ``[N, Hkv, d]`` (``key_mean``: a
+    ``oscar_vllm.core.key_mean.KeyMean``)."""
+    return rotate_keys(key_mean.turned(positions), rot_k)

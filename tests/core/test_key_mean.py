@@ -44,7 +44,7 @@ def test_the_mean_at_each_position_is_the_mean_turned_there():
     assert at.shape == (37, HKV, D)
     torch.testing.assert_close(at[0], mean)  # position 0 is not turned
     torch.testing.assert_close(unrope(at, cos[:37, None], sin[:37, None]), mean.expand(37, -1, -1), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="covers 50 positions, 51 asked for"):
+    with pytest.raises(ValueError, match="covers 50 positions, position 50 asked for"):
         KeyMean(mean, cos, sin).at(51)
     with pytest.raises(ValueError, match=r"\[Hkv, d\]"):
         KeyMean(mean[0], cos, sin)
@@ -126,3 +126,14 @@ def test_the_strongest_pairs_keep_both_dims_of_each_pair_and_nothing_else():
     torch.testing.assert_close(strongest_pairs(mean, 4), mean)
     with pytest.raises(ValueError, match="5 pairs asked for of 4"):
         strongest_pairs(mean, 5)
+
+
+def test_vllms_table_turns_the_mean_as_the_models_table_does():
+    """vLLM's ``cos_sin_cache`` holds each position's d/2 cosines then sines; read as such it turns
+    the mean at any positions as the repeated-halves table does."""
+    cos, sin = rope_table(50)
+    mean = torch.randn(HKV, D)
+    vllm_cache = torch.cat([cos[:, : D // 2], sin[:, : D // 2]], dim=-1)
+    pos = torch.tensor([0, 7, 49, 7, 3])
+    got = KeyMean.from_cos_sin_cache(mean, vllm_cache).turned(pos)
+    torch.testing.assert_close(got, KeyMean(mean, cos, sin).at(50)[pos])

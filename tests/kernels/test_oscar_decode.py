@@ -1,6 +1,7 @@
 """csrc_triton/oscar_decode.py (Gluon) against its PyTorch reference on the GPU; on the CPU, the
 reference against the attention reference it must agree with (Gluon has no interpreter: the
 kernel's CPU check is the sm_90 compile in test_kernels_compile.py)."""
+import functools
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from csrc_triton.oscar_decode import (
     DECODE_LAUNCH, MAX_DECODE_SPLITS, decode_launch, decode_ring_cost, decode_splits, split_shares, supports,
 )
+from oscar_vllm.core.key_mean import KeyMean
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
 from oscar_vllm.core.quant import clip_index
 from oscar_vllm.reference.oscar_attention import oscar_attention_reference
@@ -165,43 +167,57 @@ def test_reference_reads_the_written_token_as_attention_reads_it_unwritten(case,
     assert not torch.equal(after, before)
 
 
+def rope_table(positions: int, d: int, base: float = 10_000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[P, d]`` in the rotate-half form (the halves repeated)."""
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * base ** (-torch.arange(0, d, 2) / d)[None]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+@pytest.mark.parametrize("key_mean", [False, True], ids=["no-mean", "key-mean"])
 @pytest.mark.parametrize("lam", [0.0, 0.5, 1.0], ids=lambda x: f"lambda{x:g}")
-def test_references_correct_logits_as_the_mixed_cache_reference(lam):
-    """The paged twins' λ is ``LayerCacheSpec.logit_correction`` (the core reference is the ground
-    truth): a decode step over a prefix written as serving writes it equals
-    ``mixed_cache_attention`` with the same λ at the step's position, the twin of
-    ``oscar_decode`` (token written first) and of ``oscar_attention`` (token in hand) alike."""
+def test_references_correct_logits_as_the_mixed_cache_reference(lam, key_mean):
+    """The paged twins' λ is ``LayerCacheSpec.logit_correction`` and their key mean its
+    ``key_mean`` (the core reference is the ground truth): a decode step over a prefix written as
+    serving writes it equals ``mixed_cache_attention`` with the same λ and mean at the step's
+    position, the twin of ``oscar_decode`` (token written first) and of ``oscar_attention`` (token
+    in hand) alike."""
     d, hkv, g, sink, recent, lens = 64, 2, 2, 4, 8, [100, 37]
     pc = PagedCache(len(lens), max(lens), hkv, d, sink, recent, DEVICE)
     rot = random_rotation(d).to(DEVICE)
+    mean = KeyMean(3 * random_rows((hkv, d), torch.float32, 50).cpu(), *rope_table(max(lens), d)) if key_mean else None
     ks = [random_rows((n, hkv, d), torch.float32, 20 + r) for r, n in enumerate(lens)]
+    if key_mean:  # keys that have the mean they are rounded less
+        ks = [k + mean.at(k.shape[0]).to(k.device) for k in ks]
     vs = [random_rows((n, hkv, d), torch.float32, 30 + r) for r, n in enumerate(lens)]
     qs = [random_rows((n, hkv * g, d), torch.float32, 40 + r) for r, n in enumerate(lens)]
     prefill = pc.schedule({r: n - 1 for r, n in enumerate(lens)})
     oscar_write_reference(torch.cat([k[:-1] for k in ks]), torch.cat([v[:-1] for v in vs]), rot, prefill.slot_mapping,
                           prefill.cu_q, prefill.seq_lens, prefill.ring_slots, len(lens), pc.cache, pc.windows,
-                          pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
+                          pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent, key_mean=mean)
     step = pc.schedule({r: 1 for r in range(len(lens))})
     q, k, v = (torch.cat([x[-1:] for x in xs]) for xs in (qs, ks, vs))
     n, scale = len(lens), 1 / math.sqrt(d)
     spec = LayerCacheSpec(rot.cpu(), None, RowQuantizer("int2", CLIP_K), RowQuantizer("int2", CLIP_V),
-                          logit_correction=lam)
+                          logit_correction=lam, key_mean=mean)
     want = torch.cat([mixed_cache_attention(qs[r].cpu()[-1:], ks[r].cpu(), vs[r].cpu(), spec, sink, recent, scale)
                       for r in range(n)])
     in_hand = oscar_attention_reference(q, q @ rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
-                                        logit_correction=lam)
+                                        logit_correction=lam, key_mean=mean, rot_k=rot)
     oscar_write_reference(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, n, pc.cache,
-                          pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
-    written = oscar_decode_reference(q @ rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
-                                     step.seq_lens, step.ring_slots, n, scale, sink, recent, logit_correction=lam)
+                          pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent, key_mean=mean)
+    decode = functools.partial(oscar_decode_reference, q @ rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
+                               step.block_table, step.seq_lens, step.ring_slots, n, scale, sink, recent)
+    written = decode(logit_correction=lam, key_mean=mean, rot_k=rot)
     # Both read the step's key in BF16 from the ring: the same numbers but for the order of sums.
     torch.testing.assert_close(written, want, rtol=1e-4, atol=1e-4)
     # The token in hand is exact here and BF16 in the core reference.
     assert_close_to_reference(in_hand, want, torch.bfloat16)
     if lam:
-        uncorrected = oscar_decode_reference(q @ rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                                             step.block_table, step.seq_lens, step.ring_slots, n, scale, sink, recent)
+        uncorrected = decode(key_mean=mean, rot_k=rot)
         assert (uncorrected - want).abs().max() > 100 * 1e-4  # the correction is far above the tolerance
+    if key_mean:  # the pages hold the keys less their mean: read without it, they are far off
+        assert (decode(logit_correction=lam) - want).abs().max() > 100 * 1e-4
 
 
 @pytest.mark.parametrize("lam", [0.0, 1.0], ids=lambda x: f"lambda{x:g}")

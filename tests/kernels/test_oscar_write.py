@@ -10,7 +10,8 @@ import triton.language as tl
 
 from csrc_triton.oscar_write import _kth_smallest_abs, oscar_write
 from oscar_vllm.core.quant import clip_index, unpack_int2
-from oscar_vllm.reference.oscar_write import oscar_write_decode_reference, oscar_write_reference
+from oscar_vllm.core.key_mean import KeyMean
+from oscar_vllm.reference.oscar_write import oscar_write_decode_reference, oscar_write_reference, token_positions
 from oscar_vllm.reference.paged import layout_views, window_views
 from kernel_cases import DEVICE, DTYPES, ON_GPU, random_rotation, random_rows
 from paged_sim import PagedCache
@@ -31,11 +32,22 @@ if ON_GPU:
     ]
 
 
-def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, launch=None):
-    """Both through ``schedule`` (the kernel at ``launch``: tokens a program and warps)."""
+def vllm_rope_table(positions: int, d: int, base: float = 10_000.0) -> torch.Tensor:
+    """fp32 ``[P, d]`` as vLLM's ``RotaryEmbedding.cos_sin_cache`` holds it: d/2 cosines, d/2 sines."""
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * base ** (-torch.arange(0, d, 2) / d)[None]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, launch=None, key_mean=False):
+    """Both through ``schedule`` (the kernel at ``launch``: tokens a program and warps); with
+    ``key_mean``, keys that have a mean before RoPE, written less it."""
     pc = PagedCache(max(max(s) for s in schedule) + 1, 2048, hkv, d, sink, recent, DEVICE)
     ref = pc.clone()
     rot = random_rotation(d, hkv if per_head else None).to(DEVICE)
+    mean = table = km = None
+    if key_mean:
+        mean, table = 3 * random_rows((hkv, d), torch.float32, seed=99), vllm_rope_table(2048, d).to(DEVICE)
+        km = KeyMean.from_cos_sin_cache(mean.cpu(), table.cpu())
     for i, new in enumerate(schedule):
         step = pc.schedule(new)
         ref.schedule(new)
@@ -43,11 +55,15 @@ def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, launc
         k = random_rows((t, hkv, d), dtype, seed=2 * i)
         v = random_rows((t, hkv, d), dtype, seed=2 * i + 1)
         common = (step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(step.reqs))
+        if key_mean:
+            _, pos = token_positions(step.cu_q, step.seq_lens, len(step.reqs))
+            k = (k.float() + km.turned(pos).to(DEVICE)).to(dtype)
         num_decodes = next((i for i, n in enumerate(new.values()) if n > 1), len(new))
         oscar_write(k, v, rot, *common, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                    clip_index(0.96, d), clip_index(0.92, d), sink, recent, param_dtype, num_decodes, launch)
+                    clip_index(0.96, d), clip_index(0.92, d), sink, recent, param_dtype, num_decodes, launch,
+                    key_mean=mean, cos_sin=table)
         oscar_write_reference(k, v, rot, *common, ref.cache, ref.windows, ref.window_pages, ref.window_pos,
-                              0.96, 0.92, sink, recent, param_dtype)
+                              0.96, 0.92, sink, recent, param_dtype, key_mean=km)
     return pc, ref
 
 
@@ -60,7 +76,22 @@ def test_write_matches_reference(case, dtype, param_dtype, launch):
         pytest.skip("bf16 scales: one case is enough under the (slow) interpreter")
     if launch and not ON_GPU and (param_dtype == torch.bfloat16 or case not in (CASES[0], CASES[3])):
         pytest.skip("the prefill launch: two cases are enough under the (slow) interpreter")
-    pc, ref = run_both(*case, dtype, param_dtype, launch)
+    check_write(case, dtype, param_dtype, launch)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c[0]}-h{c[1]}-s{c[3]}-r{c[4]}")
+def test_write_less_the_key_mean_matches_reference(case):
+    if not ON_GPU and case not in (CASES[0], CASES[1]):
+        pytest.skip("two cases are enough under the (slow) interpreter")
+    pc, ref = check_write(case, torch.bfloat16, torch.float16, None, key_mean=True)
+    # Rounded less the mean, the pages are not the pages of the keys as they are.
+    plain = run_both(*case, torch.bfloat16, torch.float16)[1]
+    assert not torch.equal(layout_views(plain.cache.cpu(), case[0], torch.float16)[2],
+                           layout_views(ref.cache.cpu(), case[0], torch.float16)[2])
+
+
+def check_write(case, dtype, param_dtype, launch, key_mean=False):
+    pc, ref = run_both(*case, dtype, param_dtype, launch, key_mean)
     d = case[0]
     got, want = layout_views(pc.cache.cpu(), d, param_dtype), layout_views(ref.cache.cpu(), d, param_dtype)
     for codes_got, codes_want in zip(got[:2], want[:2]):
@@ -77,6 +108,7 @@ def test_write_matches_reference(case, dtype, param_dtype, launch):
     assert torch.equal(v_got.float().cpu().nan_to_num(7.0), v_want.float().cpu().nan_to_num(7.0))
     # Nothing outside the entries: the padding after each page's values is never written.
     assert bool(pc.windows[:, 2 * k_got[0].numel():].isnan().all())
+    return pc, ref
 
 
 def assert_same_cache(pc, ref, d, hkv, sink, param_dtype):
