@@ -41,6 +41,7 @@ from csrc_triton.oscar_dense_kv import oscar_dense_kv
 from csrc_triton.paged_layout import (
     BLOCK_SIZE,
     check_int2_cache,
+    check_key_mean,
     find_request,
     launch_bucket,
     logit_coef,
@@ -181,9 +182,10 @@ def _attend_int2_block(
     qs0, qs1, qs2, qs3, q_sum, q_corr, row_ok,
     blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring,
     window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page, qk_scale,
+    q_mean, cos_sin_ptr, stride_cs,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, SINK: tl.constexpr,
     RECENT: tl.constexpr, WIN_E: tl.constexpr, WINDOW: tl.constexpr, DOT_DT: tl.constexpr, USE_ASM: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KEY_MEAN: tl.constexpr,
 ):
     """Attend to the prefix keys of block ``blk`` (logical index in the request's table).
 
@@ -193,7 +195,9 @@ def _attend_int2_block(
     With ``WINDOW`` the BF16 ring replaces a key wherever it holds it and the key is in the
     sink or the ``RECENT`` keys before ``ctx`` (the window as the step found it, the same for
     every query of a prefill chunk; a partial last block is masked); without, the block is
-    full and INT2 only, and the loop carries no masks at all.
+    full and INT2 only, and the loop carries no masks at all. ``KEY_MEAN``: the INT2 keys were
+    rounded less their mean turned to their positions, which each row's ``q_mean`` ``[rows, D]``
+    (``key_mean_coefficients``) times the RoPE table's row of the key's position adds back.
     """
     Q: tl.constexpr = D // 4
     REGION: tl.constexpr = BLOCK_SIZE * (D // 2 + 8)
@@ -221,6 +225,10 @@ def _attend_int2_block(
     s = tl.dot(qs3, _codes(k_codes, 3, DOT_DT, USE_ASM), s, input_precision=PRECISION)
     # The min term, and the logit correction (exactly nothing at λ = 0); ring keys replace both.
     s = s * k_scale[None, :] + q_sum[:, None] * k_min[None, :] - q_corr[:, None] * k_var[None, :]
+    if KEY_MEAN:
+        table = tl.load(cos_sin_ptr + kp.to(tl.int64)[None, :] * stride_cs + tl.arange(0, D)[:, None],
+                        mask=(kp < ctx)[None, :], other=0.0).to(tl.float32)  # [D, BS]
+        s += tl.dot(q_mean, table, input_precision=PRECISION) * qk_scale
     if WINDOW:
         k_ok = kp < ctx
         # Zeroed past ctx, where the bytes are whatever the allocator left (NaN would poison p·s_v).
@@ -323,6 +331,8 @@ def _oscar_attention_kernel(
     part_lse_ptr,  # fp32 [T, HQ, num_splits] partial log2-sum-exp2 (SPLIT)
     q_ptr,  # [T, HQ, D] queries after RoPE (NEW_KEYS)
     q_rot_ptr,  # [T, HQ, D] the same queries in the key-rotated basis
+    q_mean_ptr,  # fp32 [T, HQ, D] each query's key-mean coefficients (KEY_MEAN: key_mean_coefficients)
+    cos_sin_ptr,  # [P, D] RoPE table: each position's D/2 cosines, then its D/2 sines (KEY_MEAN)
     k_ptr,  # [T, HKV, D] this step's keys, not rotated (NEW_KEYS)
     v_ptr,  # [T, HKV, D] this step's values, folded basis (NEW_KEYS)
     codes_ptr,  # uint8 [num_blocks, HKV, REGION] INT2 pages (paged_layout)
@@ -340,7 +350,7 @@ def _oscar_attention_kernel(
     qk_scale,  # softmax scale * log2(e)
     logit_coef,  # INT2 keys' log2 logits lose logit_coef * |q|^2 * s_k^2 (paged_layout.logit_coef; 0: off)
     stride_qt, stride_qh, stride_rt, stride_rh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ot, stride_oh, stride_bt, stride_lse_h,
+    stride_ot, stride_oh, stride_bt, stride_lse_h, stride_mt, stride_mh, stride_cs,
     stride_cb,  # bytes from one cache block to the next
     stride_wp,  # window_pages row stride
     stride_page,  # elements from one window page to the next
@@ -362,6 +372,7 @@ def _oscar_attention_kernel(
     USE_ASM: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N_NEW: tl.constexpr,
+    KEY_MEAN: tl.constexpr,
 ):
     Q: tl.constexpr = D // 4
     h = tl.program_id(1)
@@ -396,6 +407,11 @@ def _oscar_attention_kernel(
     # The logit correction per unit of s_k², from the whole head's ‖q‖².
     q_corr = (tl.sum(qr0 * qr0, axis=1) + tl.sum(qr1 * qr1, axis=1) + tl.sum(qr2 * qr2, axis=1)
               + tl.sum(qr3 * qr3, axis=1)) * logit_coef
+    if KEY_MEAN:
+        q_mean = tl.load(q_mean_ptr + (tok * stride_mt + hq * stride_mh)[:, None] + tl.arange(0, D)[None, :],
+                         mask=row_ok[:, None], other=0.0)
+    else:
+        q_mean = q_corr
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -426,20 +442,20 @@ def _oscar_attention_kernel(
         m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, q_corr, row_ok,
             blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pages_ptr,
-            window_pos_ptr, stride_wp, stride_page, qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, WIN_E,
-            True, DOT_DT, USE_ASM, PRECISION)
+            window_pos_ptr, stride_wp, stride_page, qk_scale, q_mean, cos_sin_ptr, stride_cs, HKV, D, BLOCK_SIZE,
+            SINK, RECENT, WIN_E, True, DOT_DT, USE_ASM, PRECISION, KEY_MEAN)
     for blk in range(tl.maximum(b_lo, sink_end), tl.minimum(b_hi, recent_start)):
         m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, q_corr, row_ok,
             blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pages_ptr,
-            window_pos_ptr, stride_wp, stride_page, qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, WIN_E,
-            False, DOT_DT, USE_ASM, PRECISION)
+            window_pos_ptr, stride_wp, stride_page, qk_scale, q_mean, cos_sin_ptr, stride_cs, HKV, D, BLOCK_SIZE,
+            SINK, RECENT, WIN_E, False, DOT_DT, USE_ASM, PRECISION, KEY_MEAN)
     for blk in range(tl.maximum(b_lo, recent_start), b_hi):
         m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, q_corr, row_ok,
             blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pages_ptr,
-            window_pos_ptr, stride_wp, stride_page, qk_scale, HKV, D, BLOCK_SIZE, SINK, RECENT, WIN_E,
-            True, DOT_DT, USE_ASM, PRECISION)
+            window_pos_ptr, stride_wp, stride_page, qk_scale, q_mean, cos_sin_ptr, stride_cs, HKV, D, BLOCK_SIZE,
+            SINK, RECENT, WIN_E, True, DOT_DT, USE_ASM, PRECISION, KEY_MEAN)
 
     if NEW_KEYS:
         if split == 0:
@@ -578,10 +594,29 @@ def _common(q, k, cache, param_dtype, use_asm):
     ), param_view(cache, param_dtype)
 
 
+def key_mean_coefficients(q: torch.Tensor, key_mean: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[T, Hq, d]``: each query's ``[a | b]``, so that its product with the key mean turned
+    to position ``p`` is ``[a | b] · cos_sin[p]`` (the table's ``d/2`` cosines then sines):
+    ``a_i = q_i μ_i + q_{i+d/2} μ_{i+d/2}``, ``b_i = q_{i+d/2} μ_i - q_i μ_{i+d/2}`` (rotate-half
+    RoPE), for queries ``q`` ``[T, Hq, d]`` (after RoPE, not rotated) and ``key_mean`` ``[Hkv, d]``."""
+    t, hq, d = q.shape
+    hkv = key_mean.shape[0]
+    qq = q.float().view(t, hkv, hq // hkv, d)
+    q1, q2 = qq.chunk(2, dim=-1)
+    m1, m2 = key_mean.float()[None, :, None].chunk(2, dim=-1)
+    return torch.cat([q1 * m1 + q2 * m2, q2 * m1 - q1 * m2], dim=-1).view(t, hq, d)
+
+
 def _tensor_args(q, q_rot, k, v, cache, params, windows, window_pages, window_pos, block_table, seq_lens, cu_q,
-                 ring_slots, out, sink, recent) -> dict:
-    """The kernel arguments both launches pass alike: tensors and their strides."""
+                 ring_slots, out, sink, recent, key_mean=None, cos_sin=None) -> dict:
+    """The kernel arguments both launches pass alike: tensors and their strides (and the key
+    mean's: the queries' coefficients and the RoPE table, where ``key_mean`` is given)."""
+    check_key_mean(key_mean, cos_sin, k.shape[1], k.shape[2])
+    q_mean = q_rot if key_mean is None else key_mean_coefficients(q, key_mean)
     return dict(
+        q_mean_ptr=q_mean, cos_sin_ptr=q_rot if cos_sin is None else cos_sin,
+        stride_mt=q_mean.stride(0), stride_mh=q_mean.stride(1), stride_cs=0 if cos_sin is None else cos_sin.stride(0),
+        KEY_MEAN=key_mean is not None,
         q_ptr=q, q_rot_ptr=q_rot, k_ptr=k, v_ptr=v, codes_ptr=cache, params_ptr=params,
         **window_args(windows, window_pages, window_pos, k.shape[1], k.shape[2], sink, recent),
         block_table_ptr=block_table, seq_lens_ptr=seq_lens, cu_q_ptr=cu_q, ring_slot_ptr=ring_slots,
@@ -616,6 +651,8 @@ def oscar_decode_attention(
     launch: tuple[int, int] | None = None,
     use_asm: bool | None = None,
     logit_correction: float = 0.0,
+    key_mean: torch.Tensor | None = None,
+    cos_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention: every request has at most one query token (``q`` ``[T, Hq, d]``).
 
@@ -624,6 +661,8 @@ def oscar_decode_attention(
     ``[>= T * Hq * num_splits * d]`` and ``part_lse`` ``[>= T * Hq * num_splits]``.
     ``launch``: ``(num_warps, num_stages)``, else from ``DECODE_LAUNCH``. ``logit_correction``:
     λ, INT2 keys' logits lowered by λ/2 times their expected rounding variance (``logit_coef``).
+    ``key_mean`` fp32 ``[Hkv, d]`` and ``cos_sin`` ``[P, d]`` (vLLM's ``cos_sin_cache``): the INT2
+    keys were written less their mean before RoPE (``oscar_write``), and are read plus it.
     """
     t = q.shape[0]
     if t == 0 or num_reqs == 0:
@@ -639,7 +678,7 @@ def oscar_decode_attention(
         out_ptr=out, self_lse_ptr=out, part_out_ptr=part_out if split else out,
         part_lse_ptr=part_lse if split else out, **_tensor_args(q, q_rot, k, v, cache, params, windows, window_pages,
                                                                  window_pos, block_table, seq_lens, cu_q, ring_slots, out,
-                                                                 sink, recent),
+                                                                 sink, recent, key_mean, cos_sin),
         num_reqs=num_reqs, num_splits=num_splits, qk_scale=scale * LOG2E,
         logit_coef=logit_coef(logit_correction, scale), stride_lse_h=0,
         SINK=sink, RECENT=recent, BLOCK_M=block_m, BLOCK_Q=1, SPLIT=split,
@@ -674,6 +713,8 @@ def oscar_prefill_attention(
     launch: tuple[int, int, int] | None = None,
     use_asm: bool | None = None,
     logit_correction: float = 0.0,
+    key_mean: torch.Tensor | None = None,
+    cos_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of prefill chunks (any query lengths) over the mixed cache.
 
@@ -681,7 +722,8 @@ def oscar_prefill_attention(
     (causal). With it, ``out`` already holds the chunk's own-keys attention (FlashAttention's
     output) and ``self_lse`` fp32 ``[Hq, T]`` its natural-log LSE: the kernel adds the prefix.
     ``launch``: ``(BLOCK_M, num_warps, num_stages)``, else ``PREFILL_LAUNCH``.
-    ``logit_correction``: λ, as for ``oscar_decode_attention`` (prefix INT2 keys only).
+    ``logit_correction``, ``key_mean``, ``cos_sin``: as for ``oscar_decode_attention`` (prefix
+    INT2 keys only).
     """
     t = q.shape[0]
     if t == 0 or num_reqs == 0:
@@ -697,7 +739,7 @@ def oscar_prefill_attention(
     _oscar_attention_kernel[(triton.cdiv(t, block_q) + num_reqs, hkv, 1)](
         out_ptr=out, self_lse_ptr=self_lse if merge else out, part_out_ptr=out, part_lse_ptr=out,
         **_tensor_args(q, q_rot, k, v, cache, params, windows, window_pages, window_pos, block_table, seq_lens, cu_q,
-                       ring_slots, out, sink, recent),
+                       ring_slots, out, sink, recent, key_mean, cos_sin),
         num_reqs=num_reqs, num_splits=1, qk_scale=scale * LOG2E, logit_coef=logit_coef(logit_correction, scale),
         stride_lse_h=self_lse.stride(0) if merge else 0,
         SINK=sink, RECENT=recent, BLOCK_M=block_m, BLOCK_Q=block_q, SPLIT=False,
@@ -922,6 +964,8 @@ def oscar_attention(
     prefill_has_prefix: bool = True,
     dense: DensePrefill | None = None,
     logit_correction: float = 0.0,
+    key_mean: torch.Tensor | None = None,
+    cos_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A batch as vLLM orders it: ``num_decodes`` requests of one query token, then prefills.
 
@@ -933,6 +977,8 @@ def oscar_attention(
     when ``own_keys_attention`` already did all there is. With ``dense``, prefill chunks over a
     cached prefix take the dense path (``oscar_dense_prefill_attention``) instead.
     ``logit_correction``: λ for the INT2 kernels (``logit_coef``); the dense path takes none.
+    ``key_mean``, ``cos_sin``: the INT2 keys' mean before RoPE and the RoPE table
+    (``oscar_decode_attention``); the INT2 kernels only: not with ``dense``.
     """
     d = num_decodes  # decode requests come first and hold one token each
     if d:
@@ -940,11 +986,11 @@ def oscar_attention(
         oscar_decode_attention(
             out[dec], q[dec], q_rot[dec], k[dec], v[dec], cache, windows, window_pages, window_pos, block_table,
             seq_lens, cu_q, ring_slots, d, scale, sink, recent, param_dtype, decode_splits, part_out, part_lse,
-            logit_correction=logit_correction,
+            logit_correction=logit_correction, key_mean=key_mean, cos_sin=cos_sin,
         )
     oscar_prefill_batch(out, q, q_rot, k, v, cache, windows, window_pages, window_pos, block_table, seq_lens, cu_q,
                         ring_slots, d, num_reqs, max_query_len, scale, sink, recent, param_dtype, own_keys_attention,
-                        prefill_has_prefix, dense, logit_correction)
+                        prefill_has_prefix, dense, logit_correction, key_mean, cos_sin)
     return out
 
 
@@ -973,10 +1019,15 @@ def oscar_prefill_batch(
     prefill_has_prefix: bool = True,
     dense: DensePrefill | None = None,
     logit_correction: float = 0.0,
+    key_mean: torch.Tensor | None = None,
+    cos_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The prefill requests of a batch, ``[num_decodes, num_reqs)`` (tensors indexed as the whole
     batch's), as :func:`oscar_attention` runs them. ``logit_correction``: λ for the INT2 prefill
-    kernel; chunks that take the dense path get none (FlashAttention takes no per-key bias)."""
+    kernel; chunks that take the dense path get none (FlashAttention takes no per-key bias).
+    ``key_mean``, ``cos_sin``: as for :func:`oscar_attention`."""
+    if dense is not None and key_mean is not None:
+        raise ValueError("the dense prefix path does not add a key mean back: run it without one, or without dense")
     d = num_decodes
     if d < num_reqs:
         pre = slice(d, None)
@@ -996,6 +1047,6 @@ def oscar_prefill_batch(
         oscar_prefill_attention(
             out_p, q_p, q_rot[pre], k_p, v_p, cache, windows, window_pages, window_pos, block_table[d:num_reqs],
             seq_lens[d:num_reqs], cu, ring_slots[d:num_reqs], num_reqs - d, scale, sink, recent, param_dtype,
-            self_lse=lse, logit_correction=logit_correction,
+            self_lse=lse, logit_correction=logit_correction, key_mean=key_mean, cos_sin=cos_sin,
         )
     return out

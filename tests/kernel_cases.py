@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from oscar_vllm.reference.oscar_attention import causal_attention_reference
-from oscar_vllm.reference.oscar_write import oscar_write_reference
+from oscar_vllm.core.key_mean import KeyMean
+from oscar_vllm.reference.oscar_write import oscar_write_reference, token_positions
 from paged_sim import PagedCache
 
 ON_GPU = torch.cuda.is_available()
@@ -56,7 +57,28 @@ def fp32_atol(case) -> float:
     return 2e-4 if max(case[5]) > 16384 else 1e-4
 
 
-def prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=0, entries_per_page=None):
+def vllm_rope_table(positions: int, d: int, base: float = 10_000.0) -> torch.Tensor:
+    """fp32 ``[P, d]`` as vLLM's ``RotaryEmbedding.cos_sin_cache`` holds it: d/2 cosines, d/2 sines."""
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * base ** (-torch.arange(0, d, 2) / d)[None]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+class KeyMeanCase:
+    """A key mean for a case: fp32 ``mean`` ``[Hkv, d]`` and ``table`` ``[P, d]`` on the kernels'
+    device, and the twins' ``KeyMean`` of the same numbers."""
+
+    def __init__(self, hkv: int, d: int, positions: int, seed: int = 99):
+        self.mean = 3 * random_rows((hkv, d), torch.float32, seed)
+        self.table = vllm_rope_table(positions, d).to(DEVICE)
+        self.twin = KeyMean.from_cos_sin_cache(self.mean.cpu(), self.table.cpu())
+
+    def keys_at(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Keys ``k`` ``[N, Hkv, d]`` at ``positions`` with the mean added, as a model's would have it."""
+        return (k.float() + self.twin.turned(positions).to(k.device)).to(k.dtype)
+
+
+def prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=0, entries_per_page=None,
+            key_mean: KeyMeanCase | None = None):
     n = len(prefix)
     pc = PagedCache(n, max(prefix) + max(new) + 1, hkv, d, sink, recent, DEVICE, seed,
                     **({"entries_per_page": entries_per_page} if entries_per_page else {}))
@@ -66,8 +88,11 @@ def prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=0, entries_per_pag
         st = pc.schedule(todo)
         t = int(st.cu_q[-1])
         k, v = random_rows((t, hkv, d), dtype, 10), random_rows((t, hkv, d), dtype, 11)
+        if key_mean is not None:
+            k = key_mean.keys_at(k, token_positions(st.cu_q, st.seq_lens, len(st.reqs))[1])
         oscar_write_reference(k, v, rot, st.slot_mapping, st.cu_q, st.seq_lens, st.ring_slots, len(st.reqs),
-                              pc.cache, pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
+                              pc.cache, pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent,
+                              key_mean=key_mean and key_mean.twin)
     step = pc.schedule(dict(enumerate(new)))
     t = int(step.cu_q[-1])
     q = random_rows((t, hkv * g, d), dtype, 12)

@@ -22,8 +22,8 @@ from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cach
 from oscar_vllm.core.quant import clip_index
 from oscar_vllm.reference.oscar_attention import causal_attention_reference, oscar_attention_reference
 from kernel_cases import (
-    CASES, CLIP_K, CLIP_V, DEVICE, ON_GPU, assert_close_to_reference, cache_args, case_id, dense_twin, fp32_atol,
-    prepare, random_rotation, random_rows,
+    CASES, CLIP_K, CLIP_V, DEVICE, ON_GPU, KeyMeanCase, assert_close_to_reference, cache_args, case_id, dense_twin,
+    fp32_atol, prepare, random_rotation, random_rows,
 )
 from paged_sim import PagedCache
 
@@ -78,6 +78,48 @@ def test_decode_kernel_matches_reference(case, splits, dtype, lam):
     want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
                                       logit_correction=lam)
     assert_close_to_reference(out, want, dtype, fp32_atol=fp32_atol(case))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_kernels_read_int2_keys_plus_their_mean(case, dtype):
+    """Prefix keys written less their mean before RoPE (``oscar_write``'s ``key_mean``): the
+    decode kernel (split) and the prefill kernel (own keys merged, as the backend runs it) add it
+    back as the twin does, at λ = 1; read without it they are far off."""
+    d, hkv, g, sink, recent, prefix, new = case
+    km = KeyMeanCase(hkv, d, max(prefix) + max(new) + 1)
+    pc, step, q, q_rot, k, v = prepare(*case, dtype, key_mean=km)
+    t, hq, n, scale = q.shape[0], hkv * g, len(new), 1 / math.sqrt(d)
+    rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
+    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
+                                      logit_correction=1.0, key_mean=km.twin, rot_k=rot)
+    out = torch.full_like(q, float("nan"))
+    if max(new) == 1:
+        splits = 4
+        part_out = torch.full((t * hq * splits * d,), float("nan"), device=DEVICE)
+        part_lse = torch.full((t * hq * splits,), float("nan"), device=DEVICE)
+        oscar_decode_attention(out, q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
+                               num_splits=splits, part_out=part_out, part_lse=part_lse, logit_correction=1.0,
+                               key_mean=km.mean, cos_sin=km.table)
+    else:
+        lse = own_keys_twin(scale)(q, k, v, step.cu_q, step.max_query_len, out)
+        oscar_prefill_attention(out, q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent, self_lse=lse,
+                                logit_correction=1.0, key_mean=km.mean, cos_sin=km.table)
+    assert_close_to_reference(out, want, dtype, fp32_atol=fp32_atol(case))
+    without = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
+                                        logit_correction=1.0)
+    assert (without - want).abs().max() > 100 * fp32_atol(case)
+
+
+def test_the_key_mean_coefficients_give_the_querys_product_with_the_turned_mean():
+    from csrc_triton.oscar_attention import key_mean_coefficients
+
+    km = KeyMeanCase(2, 64, 300)
+    q = random_rows((5, 6, 64), torch.float32, 3)
+    pos = torch.tensor([0, 1, 77, 299, 150])
+    got = (key_mean_coefficients(q, km.mean).cpu() * km.table.cpu()[pos][:, None]).sum(-1)
+    want = (q.cpu().view(5, 2, 3, 64) * km.twin.turned(pos)[:, :, None]).sum(-1).view(5, 6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("lam", LAMBDAS, ids=lambda x: f"lambda{x:g}")

@@ -13,7 +13,7 @@ from oscar_vllm.core.quant import clip_index, unpack_int2
 from oscar_vllm.core.key_mean import KeyMean
 from oscar_vllm.reference.oscar_write import oscar_write_decode_reference, oscar_write_reference, token_positions
 from oscar_vllm.reference.paged import layout_views, window_views
-from kernel_cases import DEVICE, DTYPES, ON_GPU, random_rotation, random_rows
+from kernel_cases import DEVICE, DTYPES, ON_GPU, random_rotation, random_rows, vllm_rope_table
 from paged_sim import PagedCache
 
 CASES = [
@@ -30,12 +30,6 @@ if ON_GPU:
         (64, 3, True, 64, 256, [{r: 257 + 31 * r for r in range(16)}]),
         (256, 2, False, 64, 256, [{0: 129, 1: 64}, {0: 1, 1: 1}]),
     ]
-
-
-def vllm_rope_table(positions: int, d: int, base: float = 10_000.0) -> torch.Tensor:
-    """fp32 ``[P, d]`` as vLLM's ``RotaryEmbedding.cos_sin_cache`` holds it: d/2 cosines, d/2 sines."""
-    angles = torch.arange(positions, dtype=torch.float64)[:, None] * base ** (-torch.arange(0, d, 2) / d)[None]
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
 
 
 def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, launch=None, key_mean=False):
