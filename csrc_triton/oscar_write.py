@@ -176,31 +176,11 @@ def _oscar_write_kernel(
     pos = seq_len - (tl.load(cu_q_ptr + r + 1, mask=r_ok, other=0) - q_start) + (t - q_start)
     v = tl.load(value_ptr + t64[:, None] * stride_vt + h * stride_vh + dims[None, :], mask=live[:, None], other=0.0)
     v = v.to(tl.float32)
-    # k @ R in fp32, over row slices of R small enough for shared memory at head_dim 256.
-    KC: tl.constexpr = D if D <= 128 else 128
-    HALF: tl.constexpr = D // 2
-    kc = tl.arange(0, KC)
-    k_rot = tl.zeros([BLOCK_T, D], tl.float32)
-    k_less = tl.zeros([BLOCK_T, D], tl.float32)  # (k - RoPE_pos(μ)) @ R: what the INT2 page rounds
-    for c in tl.static_range(D // KC):
-        k = tl.load(key_ptr + t64[:, None] * stride_kt + h * stride_kh + c * KC + kc[None, :], mask=live[:, None],
-                    other=0.0).to(tl.float32)
-        rot = tl.load(rot_k_ptr + h * ROT_HEAD_STRIDE + (c * KC + kc[:, None]) * D + dims[None, :])
-        k_rot = tl.dot(k, rot, k_rot, input_precision="ieee")
-        if KEY_MEAN:
-            # RoPE in the rotate-half form: dim j pairs with j ± D/2 at frequency j mod D/2.
-            j = c * KC + kc
-            freq = j % HALF
-            row = cos_sin_ptr + pos.to(tl.int64)[:, None] * stride_cs
-            cos = tl.load(row + freq[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
-            sin = tl.load(row + HALF + freq[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
-            mean = tl.load(key_mean_ptr + h * D + j)
-            partner = tl.load(key_mean_ptr + h * D + (j + HALF) % D) * tl.where(j < HALF, -1.0, 1.0)
-            k_less = tl.dot(k - (mean[None, :] * cos + partner[None, :] * sin), rot, k_less, input_precision="ieee")
-    if not KEY_MEAN:
-        k_less = k_rot
-
-    codes_k, scale_k, min_k = _quantize_rows(k_less, clip_idx_k, D)
+    # k @ R in fp32 (with KEY_MEAN, k less its turned mean: what the INT2 page rounds); the
+    # windows' k @ R after the INT2 stores, so that the two products are never live together.
+    k_int2 = _rotate_keys(key_ptr, rot_k_ptr, key_mean_ptr, cos_sin_ptr, t64, live, r_ok, pos, h, stride_kt, stride_kh,
+                          stride_cs, ROT_HEAD_STRIDE, D, BLOCK_T, KEY_MEAN)
+    codes_k, scale_k, min_k = _quantize_rows(k_int2, clip_idx_k, D)
     codes_v, scale_v, min_v = _quantize_rows(v, clip_idx_v, D)
     base = (slot // BLOCK_SIZE) * stride_cb + h * REGION
     tok = slot % BLOCK_SIZE
@@ -214,8 +194,42 @@ def _oscar_write_kernel(
     tl.store(p + BLOCK_SIZE, _to_param(min_k, PARAM_BF16), mask=live)
     tl.store(p + 2 * BLOCK_SIZE, _to_param(scale_v, PARAM_BF16), mask=live)
     tl.store(p + 3 * BLOCK_SIZE, _to_param(min_v, PARAM_BF16), mask=live)
+    if KEY_MEAN:
+        k_rot = _rotate_keys(key_ptr, rot_k_ptr, key_mean_ptr, cos_sin_ptr, t64, live, r_ok, pos, h, stride_kt,
+                             stride_kh, stride_cs, ROT_HEAD_STRIDE, D, BLOCK_T, False)
+    else:
+        k_rot = k_int2
     _write_windows(k_rot, v, r, r_ok, pos, seq_len, h, ring_slot_ptr, window_k_ptr, window_v_ptr, window_pages_ptr,
                    window_pos_ptr, stride_wp, stride_page, HKV, D, SINK, RECENT, WIN_E)
+
+
+@triton.jit
+def _rotate_keys(key_ptr, rot_k_ptr, key_mean_ptr, cos_sin_ptr, t64, live, r_ok, pos, h, stride_kt, stride_kh,
+                 stride_cs, ROT_HEAD_STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                 KEY_MEAN: tl.constexpr):
+    """``[BLOCK_T, D]`` fp32: the tile's keys times R, over row slices of R small enough for shared
+    memory at head_dim 256; with ``KEY_MEAN``, the keys less their mean as RoPE turns it at ``pos``
+    (rotate-half: dim j pairs with j ± D/2 at frequency j mod D/2)."""
+    KC: tl.constexpr = D if D <= 128 else 128
+    HALF: tl.constexpr = D // 2
+    kc = tl.arange(0, KC)
+    dims = tl.arange(0, D)
+    acc = tl.zeros([BLOCK_T, D], tl.float32)
+    for c in tl.static_range(D // KC):
+        k = tl.load(key_ptr + t64[:, None] * stride_kt + h * stride_kh + c * KC + kc[None, :], mask=live[:, None],
+                    other=0.0).to(tl.float32)
+        if KEY_MEAN:
+            j = c * KC + kc
+            freq = j % HALF
+            row = cos_sin_ptr + pos.to(tl.int64)[:, None] * stride_cs
+            cos = tl.load(row + freq[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+            sin = tl.load(row + HALF + freq[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
+            mean = tl.load(key_mean_ptr + h * D + j)
+            partner = tl.load(key_mean_ptr + h * D + (j + HALF) % D) * tl.where(j < HALF, -1.0, 1.0)
+            k = k - (mean[None, :] * cos + partner[None, :] * sin)
+        rot = tl.load(rot_k_ptr + h * ROT_HEAD_STRIDE + (c * KC + kc[:, None]) * D + dims[None, :])
+        acc = tl.dot(k, rot, acc, input_precision="ieee")
+    return acc
 
 
 @triton.jit

@@ -85,6 +85,7 @@ def warm_up_kernels(
     decode_read: bool = False,
     fixed_splits: int = 0,
     threads: int = 1,
+    key_mean: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> int:
     """Launch each kernel variant once on one-block scratch inputs; returns the launches.
 
@@ -96,10 +97,12 @@ def warm_up_kernels(
     ``fixed_splits`` > 0: every decode batch splits its requests that many ways (``decode_splits``).
     ``max_num_seqs`` and ``max_num_tokens`` bound the batches (requests, tokens per step).
     ``threads`` > 1: launch (so compile) that many variants at a time (``launch_all``).
+    ``key_mean``: the layer's ``(mean, cos_sin)``, which its Triton kernels take (their ``KEY_MEAN`` variants).
     """
     dev = cache.device
     hkv, d = cache.shape[1], rot_k.shape[-1]
     i32 = dict(dtype=torch.int32, device=dev)
+    mean = {} if key_mean is None else dict(key_mean=key_mean[0], cos_sin=key_mean[1])
 
     def rows(n: int, heads: int) -> torch.Tensor:
         return torch.zeros(n, heads, d, dtype=dtype, device=dev)
@@ -133,7 +136,7 @@ def warm_up_kernels(
         q = rows(n, num_heads)
         oscar_decode_attention(q.clone(), q, q, rows(n, hkv), rows(n, hkv), cache, windows, window_pages,
                                window_pos, *batch(n, 1), n, 1.0, sink, recent, param_dtype, splits,
-                               *split_parts(n, splits))
+                               *split_parts(n, splits), **mean)
 
     q_len = 2
 
@@ -141,7 +144,8 @@ def warm_up_kernels(
         q = rows(q_len, num_heads)
         self_lse = torch.zeros(num_heads, q_len, dtype=torch.float32, device=dev) if merge_self else None
         oscar_prefill_attention(q.clone(), q, q, rows(q_len, hkv), rows(q_len, hkv), cache, windows, window_pages,
-                                window_pos, *batch(1, q_len), 1, 1.0, sink, recent, param_dtype, self_lse=self_lse)
+                                window_pos, *batch(1, q_len), 1, 1.0, sink, recent, param_dtype, self_lse=self_lse,
+                                **mean)
 
     def dense_fill(**kw) -> None:
         block_table, seq_lens, cu_q, ring_slots = batch(1, q_len)
@@ -154,7 +158,7 @@ def warm_up_kernels(
         padding = torch.full((t,), -1, dtype=torch.int64, device=dev)
         _, seq_lens, cu_q, ring_slots = batch(t, 1)
         oscar_write(rows(t, hkv), rows(t, hkv), rot_k, padding, cu_q, seq_lens, ring_slots, t, cache, windows,
-                    window_pages, window_pos, 0, 0, sink, recent, param_dtype, t)
+                    window_pages, window_pos, 0, 0, sink, recent, param_dtype, t, **mean)
 
     launches: list[Callable[[], None]] = []
     if gluon:

@@ -32,7 +32,7 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 # Integer arguments a launch passes as multiples of 16 (Triton specializes those).
 ALIGNED_INTS = {"stride_cb", "stride_qt", "stride_rt", "stride_kt", "stride_vt", "stride_ot", "stride_qh",
                 "stride_rh", "stride_oh", "stride_kh", "stride_vh", "stride_bt", "stride_nt", "stride_nh",
-                "stride_page", "stride_qt", "stride_ot"}
+                "stride_page", "stride_qt", "stride_ot", "stride_mt", "stride_mh", "stride_cs"}
 PREFILL_WRITE = oscar_write.WRITE_LAUNCH[max(oscar_write.WRITE_LAUNCH)]  # (tokens, warps) of the largest calls
 WIN_E = 8  # window entries per page at 8 KV heads x head_dim 128, sink 64 (paged_layout.window_entries_per_page)
 TYPES = {
@@ -45,6 +45,7 @@ TYPES = {
     "k_out_ptr": "*bf16", "v_out_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "cu_k_ptr": "*i32",
     "first_pos_ptr": "*i32",
     "qk_scale": "fp32", "logit_coef": "fp32", "num_splits": "i32", "query_ptr": "*bf16", "rot_t_ptr": "*bf16",
+    "q_mean_ptr": "*fp32", "key_mean_ptr": "*fp32", "cos_sin_ptr": "*bf16",
 }
 
 
@@ -64,20 +65,20 @@ def decode_consts(args) -> dict:
     return dict(HQ=8 * args.g, HKV=8, G=args.g, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E,
                 BLOCK_M=16, BLOCK_Q=1,
                 SPLIT=True, DECODE=True, NEW_KEYS=True, MERGE_SELF=False, DOT_DT=tl.float16, USE_ASM=not args.no_asm,
-                PRECISION="tf32", BLOCK_N_NEW=16)
+                PRECISION="tf32", BLOCK_N_NEW=16, KEY_MEAN=args.key_mean)
 
 
 def prefill_consts(args) -> dict:
     return dict(HQ=8 * args.g, HKV=8, G=args.g, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E,
                 BLOCK_M=args.block_m,
                 BLOCK_Q=args.block_m // args.g, SPLIT=False, DECODE=False, NEW_KEYS=False, MERGE_SELF=True,
-                DOT_DT=tl.float16, USE_ASM=not args.no_asm, PRECISION="tf32", BLOCK_N_NEW=32)
+                DOT_DT=tl.float16, USE_ASM=not args.no_asm, PRECISION="tf32", BLOCK_N_NEW=32, KEY_MEAN=args.key_mean)
 
 
 def write_consts(args) -> dict:
     return dict(ROT_HEAD_STRIDE=0, HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E,
                 PARAM_BF16=args.bf16_params, BLOCK_T=args.block_t or PREFILL_WRITE[0],
-                SEARCH_STEPS=oscar_write.SEARCH_STEPS)
+                SEARCH_STEPS=oscar_write.SEARCH_STEPS, KEY_MEAN=args.key_mean)
 
 
 def gluon_decode_consts(args) -> dict:
@@ -133,6 +134,7 @@ def main() -> None:
     p.add_argument("--g", type=int, default=4)
     p.add_argument("--no-asm", action="store_true")
     p.add_argument("--bf16-params", action="store_true", help="write: bf16 scales and mins")
+    p.add_argument("--key-mean", action="store_true", help="decode, prefill, write: the KEY_MEAN variant")
     p.add_argument("--query-rows", type=int,
                    help="write_decode: query rows a program (default: DECODE_WRITE_LAUNCH's at one token)")
     p.add_argument("--maxnreg", type=int, help="registers a thread may use (gluon_decode: as DECODE_LAUNCH has it)")

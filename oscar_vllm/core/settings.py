@@ -26,6 +26,11 @@ PREFILL_READS = ("chunk", "decode")
 # ring an earlier request of the same prefix left, where one is still in the pool (the hit then
 # ends where vLLM's does), else computed again (oscar_vllm.serving.window_pages).
 HIT_RINGS = ("recompute", "reuse")
+# Whether the INT2 pages hold keys less their mean before RoPE ("on": the rotation file's means,
+# oscar-calibrate writes them; docs/quality.md) or the keys as they are ("off"). "on" runs decode
+# on the Triton kernels (the Gluon decode kernels do not take the mean yet) and prefills over a
+# cached prefix on the INT2 kernel (not the dense path).
+KEY_MEANS = ("off", "on")
 HOW_TO_GET_ROTATIONS = (
     "give a rotation folder with --additional-config '{\"oscar\": {\"rotation_path\": DIR}}' "
     "or OSCAR_ROTATION_PATH=DIR: published RotationZoo files, a folder written by "
@@ -62,6 +67,7 @@ class OscarSettings:
     # prefill_read "decode"; docs/backend.md).
     decode_splits: int = 0
     hit_ring: str = "recompute"
+    key_mean: str = "off"
     # Threads that compile the kernels' serving variants at startup (csrc_triton.warm_up.launch_all).
     # An OSCAR engine's warm-up (17 variants, Qwen3-8B shape, empty Triton cache) took 43.9 s in one
     # thread and 25.9 s in 4 on the H200 machine, inside a 69 s engine init (tests/gpu/run.sh warmup,
@@ -83,6 +89,11 @@ class OscarSettings:
             raise OscarSettingsError(f"prefill_read must be one of {PREFILL_READS}, got {self.prefill_read!r}")
         if self.hit_ring not in HIT_RINGS:
             raise OscarSettingsError(f"hit_ring must be one of {HIT_RINGS}, got {self.hit_ring!r}")
+        if self.key_mean not in KEY_MEANS:
+            raise OscarSettingsError(f"key_mean must be one of {KEY_MEANS}, got {self.key_mean!r}")
+        if self.key_mean == "on" and self.prefill_read == "decode":
+            raise OscarSettingsError("key_mean 'on' does not serve prefill_read 'decode' (its dense reads do not add "
+                                     "the mean back); choose one of them")
         if self.decode_splits < 0 or self.decode_splits & (self.decode_splits - 1):
             raise OscarSettingsError(f"decode_splits must be 0 (chosen per batch) or a power of two, "
                                      f"got {self.decode_splits}")

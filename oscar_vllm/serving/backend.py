@@ -305,9 +305,10 @@ def decode_split_scratch_rows(kernel, fixed_splits: int, max_batch: int, num_kv_
 
 def uses_gluon_decode(vllm_config: VllmConfig, num_heads: int, num_kv_heads: int, head_size: int, sink: int) -> bool:
     """Whether decode batches take ``csrc_triton.oscar_decode`` (write first, then the Gluon
-    kernel), as every layer and the metadata builder must agree."""
-    return torch.cuda.is_available() and gluon_decode.supports(
-        num_heads, num_kv_heads, head_size, vllm_config.model_config.dtype, sink)
+    kernel), as every layer and the metadata builder must agree: not with ``key_mean`` on, which
+    the Gluon kernels do not take."""
+    return (torch.cuda.is_available() and OscarSettings.from_vllm_config(vllm_config).key_mean == "off"
+            and gluon_decode.supports(num_heads, num_kv_heads, head_size, vllm_config.model_config.dtype, sink))
 
 
 def _flash_attention(scale: float, dtype: torch.dtype, unsplit: bool = False):
@@ -406,6 +407,9 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
 
             self.merge_attention = merge_attn_states
         self.rot_t: torch.Tensor | None = None  # R as the decode write takes it (decode_rotation)
+        # key_mean "on": the layer's mean key before RoPE, fp32 [Hkv, d], and the model's RoPE
+        # table [P, d] (vLLM's cos_sin_cache), given by vllm_hooks.prepare_model
+        self.key_mean: dict[str, torch.Tensor] = {}
 
     def set_layer(self, layer_id: int, rot_k: torch.Tensor, clip_ratio_k: float, clip_ratio_v: float) -> None:
         """The layer's key rotation ``[d, d]`` or ``[Hkv, d, d]`` and clip ratios."""
@@ -416,6 +420,15 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         self.rot_t = decode_rotation(self.rot_k)
         self.clip_idx_k = clip_index(clip_ratio_k, self.head_size)
         self.clip_idx_v = clip_index(clip_ratio_v, self.head_size)
+
+    def set_key_mean(self, mean: torch.Tensor, cos_sin: torch.Tensor) -> None:
+        """Keys are written less ``mean`` ``[Hkv, d]`` (before RoPE, this shard's KV heads) turned
+        by the model's RoPE table ``cos_sin`` ``[P, d]``, and read plus it (``key_mean`` "on")."""
+        if self.gluon_decode or self.decode_read:
+            raise OscarSettingsError("key_mean 'on' needs the Triton decode path and prefill_read 'chunk'")
+        device = self.window_pos.device
+        self.key_mean = dict(key_mean=mean.to(device=device, dtype=torch.float32).contiguous(),
+                             cos_sin=cos_sin.to(device=device).contiguous())
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ R_K`` in fp32 for queries ``[T, Hq, d]`` or keys ``[T, Hkv, d]`` (per KV head
@@ -440,14 +453,15 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
             merge_self=self.own_keys_attention is not None, dense=self.dense_kv is not None, gluon=self.gluon_decode,
             decode_read=self.decode_read, fixed_splits=self.settings.decode_splits,
             threads=self.settings.warm_up_threads,
+            key_mean=(self.key_mean["key_mean"], self.key_mean["cos_sin"]) if self.key_mean else None,
         )
 
     def dense_prefill(self, md: OscarAttentionMetadata, k: torch.Tensor) -> DensePrefill | None:
         """The dense path for this batch's prefills, when some has a cached prefix and the host
         knows their lengths: in groups of requests that fit the buffers (one where all do)."""
         if (self.dense_kv is None or not md.prefill_has_prefix or md.num_decodes == md.num_reqs
-                or not md.prefill_shapes):
-            return None
+                or not md.prefill_shapes or self.key_mean):
+            return None  # (the dense path does not add a key mean back)
         k_buf, v_buf = self.dense_kv
         return DensePrefill(self.rotate(k[md.num_decodes:]), k_buf, v_buf, max(s for _, s in md.prefill_shapes),
                             self.flash_attention, md.prefill_shapes)
@@ -482,11 +496,11 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
             md.block_table, md.seq_lens, md.query_start_loc, md.ring_slots, md.num_decodes, md.num_reqs,
             md.max_query_len, self.scale, self.sink, self.recent, self.param_dtype, md.decode_splits,
             md.part_out, md.part_lse, self.own_keys_attention, md.prefill_has_prefix, self.dense_prefill(md, k),
-            self.logit_correction,
+            self.logit_correction, **self.key_mean,
         )
         oscar_write(k, v, self.rot_k, md.slot_mapping[:n], md.query_start_loc, md.seq_lens, md.ring_slots, md.num_reqs,
                     kv_cache, windows, md.window_pages, self.window_pos, self.clip_idx_k, self.clip_idx_v, self.sink,
-                    self.recent, self.param_dtype, md.num_decodes)
+                    self.recent, self.param_dtype, md.num_decodes, **self.key_mean)
         return output
 
     def _forward_write_first(self, md: OscarAttentionMetadata, q, k, v, out, kv_cache, windows, output):

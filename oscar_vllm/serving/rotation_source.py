@@ -16,7 +16,7 @@ from oscar_vllm.core.rotation_io import (
     load_rotations,
     validate_rotations,
 )
-from oscar_vllm.core.settings import OscarSettings
+from oscar_vllm.core.settings import OscarSettings, OscarSettingsError
 
 HUB_PREFIX = "hf://"
 _HUB_SPEC = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?P<sub>(/[\w.-]+)*)(@(?P<rev>[\w./-]+))?$")
@@ -52,14 +52,20 @@ def resolve_rotation_path(spec: str) -> Path:
 
 
 def rotations_for_model(settings: OscarSettings, shape: ModelShape) -> OscarRotations:
-    """The rotations the backend serves ``shape`` with; raises with a fix when there are none."""
+    """The rotations the backend serves ``shape`` with; raises with a fix when there are none,
+    or when ``key_mean`` "on" finds no key means in them."""
     if settings.is_hadamard:
         layers = list(range(shape.num_layers))
         k, v = hadamard_rotation_sets(layers, shape.head_dim)
         rot = OscarRotations(k, v, model=shape.name, source_format="hadamard")
         validate_rotations(rot, shape)
-        return rot
-    return load_rotations(resolve_rotation_path(settings.require_rotation_path()), shape)
+    else:
+        rot = load_rotations(resolve_rotation_path(settings.require_rotation_path()), shape)
+    if settings.key_mean == "on" and rot.key_means is None:
+        raise OscarSettingsError(
+            f"key_mean 'on' needs rotations with key means, and {settings.rotation_path!r} ({rot.source_format}) has "
+            "none: write them with `oscar-calibrate --model-path MODEL --output-dir DIR` (format 2)")
+    return rot
 
 
 def rotations_in_process(settings: OscarSettings, shape: ModelShape, worker: str | None = None) -> OscarRotations:

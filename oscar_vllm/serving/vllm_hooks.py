@@ -293,16 +293,32 @@ def prepare_model(model: torch.nn.Module) -> None:
             settings.clip_ratio_k or rotations.clip_ratio(KEY, layer_id),
             settings.clip_ratio_v or rotations.clip_ratio(VALUE, layer_id),
         )
+        if settings.key_mean == "on":
+            impl.set_key_mean(rotations.key_means[layer_id][kv_heads], rope_table_of(block, layer_id, impl.head_size))
     dense_bytes = give_dense_prefill_buffers([b.attn.impl for _, b in blocks], vllm_config)
     if settings.prefill_read == "decode" and not dense_bytes:
         raise OscarSettingsError(
             "prefill_read 'decode' runs on FlashAttention over dense prefill buffers, which this model does not "
             "get (layers of different shapes, or no FlashAttention build); serve it with prefill_read 'chunk'")
     logger.info(
-        "OSCAR: %d layers, rotations %s (%s), sink %d, recent %d, scales %s; dense prefill buffers %.2f GiB",
-        len(blocks), settings.rotation_path, rotations.source_format, settings.sink_size,
-        settings.recent_size, settings.scale_dtype, dense_bytes / 2**30,
+        "OSCAR: %d layers, rotations %s (%s), sink %d, recent %d, scales %s, key means %s; dense prefill buffers "
+        "%.2f GiB", len(blocks), settings.rotation_path, rotations.source_format, settings.sink_size,
+        settings.recent_size, settings.scale_dtype, settings.key_mean, dense_bytes / 2**30,
     )
+
+
+def rope_table_of(block: torch.nn.Module, layer_id: int, head_size: int) -> torch.Tensor:
+    """The RoPE table ``[P, d]`` a self-attention block turns its keys with (vLLM's
+    ``cos_sin_cache``: each position's d/2 cosines, then its sines), where it is the rotate-half
+    form over the whole head that key means take; else an error naming the layer."""
+    rotary = getattr(block, "rotary_emb", None)
+    table = getattr(rotary, "cos_sin_cache", None)
+    if (table is None or not getattr(rotary, "is_neox_style", False) or getattr(rotary, "rotary_dim", None) != head_size
+            or table.dim() != 2 or table.shape[-1] != head_size):
+        raise OscarSettingsError(
+            f"key_mean 'on' needs rotate-half RoPE over all {head_size} dims of a head, with vLLM's cos_sin_cache; "
+            f"layer {layer_id}'s {type(rotary).__name__} is not that (serve this model with key_mean 'off')")
+    return table
 
 
 def give_dense_prefill_buffers(impls: list, vllm_config) -> int:
@@ -310,8 +326,8 @@ def give_dense_prefill_buffers(impls: list, vllm_config) -> int:
     longest request plus a full chunk of others: ``max_model_len + max_num_batched_tokens``
     rows. Allocated at load time, so vLLM's memory profiler counts them. Returns their bytes."""
     shapes = {(impl.num_kv_heads, impl.head_size) for impl in impls}
-    if any(impl.flash_attention is None for impl in impls) or len(shapes) != 1:
-        return 0  # no FlashAttention (fp32 models), or layers of different shapes: the INT2 kernel
+    if any(impl.flash_attention is None or impl.key_mean for impl in impls) or len(shapes) != 1:
+        return 0  # no FlashAttention (fp32 models), a key mean, or layers of different shapes: the INT2 kernel
     (hkv, d), = shapes
     rows = vllm_config.model_config.max_model_len + vllm_config.scheduler_config.max_num_batched_tokens
     device = impls[0].window_pos.device

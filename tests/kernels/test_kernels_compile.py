@@ -66,6 +66,25 @@ def test_prefill_write_searches_rows_without_barriers(tmp_path):
     assert sass.read_text().count("BAR.SYNC") <= 20
 
 
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "write"])
+def test_key_mean_variants_compile_and_keep_their_loops(kernel):
+    """``key_mean`` "on" (KEY_MEAN): the Triton decode, prefill and write compile for sm_90; the
+    decode's INT2 loop still feeds the codes to the tensor cores unconverted and adds the mean's
+    product on them too (TF32); the write's two key products spill no more than a tenth above one."""
+    args = {"decode": ["--num-warps", "1", "--num-stages", "3"], "prefill": ["--block-m", "128", "--num-warps", "8",
+                                                                            "--num-stages", "2"], "write": []}[kernel]
+    with_mean = compile_check(kernel, "--key-mean", *args)
+    if kernel == "decode":
+        plain, mean = loops(compile_check(kernel, *args))[1], loops(with_mean)[1]
+        assert not any(op.startswith(("I2F", "I2FP")) for op in mean), mean
+        # the codes' products as before; the mean's, fp32 coefficients against the RoPE table, in TF32
+        assert mean.get("HMMA.16816.F32", 0) == plain.get("HMMA.16816.F32", 0) >= 64, (plain, mean)
+        assert mean.get("HMMA.1688.F32.TF32", 0) > plain.get("HMMA.1688.F32.TF32", 0), (plain, mean)
+    if kernel == "write":
+        stack = lambda report: int(re.search(r"STACK:(\d+)", report).group(1))  # noqa: E731
+        assert stack(with_mean) <= 1.15 * stack(compile_check(kernel)), with_mean
+
+
 @pytest.mark.parametrize("head_dim", ["64", "128", "256"])
 def test_dense_kv_compiles_without_spills(head_dim):
     report = compile_check("dense_kv", "--d", head_dim)

@@ -18,7 +18,9 @@ from csrc_triton.oscar_dense_kv import _oscar_dense_kv_kernel, oscar_dense_kv
 from csrc_triton.oscar_write import WRITE_LAUNCH, _oscar_write_decode_kernel, _oscar_write_kernel, oscar_write
 from csrc_triton.paged_layout import launch_bucket
 from csrc_triton.warm_up import decode_variants, gluon_decode_variants, launch_all, warm_up_kernels
-from kernel_cases import CLIP_K, CLIP_V, DEVICE, ON_GPU, dense_twin, prepare, random_rotation, random_rows
+from kernel_cases import (
+    CLIP_K, CLIP_V, DEVICE, ON_GPU, KeyMeanCase, dense_twin, prepare, random_rotation, random_rows,
+)
 from oscar_vllm.core.quant import clip_index
 
 KERNELS = (_oscar_attention_kernel, _merge_splits_kernel, _oscar_dense_kv_kernel, _oscar_write_kernel)
@@ -58,13 +60,15 @@ def _layer(d=64, hkv=2, g=2, sink=4, recent=8, dtype=torch.float32):
     return pc, random_rotation(d).to(DEVICE)
 
 
-@pytest.mark.parametrize("dense,decode_read", [(False, False), (True, False), (True, True)])
-def test_warm_up_writes_nothing(dense, decode_read):
+@pytest.mark.parametrize("dense,decode_read,key_mean", [(False, False, False), (True, False, False),
+                                                       (True, True, False), (False, False, True)])
+def test_warm_up_writes_nothing(dense, decode_read, key_mean):
     pc, rot = _layer()
     before = [t.clone() for t in (pc.cache, pc.windows, pc.window_pages, pc.window_pos)]
+    km = KeyMeanCase(2, 64, 128)
     n = warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, 4, torch.float32, 4, 8,
                         torch.float16, max_num_seqs=9, max_num_tokens=64, num_sms=4, merge_self=True, dense=dense,
-                        decode_read=decode_read)
+                        decode_read=decode_read, key_mean=(km.mean, km.table) if key_mean else None)
     # 64 tokens: one write bucket of WRITE_LAUNCH; the decode read's two dense fills
     assert n == len(decode_variants(9, 2, 4)) + 1 + dense + 2 * decode_read + 1
     for b, a in zip(before, (pc.cache, pc.windows, pc.window_pages, pc.window_pos)):
@@ -175,3 +179,42 @@ def test_warm_up_in_threads_compiles_what_one_thread_does(gluon, tmp_path, monke
     assert sum(map(len, compiled[6][1].values())) >= compiled[6][0] // 2  # the launches did compile
     for b, a in zip(before, (pc.cache, pc.windows, pc.window_pages, pc.window_pos)):
         assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled-kernel caches exist on a GPU only")
+def test_serving_with_key_mean_after_warm_up_compiles_nothing():
+    """``key_mean`` "on": the Triton kernels' KEY_MEAN variants (decode of many batch sizes, prefill
+    over a prefix with FlashAttention's own-keys pass merged, the write) are all warmed up."""
+    d, hkv, g, sink, recent, dtype = 128, 8, 4, 64, 256, torch.bfloat16
+    km = KeyMeanCase(hkv, d, 16384)
+    batches = [([5000 if n < 16 else 300] * n, [1] * n) for n in (1, 2, 16, 33, 48)]
+    batches += [([900, 3000, 16], [1, 300, 2049]), ([4095, 64, 1], [1, 1, 17])]
+    pcs = [prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=i, key_mean=km)
+           for i, (prefix, new) in enumerate(batches)]
+    max_seqs, num_sms = 64, torch.cuda.get_device_properties(0).multi_processor_count
+    rot = random_rotation(d).to(DEVICE)
+    pc0 = pcs[0][0]
+    warm_up_kernels(pc0.cache, pc0.windows, pc0.window_pages, pc0.window_pos, rot, hkv * g, dtype, sink, recent,
+                    torch.float16, max_seqs, 8192, num_sms, merge_self=True, dense=False, key_mean=(km.mean, km.table))
+    compiled = _compiled()
+    rows = decode_split_rows(max_seqs, hkv, num_sms)
+    part_out = torch.empty(rows * hkv * g * d, dtype=torch.float32, device=DEVICE)
+    part_lse = torch.empty(rows * hkv * g, dtype=torch.float32, device=DEVICE)
+
+    def own(q_p, k_p, v_p, cu, max_q, out_p):
+        return torch.zeros(q_p.shape[1], q_p.shape[0], dtype=torch.float32, device=DEVICE)
+
+    for (prefix, new), (pc, step, q, q_rot, k, v) in zip(batches, pcs):
+        num_decodes = next((i for i, n in enumerate(new) if n > 1), len(new))
+        num_reqs = len(new)
+        oscar_attention(torch.empty_like(q), q, q_rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
+                        step.block_table, step.seq_lens, step.cu_q, step.ring_slots, num_decodes, num_reqs, max(new),
+                        d ** -0.5, sink, recent, torch.float16, decode_splits(num_decodes, hkv, num_sms), part_out,
+                        part_lse, own, True, None, logit_correction=0.5, key_mean=km.mean, cos_sin=km.table)
+        t = int(step.cu_q[-1])
+        oscar_write(random_rows((t, hkv, d), dtype, 1), random_rows((t, hkv, d), dtype, 2), rot,
+                    step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, pc.cache, pc.windows,
+                    pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent,
+                    torch.float16, num_decodes, key_mean=km.mean, cos_sin=km.table)
+    torch.cuda.synchronize()
+    assert _compiled() == compiled, f"compiled while serving: {compiled} -> {_compiled()}"

@@ -99,3 +99,53 @@ def test_fresh_prefill_queries_are_not_rotated(has_prefix):
         own = torch.empty_like(out)
         attention(q, k, v, step.cu_q, step.cu_q, 20, 20, own, return_lse=False, window_left=-1)
         torch.testing.assert_close(out, own, rtol=0, atol=0)
+
+
+def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch):
+    """``key_mean`` "on" through the backend's Triton path (attention, then the write): a decode
+    and a prefill over a cached prefix read the INT2 keys plus their mean as the twin does, and
+    the step's keys go into the pages less it, as the twin writes them."""
+    import oscar_vllm.serving.backend as backend
+    from kernel_cases import KeyMeanCase
+    from oscar_vllm.reference.oscar_attention import oscar_attention_reference
+    from oscar_vllm.reference.oscar_write import oscar_write_reference, token_positions
+    from oscar_vllm.reference.oscar_attention import read_int2_slots
+
+    d, hkv, g, sink, recent = 64, 2, 2, 4, 8
+    prefix, new = [90, 70], [1, 9]
+    km = KeyMeanCase(hkv, d, 256)
+    pc, step, q, q_rot, k, v = prepare(d, hkv, g, sink, recent, prefix, new, torch.float32, key_mean=km)
+    k = km.keys_at(k, token_positions(step.cu_q, step.seq_lens, 2)[1])
+    rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
+    scale, lam = 1 / math.sqrt(d), 0.5
+    want = oscar_attention_reference(q, q @ rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
+                                     step.block_table, step.seq_lens, step.cu_q, step.ring_slots, 2, scale, sink,
+                                     recent, logit_correction=lam, key_mean=km.twin, rot_k=rot)
+    written = pc.clone()
+    oscar_write_reference(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, 2, written.cache,
+                          written.windows, written.window_pages, written.window_pos, CLIP_K, CLIP_V, sink, recent,
+                          key_mean=km.twin)
+    attention, _ = decode_read_twins(scale)
+    impl = SimpleNamespace(
+        num_heads=hkv * g, head_size=d, num_kv_heads=hkv, gluon_decode=False, decode_read=False, scale=scale,
+        sink=sink, recent=recent, param_dtype=torch.float16, logit_correction=lam, rot_k=rot, window_pos=pc.window_pos,
+        clip_idx_k=clip_index(CLIP_K, d), clip_idx_v=clip_index(CLIP_V, d),
+        key_mean=dict(key_mean=km.mean, cos_sin=km.table), dense_kv=None,
+        rotate=lambda x: (x.float() @ rot).to(x.dtype),
+        own_keys_attention=lambda *a: backend._own_keys(
+            lambda *b, return_lse: attention(*b, return_lse=return_lse, window_left=-1), *a))
+    impl.dense_prefill = lambda md, k: backend.OscarAttentionImpl.dense_prefill(impl, md, k)
+    md = SimpleNamespace(
+        num_decodes=1, num_reqs=2, num_actual_tokens=10, max_query_len=9, prefill_has_prefix=True, prefill_shapes=(),
+        query_start_loc=step.cu_q, seq_lens=step.seq_lens, block_table=step.block_table,
+        slot_mapping=step.slot_mapping, ring_slots=step.ring_slots, window_pages=pc.window_pages, decode_splits=2,
+        part_out=torch.empty(2 * hkv * g * 2 * d), part_lse=torch.empty(2 * hkv * g * 2))
+    monkeypatch.setattr(backend, "windows_view", lambda cache: pc.windows)
+    out = torch.full((10, hkv * g * d), float("nan"))
+    backend.OscarAttentionImpl.forward(impl, SimpleNamespace(layer_name="x"), q.flatten(1), k.flatten(1),
+                                       v.flatten(1), pc.cache, md, out)
+    torch.testing.assert_close(out.view(10, hkv * g, d), want, rtol=1e-4, atol=1e-4)
+    # The step's slots as the pages hold them (k @ R sums in another order: a code may flip at a tie).
+    for got, expect in zip(read_int2_slots(pc.cache, step.slot_mapping, d, torch.float16),
+                           read_int2_slots(written.cache, step.slot_mapping, d, torch.float16)):
+        assert ((got - expect).abs() > 1e-2 * expect.abs().max()).float().mean() <= 1e-2

@@ -106,7 +106,7 @@ def test_a_servable_engine_passes_and_its_settings_travel_in_its_config(engine_a
                                                  "recent_size": 128, "scale_dtype": "fp16",
                                                  "logit_correction": 0.5, "prefill_read": "chunk",
                                                  "decode_splits": 0, "hit_ring": "recompute",
-                                                 "warm_up_threads": 4}
+                                                 "key_mean": "off", "warm_up_threads": 4}
     monkeypatch.delenv("OSCAR_RECENT_SIZE")
     assert OscarSettings.from_vllm_config(config).recent_size == 128
     assert build(engine_args, models / "qwen3", attention_backend="FLASH_ATTN").additional_config == {

@@ -1,5 +1,6 @@
 """Plugin registration (in fresh interpreters, as vLLM's processes do), version check and
 KV-cache spec sizing, with vLLM imported."""
+import math
 import subprocess
 import sys
 import textwrap
@@ -128,7 +129,7 @@ def test_dense_prefill_buffers_are_shared_and_sized_for_a_longest_request():
 
     def impl():
         return SimpleNamespace(num_kv_heads=8, head_size=128, flash_attention=print, window_pos=torch.empty(0),
-                               dense_kv=None)
+                               dense_kv=None, key_mean={})
 
     config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=1000, dtype=torch.bfloat16),
                              scheduler_config=SimpleNamespace(max_num_batched_tokens=256))
@@ -140,13 +141,16 @@ def test_dense_prefill_buffers_are_shared_and_sized_for_a_longest_request():
     no_flash = [impl(), impl()]
     no_flash[1].flash_attention = None  # an fp32 model: FlashAttention cannot run, nor the dense path
     assert give_dense_prefill_buffers(no_flash, config) == 0 and no_flash[0].dense_kv is None
+    with_mean = [impl(), impl()]
+    with_mean[0].key_mean = {"key_mean": torch.zeros(8, 128)}  # key_mean "on": the dense path adds no mean back
+    assert give_dense_prefill_buffers(with_mean, config) == 0 and with_mean[1].dense_kv is None
 
 
 def test_dense_prefill_is_taken_where_a_prefill_has_a_prefix_and_the_host_knows_the_shapes():
     from oscar_vllm.serving.backend import OscarAttentionImpl
 
     buf = torch.empty(100, 2, 16)
-    impl = SimpleNamespace(dense_kv=(buf, buf), rotate=lambda x: x * 2, flash_attention=print)
+    impl = SimpleNamespace(dense_kv=(buf, buf), rotate=lambda x: x * 2, flash_attention=print, key_mean={})
     k = torch.arange(7.0).view(7, 1, 1).expand(7, 2, 16)
     shapes = ((3, 60), (2, 70))  # more rows than the buffers: oscar_dense_prefill_attention groups them
 
@@ -160,7 +164,9 @@ def test_dense_prefill_is_taken_where_a_prefill_has_a_prefix_and_the_host_knows_
     assert dense.shapes == shapes and dense.max_seq_len == 70 and dense.attention is print
     for why in (dict(prefill_shapes=()), dict(prefill_has_prefix=False), dict(num_decodes=4)):
         assert OscarAttentionImpl.dense_prefill(impl, md(**why), k) is None, why
-    impl.dense_kv = None
+    impl.key_mean = {"key_mean": torch.zeros(2, 16)}  # the dense path adds no key mean back
+    assert OscarAttentionImpl.dense_prefill(impl, md(), k) is None
+    impl.key_mean, impl.dense_kv = {}, None
     assert OscarAttentionImpl.dense_prefill(impl, md(), k) is None
 
 
@@ -303,3 +309,27 @@ def test_a_second_weight_hook_would_fold_twice_and_is_refused():
     with pytest.raises(RotationFoldError, match=r"layers \[1\] already hold their rotations"):
         prepare_model(model)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "no weight touched"
+
+
+def test_key_means_take_rotate_half_rope_over_the_whole_head_from_vllm():
+    """The RoPE table key means are turned with: vLLM's own rotary embedding of the block, where it is
+    the rotate-half form over all dims; any other is refused at load, naming the layer."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from oscar_vllm.core.settings import OscarSettingsError
+    from oscar_vllm.serving.vllm_hooks import rope_table_of
+    from vllm_cpu import vllm_configs_on_cpu
+
+    with vllm_configs_on_cpu(), set_current_vllm_config(VllmConfig()):  # vLLM's ops read it when built
+        neox = get_rope(64, 128, is_neox_style=True, dtype=torch.float32)
+        gptj = get_rope(64, 128, is_neox_style=False, dtype=torch.float32)
+    table = rope_table_of(SimpleNamespace(rotary_emb=neox), 3, 64)
+    assert table.shape == (128, 64)
+    angle = 5 * neox.base ** (-2 * 7 / 64)  # position 5, frequency 7
+    torch.testing.assert_close(table[5, [7, 39]].double(), torch.tensor([math.cos(angle), math.sin(angle)],
+                                                                          dtype=torch.float64), atol=1e-6, rtol=0)
+    for block in (SimpleNamespace(rotary_emb=gptj), SimpleNamespace()):
+        with pytest.raises(OscarSettingsError, match="key_mean 'on' needs rotate-half RoPE over all 64 dims of a "
+                                                     "head.*layer 3"):
+            rope_table_of(block, 3, 64)

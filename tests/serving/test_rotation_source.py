@@ -28,6 +28,20 @@ def test_no_rotation_path_is_an_error_with_the_fix():
         rotations_for_model(OscarSettings(), QWEN3_8B)
 
 
+def test_key_mean_on_needs_rotations_that_have_them(qwen3_8b_zoo, tmp_path):
+    from oscar_vllm.core.rotation_io import load_rotations, save_rotations
+
+    for path in (str(qwen3_8b_zoo), "hadamard"):
+        with pytest.raises(OscarSettingsError, match="key_mean 'on' needs rotations with key means, and .* has none: "
+                                                     "write them with `oscar-calibrate"):
+            rotations_for_model(OscarSettings(rotation_path=path, key_mean="on"), QWEN3_8B)
+    rot = load_rotations(qwen3_8b_zoo, QWEN3_8B)
+    rot.key_means = {i: torch.zeros(8, 128) for i in rot.layer_ids}
+    save_rotations(rot, tmp_path / "ours")
+    got = rotations_for_model(OscarSettings(rotation_path=str(tmp_path / "ours"), key_mean="on"), QWEN3_8B)
+    assert got.key_means[35].shape == (8, 128)
+
+
 def test_wrong_model_is_refused(qwen3_8b_zoo):
     with pytest.raises(RotationFileError):
         rotations_for_model(OscarSettings(rotation_path=str(qwen3_8b_zoo)), ModelShape(30, 3, 64, "SmolLM2"))
