@@ -210,6 +210,7 @@ class Row:
     key_mean: str = ""
     clip_less_mean: bool = False  # the key clip ratios fitted again on the keys less the mean
     key_mean_pairs: int = 0  # > 0: the mean on each KV head's strongest RoPE pairs only
+    key_mean_pairs_shared: bool = False  # the same strongest pairs for every KV head of a layer
 
     @property
     def key_groups(self) -> int:
@@ -308,6 +309,12 @@ ROWS = [
         key_mean="before-rope", key_mean_pairs=8),
     Row("half-key-mean-int4-2layers", "half-key-mean, with INT4 for the 2 most sensitive layers", calibration=None,
         int4_layers=2, logit_correction=0.5, key_mean="before-rope"),
+    Row("half-key-mean-16pairs", "half-key-mean, the mean on each KV head's 16 RoPE pairs of most energy only "
+        "(of 32 at SmolLM2's head_dim 64)", calibration=None, logit_correction=0.5, key_mean="before-rope",
+        key_mean_pairs=16),
+    Row("half-key-mean-8pairs-shared", "half-key-mean-8pairs, the same 8 pairs for every KV head of a layer (one "
+        "table of 8 pairs' cos/sin a layer, read by every KV head)", calibration=None, logit_correction=0.5,
+        key_mean="before-rope", key_mean_pairs=8, key_mean_pairs_shared=True),
     Row("quarter-key-mean", "keys less their mean before RoPE, the correction at λ = 0.25 (the rounding variance "
         "it corrects is smaller with the mean taken off)", calibration=None, logit_correction=0.25,
         key_mean="before-rope"),
@@ -589,7 +596,8 @@ def main() -> None:
                 rot = calibrate.clip_less_mean(rot, row.calibration or AUSTEN, means["before-rope"], row.sink)
             # After RoPE the mean is one vector at every position: a table that turns nothing
             turn = (cos, sin) if row.key_mean == "before-rope" else (torch.ones_like(cos), torch.zeros_like(sin))
-            key_means = {i: KeyMean(strongest_pairs(m, row.key_mean_pairs) if row.key_mean_pairs else m, *turn)
+            key_means = {i: KeyMean(strongest_pairs(m, row.key_mean_pairs, row.key_mean_pairs_shared)
+                                    if row.key_mean_pairs else m, *turn)
                          for i, m in means[row.key_mean].items()}
         configs[row.name] = (row.specs(rot, set(ranked[:row.int4_layers]), n, key_means), row.sink,
                              row.recent_at(positions))

@@ -239,13 +239,21 @@ def main() -> None:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--contexts", nargs="+", type=int, default=[1024, 8192, 32768, 131072])
     p.add_argument("--max-gb", type=float, default=40.0, help="skip shapes whose BF16 cache exceeds this")
-    p.add_argument("--maxnreg", nargs="+", type=lambda v: None if v == "none" else int(v), default=[None, 168, 128],
-                   help="sweep: register caps ('none': uncapped)")
-    p.add_argument("--ctas", nargs="+", type=int, default=[4, 8, 16], help="sweep: one-warp programs per SM aimed for")
+    # The sweep's default axes are DECODE_LAUNCH's own values: a sweep with no axes named times the
+    # table's choices against each other at every batch (name others to look beyond them).
+    launch = list(od.DECODE_LAUNCH.values())
+    p.add_argument("--maxnreg", nargs="+", type=lambda v: None if v == "none" else int(v),
+                   default=sorted({x.maxnreg for x in launch}, key=lambda v: -1 if v is None else v),
+                   help="sweep: register caps ('none': uncapped; default: the launch table's)")
+    p.add_argument("--ctas", nargs="+", type=int, default=sorted({x.ctas_per_sm for x in launch}),
+                   help="sweep: one-warp programs per SM aimed for (default: the launch table's)")
     p.add_argument("--max-splits", nargs="+", type=int, default=[od.MAX_DECODE_SPLITS], help="sweep: split caps")
-    p.add_argument("--prefetch", nargs="+", type=int, default=[0], help="sweep: INT2 blocks prefetched into L2 ahead")
-    p.add_argument("--split-rounding", nargs="+", choices=["pow2", "wave"], default=["pow2"],
-                   help="sweep: the split count rounded up to a power of two, or down to one whole wave of programs")
+    p.add_argument("--prefetch", nargs="+", type=int, default=sorted({x.prefetch for x in launch}),
+                   help="sweep: INT2 blocks prefetched into L2 ahead (default: the launch table's)")
+    p.add_argument("--split-rounding", nargs="+", choices=["pow2", "wave"],
+                   default=sorted({"wave" if x.whole_wave else "pow2" for x in launch}),
+                   help="sweep: the split count rounded up to a power of two, or down to one whole wave of programs "
+                        "(default: the launch table's)")
     p.add_argument("--ring-cost", nargs="+", type=int, default=[None],
                    help="sweep: INT2 blocks a ring tile counts as in the split partition (default: DECODE_LAUNCH's)")
     p.add_argument("--baseline", help="against: an earlier csrc_triton/oscar_decode.py to time beside this tree's")

@@ -88,12 +88,16 @@ def pre_rope_mean(keys: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
     return total / count
 
 
-def strongest_pairs(mean: torch.Tensor, count: int) -> torch.Tensor:
+def strongest_pairs(mean: torch.Tensor, count: int, shared: bool = False) -> torch.Tensor:
     """``mean`` ``[Hkv, d]`` on each KV head's ``count`` RoPE pairs (dims ``i`` and ``i + d/2``)
-    of most energy, zero on the others: a read then adds only those pairs' terms."""
+    of most energy, zero on the others: a read then adds only those pairs' terms. ``shared``: the
+    same pairs for every KV head, those of most energy over all of them (one table of those pairs'
+    cos/sin serves the whole layer)."""
     half = mean.shape[-1] // 2
     if not 0 < count <= half:
         raise ValueError(f"{count} pairs asked for of {half}")
     energy = mean[..., :half].square() + mean[..., half:].square()
+    if shared:
+        energy = energy.sum(0, keepdim=True).expand_as(energy)
     keep = torch.zeros_like(energy, dtype=torch.bool).scatter_(-1, energy.topk(count, dim=-1).indices, True)
     return mean * torch.cat([keep, keep], dim=-1)

@@ -137,3 +137,12 @@ def test_vllms_table_turns_the_mean_as_the_models_table_does():
     pos = torch.tensor([0, 7, 49, 7, 3])
     got = KeyMean.from_cos_sin_cache(mean, vllm_cache).turned(pos)
     torch.testing.assert_close(got, KeyMean(mean, cos, sin).at(50)[pos])
+
+
+def test_shared_strongest_pairs_are_the_same_for_every_head():
+    mean = torch.zeros(2, 8)
+    mean[0, 0], mean[0, 1], mean[1, 2], mean[1, 6] = 3.0, 1.0, 2.5, 2.5  # pairs (i, i + 4)
+    own = strongest_pairs(mean, 1)
+    assert own[0].nonzero().flatten().tolist() == [0] and own[1].nonzero().flatten().tolist() == [2, 6]
+    shared = strongest_pairs(mean, 1, shared=True)  # pair 2 holds 12.5 over both heads, pair 0 9
+    assert shared[0].abs().sum() == 0 and shared[1].nonzero().flatten().tolist() == [2, 6]
