@@ -420,7 +420,9 @@ def _load_our_file(path: Path, kind: str) -> tuple[RotationSet, dict[int, torch.
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            # Copies: safetensors maps the file, so a file written over in place (cp) would change
+            # the rotations under whatever still holds them (a server, an evaluation), silently.
+            tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
     except Exception as e:
         raise _fail(str(path), f"is not a readable safetensors file ({_first_line(e)})") from e
     if meta.get("format") != FORMAT_NAME:

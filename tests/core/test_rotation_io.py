@@ -359,3 +359,15 @@ def test_inspect_names_the_key_means(tmp_path, capsys):
     save_rotations(small_rotations(key_means=key_means()), tmp_path)
     main(["inspect", str(tmp_path)])
     assert "key means:   before RoPE, [2, 16] per layer" in capsys.readouterr().out
+
+
+def test_loaded_rotations_do_not_change_when_the_files_are_written_over(tmp_path):
+    """safetensors maps the files: what a process loaded must be its own copy, not change when
+    someone copies other rotations over the files in place."""
+    save_rotations(small_rotations(key_means=key_means()), tmp_path / "a")
+    save_rotations(small_rotations(key_means=key_means(seed=5)), tmp_path / "b")
+    got = load_rotations(tmp_path / "a", SMALL)
+    before = (got.key.rotations[1].clone(), got.key_means[2].clone())
+    for name in ("k_rotation.safetensors", "v_rotation.safetensors"):
+        (tmp_path / "a" / name).write_bytes((tmp_path / "b" / name).read_bytes())  # in place, as cp does
+    assert torch.equal(got.key.rotations[1], before[0]) and torch.equal(got.key_means[2], before[1])
