@@ -333,6 +333,37 @@ def test_refuses_an_engine_without_rotations(engine_args, models):
             oscar={})
 
 
+def test_refuses_key_mean_without_key_means(engine_args, models, zoo, tmp_path):
+    """``key_mean`` "on" with rotations that have no means (RotationZoo files, the Hadamard mode,
+    format 1): refused with the command that writes them; with format 2's means it starts."""
+    folder = zoo()
+    for path in (str(folder), "hadamard"):
+        refused(engine_args, models / "qwen3", "key_mean 'on' needs rotations with key means, and .* has none: write "
+                "them with `oscar-calibrate", OscarSettingsError, oscar={"rotation_path": path, "key_mean": "on"})
+    rot = load_rotations(folder)
+    rot.key_means = {i: torch.zeros(2, 128) for i in rot.layer_ids}
+    save_rotations(rot, tmp_path / "ours")
+    build(engine_args, models / "qwen3", {"rotation_path": str(tmp_path / "ours"), "key_mean": "on"})
+
+
+@pytest.mark.parametrize("case,match", [("heads", r"layer 1 key mean has shape \(3, 128\), not \[2, 128\]"),
+                                        ("nan", "layer 0 key mean contains NaN or Inf")])
+def test_refuses_bad_key_means(engine_args, models, zoo, tmp_path, case, match):
+    rot = load_rotations(zoo())
+    rot.key_means = {i: torch.zeros(2, 128) for i in rot.layer_ids}
+    if case == "heads":
+        rot.key_means[1] = torch.zeros(3, 128)
+    else:
+        rot.key_means[0][1, 5] = math.nan
+    save_rotations(rot, tmp_path / "ours")
+    rot_refused(engine_args, models, tmp_path / "ours", match)
+
+
+def test_refuses_key_mean_with_the_decode_read(engine_args, models):
+    refused(engine_args, models / "qwen3", "key_mean 'on' does not serve prefill_read 'decode'", OscarSettingsError,
+            oscar={"rotation_path": "hadamard", "key_mean": "on", "prefill_read": "decode"})
+
+
 def test_refuses_an_unfinished_output_folder(engine_args, models, zoo, tmp_path):
     folder = tmp_path / f".rotations{PARTIAL_MARK}host-123"
     shutil.copytree(zoo(), folder)
