@@ -228,7 +228,9 @@ def _attend_int2_block(
     if KEY_MEAN:
         table = tl.load(cos_sin_ptr + kp.to(tl.int64)[None, :] * stride_cs + tl.arange(0, D)[:, None],
                         mask=(kp < ctx)[None, :], other=0.0).to(tl.float32)  # [D, BS]
-        s += tl.dot(q_mean, table, input_precision=PRECISION) * qk_scale
+        # Three TF32 products (or fp32 FMAs): one TF32 product left 1.7% of the output's scale at
+        # 64 x 1K, bf16 (H200), where the mean's term dwarfs the rest of the logit.
+        s += tl.dot(q_mean, table, input_precision="ieee" if PRECISION == "ieee" else "tf32x3") * qk_scale
     if WINDOW:
         k_ok = kp < ctx
         # Zeroed past ctx, where the bytes are whatever the allocator left (NaN would poison p·s_v).
@@ -730,6 +732,10 @@ def oscar_prefill_attention(
         return out
     hq, hkv, d, consts, params = _common(q, k, cache, param_dtype, use_asm)
     block_m, num_warps, num_stages = launch or (PREFILL_LAUNCH if d >= 128 else SMALL_HEAD_PREFILL_LAUNCH)
+    if key_mean is not None and d >= 128 and launch is None:
+        # The mean's fp32 operands take shared memory (sm_90 compile, 232,448 B on the H200): at head_dim
+        # 128, 291,072 B at 128 rows and 196,864 at 64; at 256, 131,072 at 32 rows in one stage.
+        block_m, num_stages = (64, 2) if d == 128 else (32, 1)
     g = hq // hkv
     if q.dtype == torch.float32:
         block_m = min(block_m, 32)  # fp32 tiles: keep the registers
