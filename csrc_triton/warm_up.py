@@ -85,7 +85,7 @@ def warm_up_kernels(
     decode_read: bool = False,
     fixed_splits: int = 0,
     threads: int = 1,
-    key_mean: tuple[torch.Tensor, torch.Tensor] | None = None,
+    key_mean: dict[str, torch.Tensor] | None = None,
 ) -> int:
     """Launch each kernel variant once on one-block scratch inputs; returns the launches.
 
@@ -97,12 +97,13 @@ def warm_up_kernels(
     ``fixed_splits`` > 0: every decode batch splits its requests that many ways (``decode_splits``).
     ``max_num_seqs`` and ``max_num_tokens`` bound the batches (requests, tokens per step).
     ``threads`` > 1: launch (so compile) that many variants at a time (``launch_all``).
-    ``key_mean``: the layer's ``(mean, cos_sin)``, which its Triton kernels take (their ``KEY_MEAN`` variants).
+    ``key_mean``: the layer's ``{"key_mean": mean, "cos_sin": table}``, the keyword arguments its Triton
+    kernels take (their ``KEY_MEAN`` variants).
     """
     dev = cache.device
     hkv, d = cache.shape[1], rot_k.shape[-1]
     i32 = dict(dtype=torch.int32, device=dev)
-    mean = {} if key_mean is None else dict(key_mean=key_mean[0], cos_sin=key_mean[1])
+    mean = key_mean or {}
 
     def rows(n: int, heads: int) -> torch.Tensor:
         return torch.zeros(n, heads, d, dtype=dtype, device=dev)

@@ -1,4 +1,5 @@
-"""Keys less their mean before 2-bit rounding (the reference cache; not served yet).
+"""Keys less their mean before 2-bit rounding: the reference cache's, and the serving setting
+``key_mean`` "on"'s (the Triton kernels take it as ``KEY_MEAN``; docs/kernels.md).
 
 Most of a key's length is a mean the model gives every key before RoPE: in SmolLM2's layers it
 holds 60-89% of the keys' energy past the sink (``docs/quality.md``). Rounding a key row to four

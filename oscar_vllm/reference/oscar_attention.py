@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from oscar_vllm.core.key_mean import KeyMean
 from oscar_vllm.core.quant import dequantize_int2, Int2Rows
 from oscar_vllm.reference.oscar_write import window_index
 from oscar_vllm.reference.paged import block_size_of, layout_views, read_ring, rotated_key_mean, v_column
@@ -58,7 +59,7 @@ def oscar_attention_reference(
     recent: int,
     param_dtype: torch.dtype = torch.float16,
     logit_correction: float = 0.0,
-    key_mean=None,
+    key_mean: KeyMean | None = None,
     rot_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 ``[T, Hq, d]``: what :func:`csrc_triton.oscar_attention.oscar_attention` writes, its

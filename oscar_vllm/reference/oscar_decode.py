@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from oscar_vllm.core.key_mean import KeyMean
 from oscar_vllm.reference.oscar_attention import logit_correction_bias, read_int2_key_scales, read_int2_slots
 from oscar_vllm.reference.oscar_write import window_index
 from oscar_vllm.reference.paged import block_size_of, read_ring, rotated_key_mean
@@ -24,7 +25,7 @@ def oscar_decode_reference(
     recent: int,
     param_dtype: torch.dtype = torch.float16,
     logit_correction: float = 0.0,
-    key_mean=None,
+    key_mean: KeyMean | None = None,
     rot_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 ``[num_reqs, Hq, d]``: request ``r``'s query ``q_rot[r]`` (key-rotated basis) over

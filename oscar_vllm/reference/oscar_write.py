@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from oscar_vllm.core.key_mean import KeyMean
 from oscar_vllm.core.quant import quantize_int2
 from oscar_vllm.reference.paged import layout_views, ring_index, rotate_keys, rotated_key_mean, v_column, window_views
 
@@ -40,10 +41,10 @@ def oscar_write_reference(
     sink: int,
     recent: int,
     param_dtype: torch.dtype = torch.float16,
-    key_mean=None,
+    key_mean: KeyMean | None = None,
 ) -> None:
     """What :func:`csrc_triton.oscar_write.oscar_write` does, in place, with ``quantize_int2``.
-    ``key_mean`` (a ``core.key_mean.KeyMean``): the INT2 rows are the keys less their mean turned
+    ``key_mean``: the INT2 rows are the keys less their mean turned
     to their positions; the ring keeps the keys as they are."""
     t, hkv, d = key.shape
     live = slot_mapping[:t].long().cpu() >= 0

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from oscar_vllm.core.key_mean import KeyMean
+
 PARAM_BYTES = 8  # K scale, K min, V scale, V min, 16 bits each
 
 
@@ -80,8 +82,7 @@ def rotate_keys(x: torch.Tensor, rot_k: torch.Tensor) -> torch.Tensor:
     return x @ rot if rot.dim() == 2 else torch.einsum("thi,hij->thj", x, rot)
 
 
-def rotated_key_mean(key_mean, rot_k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def rotated_key_mean(key_mean: KeyMean, rot_k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """What a 2-bit key at each of ``positions`` ``[N]`` was rounded less and is read plus, in the
-    key-rotated basis: ``RoPE_p(μ) @ R_K``, fp32 ``[N, Hkv, d]`` (``key_mean``: a
-    ``oscar_vllm.core.key_mean.KeyMean``)."""
+    key-rotated basis: ``RoPE_p(μ) @ R_K``, fp32 ``[N, Hkv, d]``."""
     return rotate_keys(key_mean.turned(positions), rot_k)

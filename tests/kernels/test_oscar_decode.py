@@ -10,15 +10,14 @@ import torch
 from csrc_triton.oscar_decode import (
     DECODE_LAUNCH, MAX_DECODE_SPLITS, decode_launch, decode_ring_cost, decode_splits, split_shares, supports,
 )
-from oscar_vllm.core.key_mean import KeyMean
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
 from oscar_vllm.core.quant import clip_index
 from oscar_vllm.reference.oscar_attention import oscar_attention_reference
 from oscar_vllm.reference.oscar_decode import oscar_decode_reference
 from oscar_vllm.reference.oscar_write import oscar_write_reference
 from kernel_cases import (
-    CASES, CLIP_K, CLIP_V, DEVICE, ON_GPU, assert_close_to_reference, cache_args, case_id, prepare, random_rotation,
-    random_rows,
+    CASES, CLIP_K, CLIP_V, DEVICE, ON_GPU, KeyMeanCase, assert_close_to_reference, cache_args, case_id, prepare,
+    random_rotation, random_rows,
 )
 from paged_sim import PagedCache
 
@@ -167,13 +166,6 @@ def test_reference_reads_the_written_token_as_attention_reads_it_unwritten(case,
     assert not torch.equal(after, before)
 
 
-def rope_table(positions: int, d: int, base: float = 10_000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin ``[P, d]`` in the rotate-half form (the halves repeated)."""
-    angles = torch.arange(positions, dtype=torch.float64)[:, None] * base ** (-torch.arange(0, d, 2) / d)[None]
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
-
-
 @pytest.mark.parametrize("key_mean", [False, True], ids=["no-mean", "key-mean"])
 @pytest.mark.parametrize("lam", [0.0, 0.5, 1.0], ids=lambda x: f"lambda{x:g}")
 def test_references_correct_logits_as_the_mixed_cache_reference(lam, key_mean):
@@ -185,7 +177,7 @@ def test_references_correct_logits_as_the_mixed_cache_reference(lam, key_mean):
     d, hkv, g, sink, recent, lens = 64, 2, 2, 4, 8, [100, 37]
     pc = PagedCache(len(lens), max(lens), hkv, d, sink, recent, DEVICE)
     rot = random_rotation(d).to(DEVICE)
-    mean = KeyMean(3 * random_rows((hkv, d), torch.float32, 50).cpu(), *rope_table(max(lens), d)) if key_mean else None
+    mean = KeyMeanCase(hkv, d, max(lens), seed=50).twin if key_mean else None
     ks = [random_rows((n, hkv, d), torch.float32, 20 + r) for r, n in enumerate(lens)]
     if key_mean:  # keys that have the mean they are rounded less
         ks = [k + mean.at(k.shape[0]).to(k.device) for k in ks]

@@ -68,7 +68,7 @@ def test_warm_up_writes_nothing(dense, decode_read, key_mean):
     km = KeyMeanCase(2, 64, 128)
     n = warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, 4, torch.float32, 4, 8,
                         torch.float16, max_num_seqs=9, max_num_tokens=64, num_sms=4, merge_self=True, dense=dense,
-                        decode_read=decode_read, key_mean=(km.mean, km.table) if key_mean else None)
+                        decode_read=decode_read, key_mean=dict(key_mean=km.mean, cos_sin=km.table) if key_mean else None)
     # 64 tokens: one write bucket of WRITE_LAUNCH; the decode read's two dense fills
     assert n == len(decode_variants(9, 2, 4)) + 1 + dense + 2 * decode_read + 1
     for b, a in zip(before, (pc.cache, pc.windows, pc.window_pages, pc.window_pos)):
@@ -195,7 +195,8 @@ def test_serving_with_key_mean_after_warm_up_compiles_nothing():
     rot = random_rotation(d).to(DEVICE)
     pc0 = pcs[0][0]
     warm_up_kernels(pc0.cache, pc0.windows, pc0.window_pages, pc0.window_pos, rot, hkv * g, dtype, sink, recent,
-                    torch.float16, max_seqs, 8192, num_sms, merge_self=True, dense=False, key_mean=(km.mean, km.table))
+                    torch.float16, max_seqs, 8192, num_sms, merge_self=True, dense=False,
+                    key_mean=dict(key_mean=km.mean, cos_sin=km.table))
     compiled = _compiled()
     rows = decode_split_rows(max_seqs, hkv, num_sms)
     part_out = torch.empty(rows * hkv * g * d, dtype=torch.float32, device=DEVICE)
