@@ -416,6 +416,22 @@ def _times_rotation(x, r_hi, r_lo, acc):
     return acc
 
 
+@gluon.jit
+def _turned_mean(key_mean_ptr, cos_sin_ptr, stride_cs, h, pos, ok, dim, D: gl.constexpr):
+    """fp32 ``[R, D]``: KV head ``h``'s mean key before RoPE turned to each row's position ``pos``
+    ``[R]`` (rows not ``ok``: zero) by the table's rows, in the rotate-half form (dim ``i`` pairs
+    with ``i ± D/2``); ``dim`` ``[D]`` indexes the columns."""
+    HALF: gl.constexpr = D // 2
+    pair = dim % HALF
+    mu = gl.load(key_mean_ptr + h * D + dim)
+    other = gl.load(key_mean_ptr + h * D + (dim + HALF) % D)
+    rot_half = gl.where(dim < HALF, -other, other)
+    row = cos_sin_ptr + pos.to(gl.int64)[:, None] * stride_cs + pair[None, :]
+    cos = gl.load(row, mask=ok[:, None], other=0.0)
+    sin = gl.load(row + HALF, mask=ok[:, None], other=0.0)
+    return mu[None, :] * cos + rot_half[None, :] * sin
+
+
 # One program: TP decode tokens (one request each) of one KV head.
 @gluon.jit(do_not_specialize=["num_tokens", "clip_idx_k", "clip_idx_v"],
            do_not_specialize_on_alignment=["slot_mapping_ptr", "seq_lens_ptr", "ring_slot_ptr"])
@@ -441,6 +457,9 @@ def _oscar_write_decode_kernel(
     stride_cb,  # bytes from one cache block to the next
     stride_wp,  # window_pages row stride
     stride_page,  # elements from one window page to the next
+    key_mean_ptr,  # fp32 [HKV, D] each KV head's mean key before RoPE (KEY_MEAN)
+    cos_sin_ptr,  # fp32 [P, D] RoPE table: each position's D/2 cosines, then its D/2 sines (KEY_MEAN)
+    stride_cs,
     ROT_HEAD_STRIDE: gl.constexpr,
     HKV: gl.constexpr,
     G: gl.constexpr,
@@ -453,6 +472,7 @@ def _oscar_write_decode_kernel(
     QM: gl.constexpr,  # TP * G padded to a power of two >= 16: the queries' MMA rows
     KM: gl.constexpr,  # TP padded to a power of two >= 16: the keys' MMA rows
     R_TERM: gl.constexpr,  # elements from one bf16 term of rot_t to the next
+    KEY_MEAN: gl.constexpr,  # the page rounds the keys less their mean before RoPE; the ring keeps them whole
 ):
     NW: gl.constexpr = gl.num_warps()
     Q: gl.constexpr = D // 4
@@ -491,6 +511,11 @@ def _oscar_write_decode_kernel(
     k = gl.load(key_ptr + (t0 + kr).to(gl.int64)[:, None] * stride_kt + h * stride_kh + xd[None, :],
                 mask=k_ok[:, None], other=0.0)
     k_rot = _times_rotation(k, r_hi, r_lo, gl.zeros([KM, D], gl.float32, layout=ACC))
+    if KEY_MEAN:
+        # The mean turned to each key's position, times R apart (fp32 rows: a high and a low term).
+        k_pos = gl.load(seq_lens_ptr + t0 + kr, mask=k_ok, other=1) - 1
+        mean = _turned_mean(key_mean_ptr, cos_sin_ptr, stride_cs, h, k_pos, k_ok, xd, D)
+        mean_rot = _times_rotation(mean, r_hi, r_lo, gl.zeros([KM, D], gl.float32, layout=ACC))
 
     # Clip, quantize, pack: one set of rows, the TP keys (rotated) then the TP values, a row per
     # warp, lane l holding dims l, l+Q, l+2Q, l+3Q (the byte of the quartered packing it writes).
@@ -508,13 +533,19 @@ def _oscar_write_decode_kernel(
     x = gl.convert_layout(k_rot, QL) + v
     if KM > XM:
         x = gl.convert_layout(gl.sum(gl.reshape(x, [KM // XM, XM, D]), axis=0), QL)
+    x_page = x
+    if KEY_MEAN:  # rows past the keys' are zero in mean_rot: the value rows keep their own
+        m = gl.convert_layout(mean_rot, QL)
+        if KM > XM:
+            m = gl.convert_layout(gl.sum(gl.reshape(m, [KM // XM, XM, D]), axis=0), QL)
+        x_page = x - m
     r = gl.arange(0, XM, layout=gl.SliceLayout(1, QL))
     is_k = r < TP
     t_ok = t0 + r % TP < num_tokens
     tok = (t0 + r % TP).to(gl.int64)
     slot = gl.load(slot_mapping_ptr + tok, mask=t_ok, other=-1)
     live = slot >= 0
-    codes, scale, x_min = _quantize_rows_warp(x, gl.where(is_k, clip_idx_k, clip_idx_v), clip_idx_k, clip_idx_v)
+    codes, scale, x_min = _quantize_rows_warp(x_page, gl.where(is_k, clip_idx_k, clip_idx_v), clip_idx_k, clip_idx_v)
     base = (slot // 64) * stride_cb + h * REGION
     blk_tok = (slot % 64).to(gl.int32)
     shift = 2 * (dq // Q)
@@ -586,16 +617,20 @@ def oscar_write_decode(
     param_dtype: torch.dtype = torch.float16,
     num_warps: int | None = None,
     query_rows: int | None = None,
+    key_mean: torch.Tensor | None = None,
+    cos_sin: torch.Tensor | None = None,
 ) -> None:
     """A decode batch's write, before its attention: token ``t`` (request ``t``) of ``key``/
     ``value`` ``[T, Hkv, d]`` into the INT2 pages and its ring (as ``oscar_write``), and its
     queries ``query`` ``[T, Hq, d]`` rotated into ``q_rot`` (same shape, in the same launch).
     ``rot_t``: the key rotation as ``decode_rotation`` gives it. ``num_warps``, ``query_rows``:
-    instead of ``decode_write_tiles``' (benchmarks, tests)."""
+    instead of ``decode_write_tiles``' (benchmarks, tests). ``key_mean``, ``cos_sin``: the pages
+    round the keys less their mean before RoPE (as ``oscar_write``'s)."""
     t, hkv, d = key.shape
     if t == 0:
         return
     check_int2_cache(cache, d)
+    check_key_mean(key_mean, cos_sin, hkv, d)
     g = query.shape[1] // hkv
     win = window_args(windows, window_pages, window_pos, hkv, d, sink, recent)
     tiles = decode_write_tiles(g, d, t, query_rows)
@@ -606,8 +641,11 @@ def oscar_write_decode(
         win["window_k_ptr"], win["window_v_ptr"], window_pages, window_pos, t, clip_idx_k, clip_idx_v,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), query.stride(0), query.stride(1),
         q_rot.stride(0), q_rot.stride(1), cache.stride(0), win["stride_wp"], win["stride_page"],
+        key if key_mean is None else key_mean, key if cos_sin is None else cos_sin,
+        0 if cos_sin is None else cos_sin.stride(0),
         ROT_HEAD_STRIDE=d * d if rot_t.dim() == 4 else 0, HKV=hkv, G=g, D=d, SINK=sink, RECENT=recent,
-        WIN_E=win["WIN_E"], PARAM_BF16=param_dtype == torch.bfloat16, R_TERM=rot_t[0].numel(), **tiles,
+        WIN_E=win["WIN_E"], PARAM_BF16=param_dtype == torch.bfloat16, R_TERM=rot_t[0].numel(),
+        KEY_MEAN=key_mean is not None, **tiles,
     )
 
 

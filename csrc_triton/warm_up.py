@@ -98,12 +98,13 @@ def warm_up_kernels(
     ``max_num_seqs`` and ``max_num_tokens`` bound the batches (requests, tokens per step).
     ``threads`` > 1: launch (so compile) that many variants at a time (``launch_all``).
     ``key_mean``: the layer's ``{"key_mean": mean, "cos_sin": table}``, the keyword arguments its Triton
-    kernels take (their ``KEY_MEAN`` variants).
+    kernels take (their ``KEY_MEAN`` variants, the Gluon ones' with ``gluon``).
     """
     dev = cache.device
     hkv, d = cache.shape[1], rot_k.shape[-1]
     i32 = dict(dtype=torch.int32, device=dev)
     mean = key_mean or {}
+    gluon_mean = gluon_decode.key_mean_operands(**mean) if gluon and mean else None
 
     def rows(n: int, heads: int) -> torch.Tensor:
         return torch.zeros(n, heads, d, dtype=dtype, device=dev)
@@ -124,14 +125,14 @@ def warm_up_kernels(
         _, seq_lens, _, ring_slots = batch(t, 1)
         q = rows(t, num_heads)
         oscar_write_decode(rows(t, hkv), rows(t, hkv), q, q.clone(), decode_rotation(rot_k), padding, seq_lens,
-                           ring_slots, cache, windows, window_pages, window_pos, 0, 0, sink, recent, param_dtype)
+                           ring_slots, cache, windows, window_pages, window_pos, 0, 0, sink, recent, param_dtype, **mean)
 
     def gluon_decode_attention(n: int, splits: int, ring_cost: int) -> None:
         q = rows(n, num_heads)
         block_table, seq_lens, _, ring_slots = batch(n, 1)
         gluon_decode.oscar_decode(q.clone(), q, cache, windows, window_pages, window_pos, block_table, seq_lens,
                                   ring_slots, n, 1.0, sink, recent, param_dtype, splits, *split_parts(n, splits),
-                                  ring_cost=ring_cost)
+                                  ring_cost=ring_cost, q=q if mean else None, key_mean=gluon_mean)
 
     def triton_decode_attention(n: int, splits: int) -> None:
         q = rows(n, num_heads)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from oscar_vllm.reference.oscar_attention import causal_attention_reference
-from oscar_vllm.core.key_mean import KeyMean
+from csrc_triton.paged_layout import BLOCK_SIZE, KEY_MEAN_PAIRS, block_rope_table
+from oscar_vllm.core.key_mean import KeyMean, strongest_pairs
 from oscar_vllm.reference.oscar_write import oscar_write_reference, token_positions
 from paged_sim import PagedCache
 
@@ -64,13 +65,20 @@ def vllm_rope_table(positions: int, d: int, base: float = 10_000.0) -> torch.Ten
 
 
 class KeyMeanCase:
-    """A key mean for a case: fp32 ``mean`` ``[Hkv, d]`` and ``table`` ``[P, d]`` on the kernels'
-    device, and the twins' ``KeyMean`` of the same numbers."""
+    """A key mean for a case as the backend serves one: fp32 ``mean`` ``[Hkv, d]`` on each head's
+    ``KEY_MEAN_PAIRS`` strongest pairs and ``table`` ``[P, d]`` (``block_rope_table``) on the
+    kernels' device, the twins' ``KeyMean`` of the same numbers, and the decode kernel's operands."""
 
     def __init__(self, hkv: int, d: int, positions: int, seed: int = 99):
-        self.mean = 3 * random_rows((hkv, d), torch.float32, seed)
-        self.table = vllm_rope_table(positions, d).to(DEVICE)
+        self.mean = strongest_pairs(3 * random_rows((hkv, d), torch.float32, seed), min(KEY_MEAN_PAIRS, d // 2))
+        self.table = block_rope_table(vllm_rope_table(max(positions, BLOCK_SIZE), d)).to(DEVICE)
         self.twin = KeyMean.from_cos_sin_cache(self.mean.cpu(), self.table.cpu())
+
+    def operands(self) -> dict:
+        """What ``oscar_decode`` takes as ``key_mean``."""
+        from csrc_triton.oscar_decode import key_mean_operands
+
+        return key_mean_operands(self.mean, self.table)
 
     def keys_at(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Keys ``k`` ``[N, Hkv, d]`` at ``positions`` with the mean added, as a model's would have it."""

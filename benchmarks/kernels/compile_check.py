@@ -45,7 +45,8 @@ TYPES = {
     "k_out_ptr": "*bf16", "v_out_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "cu_k_ptr": "*i32",
     "first_pos_ptr": "*i32",
     "qk_scale": "fp32", "logit_coef": "fp32", "num_splits": "i32", "query_ptr": "*bf16", "rot_t_ptr": "*bf16",
-    "q_mean_ptr": "*fp32", "key_mean_ptr": "*fp32", "cos_sin_ptr": "*bf16",
+    "q_mean_ptr": "*fp32", "key_mean_ptr": "*fp32", "cos_sin_ptr": "*fp32", "mean_pairs_ptr": "*i32",
+    "mean_features_ptr": "*fp16",
 }
 
 
@@ -85,14 +86,14 @@ def gluon_decode_consts(args) -> dict:
     launch = oscar_decode.decode_launch(8 if args.maxnreg else 1)
     return dict(HKV=8, G=args.g, N=8 if args.g <= 8 else 16, D=args.d, SINK=64, RECENT=256, SPLIT=True,
                 PREFETCH=launch.prefetch if args.prefetch is None else args.prefetch,
-                RING_COST=launch.ring_cost if args.ring_cost is None else args.ring_cost)
+                RING_COST=launch.ring_cost if args.ring_cost is None else args.ring_cost, KEY_MEAN=args.key_mean)
 
 
 def write_decode_consts(args) -> dict:
     tiles = oscar_write.decode_write_tiles(args.g, args.d, query_rows=args.query_rows)
     del tiles["num_warps"]
     return dict(ROT_HEAD_STRIDE=0, HKV=8, G=args.g, D=args.d, SINK=64, RECENT=256, WIN_E=WIN_E,
-                PARAM_BF16=args.bf16_params, R_TERM=args.d * args.d, **tiles)
+                PARAM_BF16=args.bf16_params, R_TERM=args.d * args.d, KEY_MEAN=args.key_mean, **tiles)
 
 
 def dense_kv_consts(args) -> dict:
@@ -134,7 +135,7 @@ def main() -> None:
     p.add_argument("--g", type=int, default=4)
     p.add_argument("--no-asm", action="store_true")
     p.add_argument("--bf16-params", action="store_true", help="write: bf16 scales and mins")
-    p.add_argument("--key-mean", action="store_true", help="decode, prefill, write: the KEY_MEAN variant")
+    p.add_argument("--key-mean", action="store_true", help="every kernel but dense_kv: the KEY_MEAN variant")
     p.add_argument("--query-rows", type=int,
                    help="write_decode: query rows a program (default: DECODE_WRITE_LAUNCH's at one token)")
     p.add_argument("--maxnreg", type=int, help="registers a thread may use (gluon_decode: as DECODE_LAUNCH has it)")

@@ -40,14 +40,25 @@ def gluon_data(ctx: list[int], hkv: int, hq: int, d: int, copies: int, seed: int
     return out
 
 
+def key_mean_for(hkv: int, d: int, positions: int) -> dict:
+    """``oscar_decode``'s key-mean operands for a random mean (16 pairs a head) and a RoPE table."""
+    from csrc_triton.paged_layout import KEY_MEAN_PAIRS, block_rope_table
+    from oscar_vllm.core.key_mean import strongest_pairs
+
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * 1e6 ** (-torch.arange(0, d, 2) / d)[None]
+    table = block_rope_table(torch.cat([angles.cos(), angles.sin()], dim=-1)).cuda()
+    mean = strongest_pairs(3 * torch.randn(hkv, d, device="cuda"), KEY_MEAN_PAIRS)
+    return od.key_mean_operands(mean, table)
+
+
 def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None = -1, splits: int = 0,
                 prefetch: int | None = None, max_splits: int | None = None,
-                ring_cost: int | None = None, module=od) -> tuple[list, int]:
+                ring_cost: int | None = None, module=od, key_mean: dict | None = None) -> tuple[list, int]:
     """The kernel's launches over ``data``; ``splits`` > 0 fixes the split count (the
     ``decode_splits`` setting, or a sweep's), else the wrapper's choice for the batch size
     (``max_splits`` instead of ``MAX_DECODE_SPLITS`` as its cap). ``maxnreg``, ``prefetch`` and ``ring_cost``: the
     wrapper's choice unless given. ``module``: the decode module whose wrapper launches (``against``:
-    an earlier version of it)."""
+    an earlier version of it). ``key_mean``: the ``key_mean`` "on" variant with these operands."""
     b, q, _ = data[0]
     n, hq, d = q.shape
     hkv = b.cache.shape[1]
@@ -56,11 +67,12 @@ def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None 
     part_out = torch.empty(n * hq * splits * d, device="cuda")
     part_lse = torch.empty(n * hq * splits, device="cuda")
     launch = ({} if maxnreg == -1 else {"maxnreg": maxnreg}) | ({} if prefetch is None else {"prefetch": prefetch}) \
-        | ({} if ring_cost is None else {"ring_cost": ring_cost})
+        | ({} if ring_cost is None else {"ring_cost": ring_cost}) \
+        | ({} if key_mean is None else {"key_mean": key_mean})
     calls = [lambda b=b, q=q, out=out: module.oscar_decode(
         out, q, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table, b.seq_lens, b.ring_slots, n,
-        d ** -0.5, SINK, RECENT, num_splits=splits, part_out=part_out, part_lse=part_lse, **launch)
-        for b, q, out in data]
+        d ** -0.5, SINK, RECENT, num_splits=splits, part_out=part_out, part_lse=part_lse,
+        **launch, **({} if key_mean is None else {"q": q})) for b, q, out in data]
     return calls, splits
 
 
@@ -87,6 +99,10 @@ def decode(args, bw: float, env: dict) -> list[dict]:
                                            ring_cost=od.decode_ring_cost(n, args.fixed_splits))
                     row["oscar_fixed_ms"] = time_calls(calls)
                     row["fixed_vs_chosen"] = row["oscar_fixed_ms"] / row["oscar_ms"]
+                if args.key_mean:
+                    calls, _ = gluon_calls(data, key_mean=key_mean_for(s.num_kv_heads, s.head_dim, ctx + 1))
+                    row["oscar_mean_ms"] = time_calls(calls)
+                    row["mean_vs_plain"] = row["oscar_mean_ms"] / row["oscar_ms"]
                 del calls, data
             calls, _ = decode_calls(decode_data(lens, s.num_kv_heads, s.num_heads, s.head_dim, copies_for(osc_bytes)))
             row["oscar_triton_ms"] = time_calls(calls)
@@ -120,10 +136,14 @@ def decode(args, bw: float, env: dict) -> list[dict]:
     cols = ["shape", "batch", "context", "splits", "oscar_ms", "oscar_triton_ms", "fa3_ms", "triton_ms", "oscar_vs_fa3",
             "oscar_GBps", "oscar_pct_copy", "fa3_GBps", "fa3_pct_copy"]
     notes = []
+    if args.key_mean:
+        cols[5:5] = ["oscar_mean_ms", "mean_vs_plain"]
+        notes.append("oscar_mean_ms: the Gluon kernel adding a key mean back (key_mean \"on\": 16 RoPE pairs a KV "
+                     "head) against oscar_ms, without")
     if args.fixed_splits:
         cols[5:5] = ["oscar_fixed_ms", "fixed_vs_chosen"]
-        notes = [f"oscar_fixed_ms: the Gluon kernel with decode_splits={args.fixed_splits} (every batch split so, "
-                 "replies independent of the batch) against oscar_ms, the split count chosen per batch (splits)"]
+        notes.append(f"oscar_fixed_ms: the Gluon kernel with decode_splits={args.fixed_splits} (every batch split so, "
+                     "replies independent of the batch) against oscar_ms, the split count chosen per batch (splits)")
     write_reports(Path(args.out), "decode", rows, env, "Decode attention kernel: OSCAR INT2 against vLLM BF16",
                   cols, [f"copy bandwidth in this run: {bw:,.0f} GB/s (read + write)",
                          "oscar_ms: csrc_triton/oscar_decode.py (Gluon) as the backend launches it; "
@@ -257,6 +277,7 @@ def main() -> None:
     p.add_argument("--ring-cost", nargs="+", type=int, default=[None],
                    help="sweep: INT2 blocks a ring tile counts as in the split partition (default: DECODE_LAUNCH's)")
     p.add_argument("--baseline", help="against: an earlier csrc_triton/oscar_decode.py to time beside this tree's")
+    p.add_argument("--key-mean", action="store_true", help="decode: time the key_mean \"on\" variant too")
     p.add_argument("--fixed-splits", type=int, default=0,
                    help="also time the Gluon kernel at this fixed split count (the decode_splits setting)")
     args = p.parse_args()

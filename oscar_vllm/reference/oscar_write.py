@@ -94,14 +94,16 @@ def oscar_write_decode_reference(
     sink: int,
     recent: int,
     param_dtype: torch.dtype = torch.float16,
+    key_mean: KeyMean | None = None,
 ) -> torch.Tensor:
     """What :func:`csrc_triton.oscar_write.oscar_write_decode` does: a decode batch's tokens
-    (token ``t`` is request ``t``) written as ``oscar_write_reference`` writes them; returns
-    the queries ``[T, Hq, d]`` rotated (fp32, per KV head when the rotation is)."""
+    (token ``t`` is request ``t``) written as ``oscar_write_reference`` writes them (with
+    ``key_mean``, the pages less it); returns the queries ``[T, Hq, d]`` rotated (fp32, per KV
+    head when the rotation is)."""
     t, hkv, d = key.shape
     cu_q = torch.arange(t + 1, dtype=torch.int32)
     oscar_write_reference(key, value, rot_k, slot_mapping, cu_q, seq_lens, ring_slots, t, cache, windows, window_pages,
-                          window_pos, clip_ratio_k, clip_ratio_v, sink, recent, param_dtype)
+                          window_pos, clip_ratio_k, clip_ratio_v, sink, recent, param_dtype, key_mean=key_mean)
     q = query.float().cpu().view(t, hkv, -1, d)
     rot = rot_k.float().cpu()
     q_rot = q @ rot if rot.dim() == 2 else torch.einsum("thgi,hij->thgj", q, rot)

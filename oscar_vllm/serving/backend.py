@@ -43,9 +43,12 @@ from csrc_triton.oscar_attention import (
 )
 from csrc_triton.oscar_decode import oscar_decode
 from csrc_triton.oscar_write import decode_rotation, oscar_write, oscar_write_decode
-from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape, window_pages_per_request, windows_view
+from csrc_triton.paged_layout import (
+    BLOCK_SIZE, KEY_MEAN_PAIRS, int2_cache_shape, window_pages_per_request, windows_view,
+)
 from csrc_triton.warm_up import warm_up_kernels
 from oscar_vllm.core.fold import RotationFoldError
+from oscar_vllm.core.key_mean import strongest_pairs
 from oscar_vllm.core.quant import PARAM_DTYPES, clip_index
 from oscar_vllm.core.settings import BACKEND_NAME, OscarSettings, OscarSettingsError
 from oscar_vllm.reference.oscar_write import window_index
@@ -305,9 +308,8 @@ def decode_split_scratch_rows(kernel, fixed_splits: int, max_batch: int, num_kv_
 
 def uses_gluon_decode(vllm_config: VllmConfig, num_heads: int, num_kv_heads: int, head_size: int, sink: int) -> bool:
     """Whether decode batches take ``csrc_triton.oscar_decode`` (write first, then the Gluon
-    kernel), as every layer and the metadata builder must agree: not with ``key_mean`` on, which
-    the Gluon kernels do not take."""
-    return (torch.cuda.is_available() and OscarSettings.from_vllm_config(vllm_config).key_mean == "off"
+    kernel), as every layer and the metadata builder must agree."""
+    return (torch.cuda.is_available()
             and gluon_decode.supports(num_heads, num_kv_heads, head_size, vllm_config.model_config.dtype, sink))
 
 
@@ -407,9 +409,10 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
 
             self.merge_attention = merge_attn_states
         self.rot_t: torch.Tensor | None = None  # R as the decode write takes it (decode_rotation)
-        # key_mean "on": the layer's mean key before RoPE, fp32 [Hkv, d], and the model's RoPE
-        # table [P, d] (vLLM's cos_sin_cache), given by vllm_hooks.prepare_model
+        # key_mean "on": the layer's mean key before RoPE, fp32 [Hkv, d], and the RoPE table [P, d]
+        # it is turned with, given by vllm_hooks.prepare_model; the Gluon decode's operands of them
         self.key_mean: dict[str, torch.Tensor] = {}
+        self.decode_key_mean: dict[str, torch.Tensor] | None = None
 
     def set_layer(self, layer_id: int, rot_k: torch.Tensor, clip_ratio_k: float, clip_ratio_v: float) -> None:
         """The layer's key rotation ``[d, d]`` or ``[Hkv, d, d]`` and clip ratios."""
@@ -422,13 +425,18 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         self.clip_idx_v = clip_index(clip_ratio_v, self.head_size)
 
     def set_key_mean(self, mean: torch.Tensor, cos_sin: torch.Tensor) -> None:
-        """Keys are written less ``mean`` ``[Hkv, d]`` (before RoPE, this shard's KV heads) turned
-        by the model's RoPE table ``cos_sin`` ``[P, d]``, and read plus it (``key_mean`` "on")."""
-        if self.gluon_decode or self.decode_read:
-            raise OscarSettingsError("key_mean 'on' needs the Triton decode path and prefill_read 'chunk'")
+        """Keys are written less ``mean`` ``[Hkv, d]`` (before RoPE, this shard's KV heads) on each
+        head's ``KEY_MEAN_PAIRS`` strongest RoPE pairs (what the decode kernel adds back; the
+        study's 16 do what all do), turned by ``cos_sin`` fp32 ``[P, d]`` (``block_rope_table``), and
+        read plus it (``key_mean`` "on")."""
+        if self.decode_read:
+            raise OscarSettingsError("key_mean 'on' needs prefill_read 'chunk'")
         device = self.window_pos.device
-        self.key_mean = dict(key_mean=mean.to(device=device, dtype=torch.float32).contiguous(),
-                             cos_sin=cos_sin.to(device=device).contiguous())
+        mean = strongest_pairs(mean.to(device=device, dtype=torch.float32), min(KEY_MEAN_PAIRS, self.head_size // 2))
+        self.key_mean = dict(key_mean=mean.contiguous(),
+                             cos_sin=cos_sin.to(device=device, dtype=torch.float32).contiguous())
+        if self.gluon_decode:
+            self.decode_key_mean = gluon_decode.key_mean_operands(**self.key_mean)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ R_K`` in fp32 for queries ``[T, Hq, d]`` or keys ``[T, Hkv, d]`` (per KV head
@@ -513,11 +521,13 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         if nd:
             oscar_write_decode(k[:nd], v[:nd], q[:nd], q_rot[:nd], self.rot_t, md.slot_mapping[:nd],
                                md.seq_lens[:nd], md.ring_slots[:nd], kv_cache, windows, md.window_pages, self.window_pos,
-                               self.clip_idx_k, self.clip_idx_v, self.sink, self.recent, self.param_dtype)
+                               self.clip_idx_k, self.clip_idx_v, self.sink, self.recent, self.param_dtype,
+                               **self.key_mean)
             oscar_decode(out[:nd], q_rot[:nd], kv_cache, windows, md.window_pages, self.window_pos, md.block_table,
                          md.seq_lens, md.ring_slots, nd, self.scale, self.sink, self.recent, self.param_dtype,
                          md.decode_splits, md.part_out, md.part_lse, logit_correction=self.logit_correction,
-                         ring_cost=md.decode_ring_cost)
+                         ring_cost=md.decode_ring_cost, q=q[:nd] if self.key_mean else None,
+                         key_mean=self.decode_key_mean)
         if nd < num_reqs:
             # Prefill queries read the INT2 cache only over a cached prefix (or, without
             # FlashAttention, for their own keys too): a fresh prompt's chunk skips the rotation,
@@ -531,11 +541,11 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
                 out, q, q_rot, k, v, kv_cache, windows, md.window_pages, self.window_pos, md.block_table, md.seq_lens,
                 md.query_start_loc, md.ring_slots, nd, num_reqs, md.max_query_len, self.scale, self.sink, self.recent,
                 self.param_dtype, self.own_keys_attention, md.prefill_has_prefix, self.dense_prefill(md, k),
-                self.logit_correction)
+                self.logit_correction, **self.key_mean)
             cu_q = md.query_start_loc[nd:num_reqs + 1] - nd
             oscar_write(k[nd:n], v[nd:n], self.rot_k, md.slot_mapping[nd:n], cu_q, md.seq_lens[nd:num_reqs],
                         md.ring_slots[nd:num_reqs], num_reqs - nd, kv_cache, windows, md.window_pages, self.window_pos,
-                        self.clip_idx_k, self.clip_idx_v, self.sink, self.recent, self.param_dtype)
+                        self.clip_idx_k, self.clip_idx_v, self.sink, self.recent, self.param_dtype, **self.key_mean)
         return output
 
     def _forward_decode_read(self, md: OscarAttentionMetadata, q, k, v, out, kv_cache, windows, output):

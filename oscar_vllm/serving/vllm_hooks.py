@@ -272,6 +272,7 @@ def prepare_model(model: torch.nn.Module) -> None:
     tp_size, tp_rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
     rotations = rotations_in_process(settings, shape, worker=f"vLLM worker (tensor-parallel rank {tp_rank})")
     kv_heads = kv_heads_of_shard(shape.num_kv_heads, tp_size, tp_rank)
+    rope_tables: dict[int, torch.Tensor] = {}  # one table for the layers sharing a rotary embedding
     for layer_id, block in blocks:
         qkv, o = block.qkv_proj, block.o_proj
         for proj in (qkv, o):
@@ -294,7 +295,8 @@ def prepare_model(model: torch.nn.Module) -> None:
             settings.clip_ratio_v or rotations.clip_ratio(VALUE, layer_id),
         )
         if settings.key_mean == "on":
-            impl.set_key_mean(rotations.key_means[layer_id][kv_heads], rope_table_of(block, layer_id, impl.head_size))
+            impl.set_key_mean(rotations.key_means[layer_id][kv_heads],
+                              rope_table_of(block, layer_id, impl.head_size, rope_tables))
     dense_bytes = give_dense_prefill_buffers([b.attn.impl for _, b in blocks], vllm_config)
     if settings.prefill_read == "decode" and not dense_bytes:
         raise OscarSettingsError(
@@ -307,10 +309,16 @@ def prepare_model(model: torch.nn.Module) -> None:
     )
 
 
-def rope_table_of(block: torch.nn.Module, layer_id: int, head_size: int) -> torch.Tensor:
-    """The RoPE table ``[P, d]`` a self-attention block turns its keys with (vLLM's
-    ``cos_sin_cache``: each position's d/2 cosines, then its sines), where it is the rotate-half
-    form over the whole head that key means take; else an error naming the layer."""
+def rope_table_of(block: torch.nn.Module, layer_id: int, head_size: int,
+                  cache: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """fp32 ``[P, d]``: the RoPE table a self-attention block turns its keys with, as the kernels
+    turn key means (``block_rope_table``: each position from its block's first row), from vLLM's
+    own fp32 computation of its ``cos_sin_cache`` (each position's d/2 cosines, then its sines:
+    the buffer itself is in the model's dtype), where it is the rotate-half form over the whole
+    head that key means take; else an error naming the layer. ``cache``: tables already built, by
+    rotary embedding (vLLM shares one among the layers that have the same)."""
+    from csrc_triton.paged_layout import block_rope_table
+
     rotary = getattr(block, "rotary_emb", None)
     table = getattr(rotary, "cos_sin_cache", None)
     if (table is None or not getattr(rotary, "is_neox_style", False) or getattr(rotary, "rotary_dim", None) != head_size
@@ -318,7 +326,19 @@ def rope_table_of(block: torch.nn.Module, layer_id: int, head_size: int) -> torc
         raise OscarSettingsError(
             f"key_mean 'on' needs rotate-half RoPE over all {head_size} dims of a head, with vLLM's cos_sin_cache; "
             f"layer {layer_id}'s {type(rotary).__name__} is not that (serve this model with key_mean 'off')")
-    return table
+    if cache is not None and id(rotary) in cache:
+        return cache[id(rotary)]
+    exact = rotary._compute_cos_sin_cache() if hasattr(rotary, "_compute_cos_sin_cache") else table
+    if exact.shape != table.shape:
+        exact = table
+    try:
+        turned = block_rope_table(exact.float()).to(table.device)
+    except ValueError as e:
+        raise OscarSettingsError(f"key_mean 'on': layer {layer_id}'s {type(rotary).__name__}: {e} (serve this model "
+                                 "with key_mean 'off')") from None
+    if cache is not None:
+        cache[id(rotary)] = turned
+    return turned
 
 
 def give_dense_prefill_buffers(impls: list, vllm_config) -> int:

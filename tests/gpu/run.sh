@@ -15,6 +15,9 @@
 #   ncu     Nsight Compute at batch 1 (Qwen3-8B shape): the decode write against reshape_and_cache_flash,
 #           decode attention and its merge against FA3 at 1 x 1K (speed of light, warp states, occupancy)
 #   suite   the whole test suite on the GPU
+#   key_mean  keys less their mean (OSCAR_KEY_MEAN=on): its kernel tests, SmolLM2 perplexity in vLLM
+#           (FLASH_ATTN, OSCAR, OSCAR with the mean, eager), the Gluon decode kernel with and without the
+#           mean (Qwen3-8B shape), then perplexity with the mean and logit_correction 0.25 (CUDA graphs)
 #   ppl     SmolLM2 perplexity through OSCAR (fp32 eager, bf16 with CUDA graphs) only
 #   e2e     vLLM end to end: SmolLM2 perplexity through OSCAR vs the reference simulation,
 #           greedy text, CUDA graphs, the Qwen3-8B shape (generation, KV capacity)
@@ -122,6 +125,21 @@ for stage in $stages; do
         grep --line-buffered -v '^{' | tee "$out/against.log" || status=1 ;;
     ab)
       python3 benchmarks/ab_throughput.py --out "$out/ab" ${OSCAR_AB_ARGS:-} 2>&1 | tee "$out/ab.log" || status=1 ;;
+    key_mean)
+      ( failed=0
+        python3 -m pytest -q -p no:warnings $xdist tests/kernels/test_oscar_attention.py tests/kernels/test_oscar_write.py \
+          tests/kernels/test_warm_up.py tests/kernels/test_oscar_decode.py \
+          -k "key_mean or plus_their_mean or mixed_cache or coefficients" || failed=1
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1
+        $e2e ppl --model "$work/smollm2" --backend FLASH_ATTN --dtype bfloat16 --eager || failed=1
+        $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16 --eager || failed=1
+        OSCAR_KEY_MEAN=on $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16 --eager || failed=1
+        (cd benchmarks/kernels && python3 oscar_decode.py decode --key-mean --shapes qwen3-8b --batches 1 8 32 \
+           --contexts 8192 32768 --out "$out/key_mean_decode") || failed=1
+        OSCAR_KEY_MEAN=on OSCAR_LOGIT_CORRECTION=0.25 $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" \
+          --dtype bfloat16 || failed=1
+        exit $failed
+      ) 2>&1 | tee "$out/key_mean.log" || status=1 ;;
     ppl)
       ( failed=0
         [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1

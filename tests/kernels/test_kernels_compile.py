@@ -114,6 +114,30 @@ def test_gluon_decode_int2_loop_is_loads_unpacking_and_tensor_cores(shape):
     assert sum(loop.values()) < 1000, loop
 
 
+@pytest.mark.parametrize("shape", [["--d", "128", "--g", "4", "--maxnreg", "168"], ["--d", "64", "--g", "3"],
+                                   ["--d", "128", "--g", "16"]], ids=["d128-g4-168", "d64-g3", "d128-g16"])
+def test_gluon_decode_key_mean_adds_three_products_a_block(shape):
+    """``key_mean`` "on" (KEY_MEAN): the INT2 loop adds the mean's scores as three more products
+    of 16 keys' worth a block (offset features against the coefficients, fp16 high and low
+    terms: 24 m16n8k16 at N = 8), its features from 16 more 16-byte loads, nothing through shared
+    memory; at most 140 instructions more than the loop without the mean at N = 8 (131 at head_dim
+    128, 15% of its 890; 123 at 64), 250 at N = 16 (238)."""
+    d = int(shape[1])
+    extra = 24 * (2 if shape[3] == "16" else 1)
+
+    def int2_loop(*args):  # the shortest loop of one block's products and no window masks
+        body = [b for b in loops(compile_check("gluon_decode", *args, *shape)) if b.get("HMMA.16816.F32", 0)
+                and not b.get("HMMA.16816.F32.BF16") and b.get("FSEL", 0) < 10]
+        return min(body, key=lambda b: sum(b.values()))
+
+    base, loop = int2_loop(), int2_loop("--key-mean")
+    assert loop["HMMA.16816.F32"] == base["HMMA.16816.F32"] + extra, (base, loop)
+    assert loop.get("LDG.E.128", 0) >= base.get("LDG.E.128", 0) + 16, loop
+    assert not any(op.startswith(("LDS", "STS", "BAR", "I2F")) for op in loop), loop
+    assert sum(loop.values()) - sum(base.values()) <= (250 if shape[3] == "16" else 140), (sum(base.values()),
+                                                                                         sum(loop.values()))
+
+
 def test_gluon_decode_write_has_no_barrier_per_search_step(tmp_path):
     """The decode write: keys and queries rotated on the tensor cores, each row's clip search
     inside one warp (a warp reduction per step, never a barrier: the Triton write kernel has
@@ -136,3 +160,18 @@ def test_gluon_decode_write_has_no_barrier_per_search_step(tmp_path):
     peel = [loop for loop in loops(report) if loop.get("REDUX.MAX.S32") and loop.get("REDUX.SUM.S32")]
     assert len(peel) == 1 and sum(peel[0].values()) <= 40, peel
     assert not any(op.startswith(("BAR", "LDS", "STS", "SHFL", "STL", "LDL")) for op in peel[0]), peel
+
+
+def test_gluon_decode_write_key_mean_rotates_the_mean_apart(tmp_path):
+    """``key_mean`` "on": the decode write turns each key's mean to its position and rotates it
+    apart (fp32 rows: a high and a low bf16 term against R's two, 64 more HMMAs at 4 tokens of
+    head_dim 128), the page rounding the difference and the ring keeping the key whole; no
+    spills, and the mean's rows reach the row layout through shared memory once (two barriers)."""
+    sass = tmp_path / "write_decode.sass"
+    plain = compile_check("write_decode", "--d", "128", "--g", "4", "--dump", str(sass)) and sass.read_text()
+    report = compile_check("write_decode", "--d", "128", "--g", "4", "--key-mean", "--dump", str(sass))
+    text = sass.read_text()
+    assert "LOCAL:0" in report, report
+    assert text.count("HMMA.16816.F32.BF16") == plain.count("HMMA.16816.F32.BF16") + 64
+    assert text.count("BAR.SYNC") <= plain.count("BAR.SYNC") + 2
+    assert int(re.search(r"\| (\d+) instructions", report).group(1)) < 3000

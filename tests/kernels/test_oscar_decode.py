@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from csrc_triton.oscar_decode import (
-    DECODE_LAUNCH, MAX_DECODE_SPLITS, decode_launch, decode_ring_cost, decode_splits, split_shares, supports,
+    DECODE_LAUNCH, MAX_DECODE_SPLITS, decode_launch, decode_ring_cost, decode_splits, key_mean_operands, split_shares,
+    supports,
 )
+from csrc_triton.paged_layout import block_rope_table
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
 from oscar_vllm.core.quant import clip_index
 from oscar_vllm.reference.oscar_attention import oscar_attention_reference
@@ -17,7 +19,7 @@ from oscar_vllm.reference.oscar_decode import oscar_decode_reference
 from oscar_vllm.reference.oscar_write import oscar_write_reference
 from kernel_cases import (
     CASES, CLIP_K, CLIP_V, DEVICE, ON_GPU, KeyMeanCase, assert_close_to_reference, cache_args, case_id, prepare,
-    random_rotation, random_rows,
+    random_rotation, random_rows, vllm_rope_table,
 )
 from paged_sim import PagedCache
 
@@ -35,41 +37,49 @@ GPU_CASES = [
 gpu_case_id = lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-s{c[3]}-r{c[4]}-n{len(c[5])}-{max(c[5])}"  # noqa: E731
 
 
-def decode_step(case, dtype, write):
+def decode_step(case, dtype, write, key_mean=None):
     """A decode step of ``case`` whose tokens ``write`` put into the cache first, as the backend
-    does before decode attention."""
+    does before decode attention (``key_mean``: a ``KeyMeanCase`` the keys have and are written less)."""
     d, hkv, g, sink, recent, prefix = case
     pc, step, q, q_rot, k, v = prepare(d, hkv, g, sink, recent, prefix, [1] * len(prefix), dtype,
-                                       entries_per_page=8)
+                                       entries_per_page=8, key_mean=key_mean)
     rot = random_rotation(d, seed=0).to(q.device)
+    if key_mean is not None:
+        k = key_mean.keys_at(k, step.seq_lens[: len(prefix)].long().cpu() - 1)
     write(k, v, rot, step, pc)
-    return pc, step, q, q_rot
+    return pc, step, q, q_rot, rot
 
 
-def check_decode_kernel(case, splits, dtype, lam, **launch):
+def check_decode_kernel(case, splits, dtype, lam, key_mean=False, **launch):
     """The Gluon decode kernel (``launch``: its launch arguments) against the reference on a
-    written step of ``case``, outputs and split scratch NaN before it runs."""
+    written step of ``case``, outputs and split scratch NaN before it runs; ``key_mean``: keys
+    with a mean (``KeyMeanCase``), written less it."""
     from csrc_triton.oscar_decode import oscar_decode
     from csrc_triton.oscar_write import oscar_write
 
     d, hkv, g, sink, recent, prefix = case
+    km = KeyMeanCase(hkv, d, max(prefix) + 2) if key_mean else None
+    mean_args = dict(key_mean=km.mean, cos_sin=km.table) if km else {}
 
     def write(k, v, rot, step, pc):
         oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(prefix), pc.cache,
                     pc.windows, pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink,
-                    recent, num_decodes=len(prefix))
+                    recent, num_decodes=len(prefix), **mean_args)
 
-    pc, step, q, q_rot = decode_step(case, dtype, write)
+    pc, step, q, q_rot, rot = decode_step(case, dtype, write, km)
     n, hq, scale = len(prefix), hkv * g, 1 / math.sqrt(d)
     out = torch.full_like(q, float("nan"))
     part_out = torch.full((n * hq * splits * d,), float("nan"), device=q.device)
     part_lse = torch.full((n * hq * splits,), float("nan"), device=q.device)
     oscar_decode(out, q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table, step.seq_lens,
                  step.ring_slots, n, scale, sink, recent, num_splits=splits, part_out=part_out, part_lse=part_lse,
-                 logit_correction=lam, **launch)
-    want = oscar_decode_reference(q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
-                                  step.seq_lens, step.ring_slots, n, scale, sink, recent, logit_correction=lam)
+                 logit_correction=lam, **(dict(q=q, key_mean=km.operands()) if km else {}), **launch)
+    reference = functools.partial(oscar_decode_reference, q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
+                                  step.block_table, step.seq_lens, step.ring_slots, n, scale, sink, recent,
+                                  logit_correction=lam)
+    want = reference(key_mean=km and km.twin, rot_k=rot)
     assert_close_to_reference(out, want, torch.bfloat16)
+    return out, want, reference
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
@@ -90,6 +100,25 @@ def test_decode_kernel_with_l2_prefetch_matches_reference(case, splits, prefetch
     """Prefetching INT2 blocks ahead into L2 changes no result: the prefetch of a split's last
     blocks clamps to them, and a split shorter than the depth prefetches what it has."""
     check_decode_kernel(case, splits, torch.bfloat16, 0.5, prefetch=prefetch)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
+@pytest.mark.parametrize("lam", [0.0, 0.25], ids=lambda x: f"lambda{x:g}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("splits", [1, 24])
+@pytest.mark.parametrize("case", GPU_CASES, ids=gpu_case_id)
+def test_decode_kernel_adds_the_key_mean_back(case, splits, dtype, lam):
+    """key_mean "on": keys written less their mean before RoPE (its 16 strongest pairs a head),
+    read plus it by angle addition from each block's first row of the RoPE table, against the
+    reference that adds the mean turned to every key's own position; and far from a read that
+    leaves the mean out (the mean is three times the keys' spread)."""
+    if dtype == torch.float16 and case is not GPU_CASES[0]:
+        pytest.skip("fp16 models: one case")
+    out, want, reference = check_decode_kernel(case, splits, dtype, lam, key_mean=True)
+    _, _, _, sink, recent, prefix = case
+    if max(prefix) >= sink + recent + 64:  # some request reads INT2 keys
+        far = (reference() - want).abs().max()
+        assert (out.float().cpu() - want).abs().max() < 0.1 * far, far
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
@@ -120,7 +149,7 @@ def test_fixed_splits_decode_a_request_alike_in_any_batch():
                     pc.windows, pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink,
                     recent, num_decodes=len(prefix))
 
-    pc, step, q, q_rot = decode_step(case, torch.bfloat16, write)
+    pc, step, q, q_rot, _ = decode_step(case, torch.bfloat16, write)
     hq, scale = hkv * g, 1 / math.sqrt(d)
 
     def decode(rows: slice, splits: int, ring_cost: int | None = None) -> torch.Tensor:
@@ -245,6 +274,69 @@ def test_logit_correction_reaches_the_kernel_as_a_runtime_float(monkeypatch, lam
             od.oscar_decode(torch.empty_like(q_rot), q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
                             step.block_table, step.seq_lens, step.ring_slots, 2, scale, sink, recent,
                             logit_correction=bad)
+
+
+def mean_scores_as_the_kernel_adds_them(q, operands, h, g, blk):
+    """fp64 ``[64 keys, g]``: what ``_add_mean_scores`` adds to block ``blk``'s scores of KV head
+    ``h`` (before the softmax scale), from the operands as the kernel reads them: the features
+    relabelled from their lane-major store as ``_mean_features`` does, the block's first table row
+    folded into the coefficients, high and low fp16 terms."""
+    d = q.shape[-1]
+    half = d // 2
+    cols = operands["mean_pairs"][h].long().cpu()
+    mean = operands["key_mean"][h].double().cpu()
+    qh = q[h * g:(h + 1) * g].double().cpu()
+    a = qh[:, cols] * mean[cols] + qh[:, cols + half] * mean[cols + half]
+    b = qh[:, cols + half] * mean[cols] - qh[:, cols] * mean[cols + half]
+    row = operands["cos_sin"][blk * 64].double().cpu()
+    tc, ts = row[cols], row[cols + half]
+    coef = torch.cat([a * tc + b * ts, b * tc - a * ts], dim=1).T  # [2·pairs, g]
+    c_hi = coef.half().double()
+    c_lo = (coef - c_hi).half().double()
+    feats = [operands["mean_features"][h, term].cpu().reshape(*[2] * 11).permute(5, 6, 9, 0, 1, 2, 7, 8, 3, 4, 10)
+             .reshape(64, -1).double() for term in (0, 1)]
+    return feats[1] @ c_hi + feats[0] @ c_lo + feats[0] @ c_hi
+
+
+@pytest.mark.parametrize(("d", "g", "blk"), [(128, 4, 0), (128, 16, 37), (64, 3, 511)])
+def test_key_mean_operands_give_the_mean_at_every_key_of_a_block(d, g, blk):
+    """The decode kernel's key-mean operands, read as the kernel reads them (the fragment order of
+    the offset features, the block's first row folded into the coefficients), give every key of a
+    block ``q·RoPE_p(μ)`` at its own position (score row κ holding token ``8(κ mod 8) + κ div 8``),
+    as the twins turn the mean, within fp32 rounding."""
+    hkv = 2
+    km = KeyMeanCase(hkv, d, 64 * (blk + 1))
+    ops = km.operands()
+    assert ops["mean_pairs"].shape == (hkv, 16) and ops["mean_features"].shape == (hkv, 2, 64 * 32)
+    q = random_rows((hkv * g, d), torch.float32, 5).cpu()
+    rows = torch.arange(64)
+    positions = blk * 64 + 8 * (rows % 8) + rows // 8
+    turned = km.twin.turned(positions).double()  # [64, Hkv, d]
+    for h in range(hkv):
+        want = turned[:, h] @ q[h * g:(h + 1) * g].double().T
+        got = mean_scores_as_the_kernel_adds_them(q, ops, h, g, blk)
+        assert (got - want).abs().max() < 1e-5 * want.abs().max(), (got - want).abs().max()
+
+
+def test_key_mean_operands_refuse_a_mean_on_more_pairs_than_the_kernel_adds():
+    km = KeyMeanCase(1, 128, 64)
+    with pytest.raises(ValueError, match="16 RoPE pairs"):
+        key_mean_operands(km.mean + 0.01, km.table)
+    with pytest.raises(ValueError, match="fp32"):
+        key_mean_operands(km.mean, km.table.double())
+
+
+def test_block_rope_table_is_the_model_table_turned_block_by_block():
+    """A RoPE table (plain, or each pair scaled as YaRN scales it) built back from each block's
+    first row and the offsets' rows equals itself within fp32 rounding; two tables end to end (a
+    long-context variant's short and long factors) are not one angle a pair and are refused."""
+    plain = vllm_rope_table(4096, 128)
+    assert (block_rope_table(plain) - plain).abs().max() < 1e-5
+    scaled = plain * 1.3
+    assert (block_rope_table(scaled) - scaled).abs().max() < 1e-5
+    two = torch.cat([plain[:2048], vllm_rope_table(4096, 128, base=500_000.0)[2048:]])
+    with pytest.raises(ValueError, match="not one angle a pair"):
+        block_rope_table(two)
 
 
 def test_supported_shapes():

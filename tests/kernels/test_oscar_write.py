@@ -13,7 +13,7 @@ from oscar_vllm.core.quant import clip_index, unpack_int2
 from oscar_vllm.core.key_mean import KeyMean
 from oscar_vllm.reference.oscar_write import oscar_write_decode_reference, oscar_write_reference, token_positions
 from oscar_vllm.reference.paged import layout_views, window_views
-from kernel_cases import DEVICE, DTYPES, ON_GPU, random_rotation, random_rows, vllm_rope_table
+from kernel_cases import DEVICE, DTYPES, ON_GPU, KeyMeanCase, random_rotation, random_rows, vllm_rope_table
 from paged_sim import PagedCache
 
 CASES = [
@@ -150,11 +150,25 @@ def test_decode_write_with_more_tokens_a_program_matches_reference(case, query_r
     check_decode_write(case, torch.bfloat16, query_rows)
 
 
-def check_decode_write(case, param_dtype, query_rows=None):
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
+@pytest.mark.parametrize("case", DECODE_CASES[:4] + DECODE_CASES[6:7],
+                         ids=lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-n{len(c[6])}-perhead{c[3]}")
+def test_decode_write_less_the_key_mean_matches_reference(case):
+    """key_mean "on": the decode write rounds its keys less their mean turned to their positions
+    into the pages and keeps them whole in the ring, as the twin does; pages far from the plain write's."""
+    pc = check_decode_write(case, torch.bfloat16, key_mean=True)
+    plain = check_decode_write(case, torch.bfloat16)
+    d = case[0]
+    assert (unpack_int2(layout_views(pc.cache.cpu(), d, torch.bfloat16)[0])
+            != unpack_int2(layout_views(plain.cache.cpu(), d, torch.bfloat16)[0])).float().mean() > 0.1
+
+
+def check_decode_write(case, param_dtype, query_rows=None, key_mean=False):
     from csrc_triton.oscar_write import decode_rotation, oscar_write_decode
 
     d, hkv, g, per_head, sink, recent, prefix, (clip_k, clip_v) = case
     n = len(prefix)
+    km = KeyMeanCase(hkv, d, max(prefix) + 2) if key_mean else None
     pc = PagedCache(n, max(prefix) + 2, hkv, d, sink, recent, DEVICE, entries_per_page=8)
     rot = random_rotation(d, hkv if per_head else None).to(DEVICE)
     todo = {r: p for r, p in enumerate(prefix) if p}
@@ -165,18 +179,22 @@ def check_decode_write(case, param_dtype, query_rows=None):
     ref = pc.clone()
     step = pc.schedule({r: 1 for r in range(n)})
     k, v = random_rows((n, hkv, d), torch.bfloat16, 3), random_rows((n, hkv, d), torch.bfloat16, 4)
+    if km:
+        k = km.keys_at(k, step.seq_lens.long().cpu() - 1)
     q = random_rows((n, hkv * g, d), torch.bfloat16, 5)
     q_rot = torch.full_like(q, float("nan"))
     oscar_write_decode(k, v, q, q_rot, decode_rotation(rot), step.slot_mapping, step.seq_lens, step.ring_slots,
                        pc.cache, pc.windows, pc.window_pages, pc.window_pos, clip_index(clip_k, d),
-                       clip_index(clip_v, d), sink, recent, param_dtype, query_rows=query_rows)
+                       clip_index(clip_v, d), sink, recent, param_dtype, query_rows=query_rows,
+                       **(dict(key_mean=km.mean, cos_sin=km.table) if km else {}))
     want = oscar_write_decode_reference(k, v, q, rot, step.slot_mapping, step.seq_lens, step.ring_slots, ref.cache,
                                         ref.windows, ref.window_pages, ref.window_pos, clip_k, clip_v, sink, recent,
-                                        param_dtype)
+                                        param_dtype, key_mean=km and km.twin)
     assert_same_cache(pc, ref, d, hkv, sink, param_dtype)
     # The queries: bf16 operands in the tensor cores, as bf16 as the model's queries.
     err = (q_rot.float().cpu() - want).abs()
     assert err.max() <= 2e-2 * want.abs().max() and err.mean() <= 4e-3 * want.abs().mean(), (err.max(), err.mean())
+    return pc
 
 
 def test_decode_write_tiles_follow_the_launch_table(monkeypatch):

@@ -75,9 +75,9 @@ def test_warm_up_writes_nothing(dense, decode_read, key_mean):
         assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))  # bitwise: unused window rows are NaN
 
 
-def _compiled() -> list[int]:
+def _compiled(kernels=KERNELS) -> list[int]:
     dev = torch.cuda.current_device()
-    return [len(k.device_caches[dev][0]) for k in KERNELS]
+    return [len(k.device_caches[dev][0]) for k in kernels]
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled-kernel caches exist on a GPU only")
@@ -182,25 +182,30 @@ def test_warm_up_in_threads_compiles_what_one_thread_does(gluon, tmp_path, monke
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled-kernel caches exist on a GPU only")
-def test_serving_with_key_mean_after_warm_up_compiles_nothing():
-    """``key_mean`` "on": the Triton kernels' KEY_MEAN variants (decode of many batch sizes, prefill
-    over a prefix with FlashAttention's own-keys pass merged, the write) are all warmed up."""
+@pytest.mark.parametrize("gluon", [False, True])
+def test_serving_with_key_mean_after_warm_up_compiles_nothing(gluon):
+    """``key_mean`` "on": the KEY_MEAN variants (decode of many batch sizes, on the Triton kernel or
+    the Gluon one, prefill over a prefix with FlashAttention's own-keys pass merged, the write) are
+    all warmed up."""
+    from csrc_triton.oscar_attention import oscar_prefill_batch
+
     d, hkv, g, sink, recent, dtype = 128, 8, 4, 64, 256, torch.bfloat16
     km = KeyMeanCase(hkv, d, 16384)
     batches = [([5000 if n < 16 else 300] * n, [1] * n) for n in (1, 2, 16, 33, 48)]
     batches += [([900, 3000, 16], [1, 300, 2049]), ([4095, 64, 1], [1, 1, 17])]
-    pcs = [prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=i, key_mean=km)
-           for i, (prefix, new) in enumerate(batches)]
+    pcs = [prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=i, key_mean=km,
+                   entries_per_page=8 if gluon else None) for i, (prefix, new) in enumerate(batches)]
     max_seqs, num_sms = 64, torch.cuda.get_device_properties(0).multi_processor_count
     rot = random_rotation(d).to(DEVICE)
     pc0 = pcs[0][0]
+    mean = dict(key_mean=km.mean, cos_sin=km.table)
     warm_up_kernels(pc0.cache, pc0.windows, pc0.window_pages, pc0.window_pos, rot, hkv * g, dtype, sink, recent,
-                    torch.float16, max_seqs, 8192, num_sms, merge_self=True, dense=False,
-                    key_mean=dict(key_mean=km.mean, cos_sin=km.table))
-    compiled = _compiled()
+                    torch.float16, max_seqs, 8192, num_sms, merge_self=True, dense=False, gluon=gluon, key_mean=mean)
+    compiled = _compiled(WARMED_UP)
     rows = decode_split_rows(max_seqs, hkv, num_sms)
     part_out = torch.empty(rows * hkv * g * d, dtype=torch.float32, device=DEVICE)
     part_lse = torch.empty(rows * hkv * g, dtype=torch.float32, device=DEVICE)
+    operands = km.operands()
 
     def own(q_p, k_p, v_p, cu, max_q, out_p):
         return torch.zeros(q_p.shape[1], q_p.shape[0], dtype=torch.float32, device=DEVICE)
@@ -208,14 +213,28 @@ def test_serving_with_key_mean_after_warm_up_compiles_nothing():
     for (prefix, new), (pc, step, q, q_rot, k, v) in zip(batches, pcs):
         num_decodes = next((i for i, n in enumerate(new) if n > 1), len(new))
         num_reqs = len(new)
-        oscar_attention(torch.empty_like(q), q, q_rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                        step.block_table, step.seq_lens, step.cu_q, step.ring_slots, num_decodes, num_reqs, max(new),
-                        d ** -0.5, sink, recent, torch.float16, decode_splits(num_decodes, hkv, num_sms), part_out,
-                        part_lse, own, True, None, logit_correction=0.5, key_mean=km.mean, cos_sin=km.table)
+        out = torch.empty_like(q)
+        if not gluon:
+            oscar_attention(out, q, q_rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
+                            step.block_table, step.seq_lens, step.cu_q, step.ring_slots, num_decodes, num_reqs,
+                            max(new), d ** -0.5, sink, recent, torch.float16, decode_splits(num_decodes, hkv, num_sms),
+                            part_out, part_lse, own, True, None, logit_correction=0.5, **mean)
+        else:
+            if num_decodes:
+                gluon_decode.oscar_decode(
+                    out, q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table, step.seq_lens,
+                    step.ring_slots, num_decodes, d ** -0.5, sink, recent, torch.float16,
+                    gluon_decode.decode_splits(num_decodes, hkv, num_sms), part_out, part_lse, logit_correction=0.5,
+                    ring_cost=gluon_decode.decode_ring_cost(num_decodes), q=q, key_mean=operands)
+            if num_decodes < num_reqs:
+                oscar_prefill_batch(out, q, q_rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
+                                    step.block_table, step.seq_lens, step.cu_q, step.ring_slots, num_decodes,
+                                    num_reqs, max(new), d ** -0.5, sink, recent, torch.float16, own, True, None,
+                                    0.5, **mean)
         t = int(step.cu_q[-1])
         oscar_write(random_rows((t, hkv, d), dtype, 1), random_rows((t, hkv, d), dtype, 2), rot,
                     step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, pc.cache, pc.windows,
                     pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent,
-                    torch.float16, num_decodes, key_mean=km.mean, cos_sin=km.table)
+                    torch.float16, num_decodes, **mean)
     torch.cuda.synchronize()
-    assert _compiled() == compiled, f"compiled while serving: {compiled} -> {_compiled()}"
+    assert _compiled(WARMED_UP) == compiled, f"compiled while serving: {compiled} -> {_compiled(WARMED_UP)}"

@@ -86,7 +86,7 @@ def test_fresh_prefill_queries_are_not_rotated(has_prefix):
             lambda *b, return_lse: attention(*b, return_lse=return_lse, window_left=-1), *a),
         dense_prefill=lambda md, k: None, scale=scale, sink=sink, recent=recent, param_dtype=torch.float16,
         logit_correction=0.0, rot_k=rot, window_pos=pc.window_pos, clip_idx_k=clip_index(CLIP_K, d),
-        clip_idx_v=clip_index(CLIP_V, d))
+        clip_idx_v=clip_index(CLIP_V, d), key_mean={}, decode_key_mean=None)
     md = SimpleNamespace(
         num_decodes=0, num_reqs=1, num_actual_tokens=20, max_query_len=20, prefill_has_prefix=has_prefix,
         query_start_loc=step.cu_q, seq_lens=step.seq_lens, block_table=step.block_table,
@@ -101,13 +101,20 @@ def test_fresh_prefill_queries_are_not_rotated(has_prefix):
         torch.testing.assert_close(out, own, rtol=0, atol=0)
 
 
-def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch):
-    """``key_mean`` "on" through the backend's Triton path (attention, then the write): a decode
-    and a prefill over a cached prefix read the INT2 keys plus their mean as the twin does, and
-    the step's keys go into the pages less it, as the twin writes them."""
+@pytest.mark.parametrize("path", ["triton", "write-first"])
+def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch, path):
+    """``key_mean`` "on" through the backend: a decode and a prefill over a cached prefix read the
+    INT2 keys plus their mean as the twin does, and the step's keys go into the pages less it, as
+    the twin writes them; on the Triton path (attention, then the write) and on the Gluon one
+    (decode tokens written first, the decode kernel given the queries and its key-mean operands:
+    here the Gluon kernels' twins, from the arguments they are given)."""
     import oscar_vllm.serving.backend as backend
+    from csrc_triton.oscar_decode import key_mean_operands
     from kernel_cases import KeyMeanCase
+    from oscar_vllm.core.key_mean import KeyMean
     from oscar_vllm.reference.oscar_attention import oscar_attention_reference
+    from oscar_vllm.reference.oscar_decode import oscar_decode_reference
+    from oscar_vllm.reference.oscar_write import oscar_write_decode_reference
     from oscar_vllm.reference.oscar_write import oscar_write_reference, token_positions
     from oscar_vllm.reference.oscar_attention import read_int2_slots
 
@@ -131,6 +138,7 @@ def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch
         sink=sink, recent=recent, param_dtype=torch.float16, logit_correction=lam, rot_k=rot, window_pos=pc.window_pos,
         clip_idx_k=clip_index(CLIP_K, d), clip_idx_v=clip_index(CLIP_V, d),
         key_mean=dict(key_mean=km.mean, cos_sin=km.table), dense_kv=None,
+        decode_key_mean=key_mean_operands(km.mean, km.table) if path == "write-first" else None,
         rotate=lambda x: (x.float() @ rot).to(x.dtype),
         own_keys_attention=lambda *a: backend._own_keys(
             lambda *b, return_lse: attention(*b, return_lse=return_lse, window_left=-1), *a))
@@ -139,8 +147,28 @@ def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch
         num_decodes=1, num_reqs=2, num_actual_tokens=10, max_query_len=9, prefill_has_prefix=True, prefill_shapes=(),
         query_start_loc=step.cu_q, seq_lens=step.seq_lens, block_table=step.block_table,
         slot_mapping=step.slot_mapping, ring_slots=step.ring_slots, window_pages=pc.window_pages, decode_splits=2,
-        part_out=torch.empty(2 * hkv * g * 2 * d), part_lse=torch.empty(2 * hkv * g * 2))
+        decode_ring_cost=2, part_out=torch.empty(2 * hkv * g * 2 * d), part_lse=torch.empty(2 * hkv * g * 2))
     monkeypatch.setattr(backend, "windows_view", lambda cache: pc.windows)
+
+    def decode_twin(out, q_rot, cache, windows, window_pages, window_pos, block_table, seq_lens, ring_slots, n, scale,
+                    sink, recent, param_dtype, *splits, logit_correction, ring_cost, q, key_mean):
+        assert q is not None and key_mean is impl.decode_key_mean
+        twin = KeyMean.from_cos_sin_cache(key_mean["key_mean"].cpu(), key_mean["cos_sin"].cpu())
+        out.copy_(oscar_decode_reference(q_rot, cache, windows, window_pages, window_pos, block_table, seq_lens,
+                                         ring_slots, n, scale, sink, recent, param_dtype, logit_correction, twin, rot))
+
+    def write_decode_twin(k, v, q, q_rot, rot_t, slot_mapping, seq_lens, ring_slots, cache, windows, window_pages,
+                          window_pos, clip_idx_k, clip_idx_v, sink, recent, param_dtype, key_mean, cos_sin):
+        assert rot_t is impl.rot_t and clip_idx_k == impl.clip_idx_k and clip_idx_v == impl.clip_idx_v
+        q_rot.copy_(oscar_write_decode_reference(k, v, q, rot, slot_mapping, seq_lens, ring_slots, cache, windows,
+                                                 window_pages, window_pos, CLIP_K, CLIP_V, sink, recent, param_dtype,
+                                                 KeyMean.from_cos_sin_cache(key_mean.cpu(), cos_sin.cpu())))
+
+    monkeypatch.setattr(backend, "oscar_decode", decode_twin)
+    monkeypatch.setattr(backend, "oscar_write_decode", write_decode_twin)
+    impl.rot_t = object()
+    impl.gluon_decode = path == "write-first"
+    impl._forward_write_first = lambda *a: backend.OscarAttentionImpl._forward_write_first(impl, *a)
     out = torch.full((10, hkv * g * d), float("nan"))
     backend.OscarAttentionImpl.forward(impl, SimpleNamespace(layer_name="x"), q.flatten(1), k.flatten(1),
                                        v.flatten(1), pc.cache, md, out)
