@@ -155,15 +155,18 @@ def test_decode_write_with_more_tokens_a_program_matches_reference(case, query_r
                          ids=lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-n{len(c[6])}-perhead{c[3]}")
 def test_decode_write_less_the_key_mean_matches_reference(case):
     """key_mean "on": the decode write rounds its keys less their mean turned to their positions
-    into the pages and keeps them whole in the ring, as the twin does; pages far from the plain write's."""
-    pc = check_decode_write(case, torch.bfloat16, key_mean=True)
-    plain = check_decode_write(case, torch.bfloat16)
+    into the pages and keeps them whole in the ring, as the twin does; pages far from those of the
+    same keys written whole."""
+    pc = check_decode_write(case, torch.bfloat16, key_mean="write")
+    plain = check_decode_write(case, torch.bfloat16, key_mean="keys")
     d = case[0]
     assert (unpack_int2(layout_views(pc.cache.cpu(), d, torch.bfloat16)[0])
             != unpack_int2(layout_views(plain.cache.cpu(), d, torch.bfloat16)[0])).float().mean() > 0.1
 
 
-def check_decode_write(case, param_dtype, query_rows=None, key_mean=False):
+def check_decode_write(case, param_dtype, query_rows=None, key_mean=None):
+    """The decode write of ``case`` against its twin; ``key_mean``: "keys" (the step's keys have a
+    mean before RoPE) or "write" (and are written less it)."""
     from csrc_triton.oscar_write import decode_rotation, oscar_write_decode
 
     d, hkv, g, per_head, sink, recent, prefix, (clip_k, clip_v) = case
@@ -186,10 +189,10 @@ def check_decode_write(case, param_dtype, query_rows=None, key_mean=False):
     oscar_write_decode(k, v, q, q_rot, decode_rotation(rot), step.slot_mapping, step.seq_lens, step.ring_slots,
                        pc.cache, pc.windows, pc.window_pages, pc.window_pos, clip_index(clip_k, d),
                        clip_index(clip_v, d), sink, recent, param_dtype, query_rows=query_rows,
-                       **(dict(key_mean=km.mean, cos_sin=km.table) if km else {}))
+                       **(dict(key_mean=km.mean, cos_sin=km.table) if key_mean == "write" else {}))
     want = oscar_write_decode_reference(k, v, q, rot, step.slot_mapping, step.seq_lens, step.ring_slots, ref.cache,
                                         ref.windows, ref.window_pages, ref.window_pos, clip_k, clip_v, sink, recent,
-                                        param_dtype, key_mean=km and km.twin)
+                                        param_dtype, key_mean=km.twin if key_mean == "write" else None)
     assert_same_cache(pc, ref, d, hkv, sink, param_dtype)
     # The queries: bf16 operands in the tensor cores, as bf16 as the model's queries.
     err = (q_rot.float().cpu() - want).abs()
