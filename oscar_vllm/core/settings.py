@@ -27,10 +27,10 @@ PREFILL_READS = ("chunk", "decode")
 # ends where vLLM's does), else computed again (oscar_vllm.serving.window_pages).
 HIT_RINGS = ("recompute", "reuse")
 # Whether the INT2 pages hold keys less their mean before RoPE ("on": the rotation file's means,
-# oscar-calibrate writes them; docs/quality.md) or the keys as they are ("off"). "on" runs decode
-# on the Triton kernels (the Gluon decode kernels do not take the mean yet) and prefills over a
-# cached prefix on the INT2 kernel (not the dense path).
-KEY_MEANS = ("off", "on")
+# oscar-calibrate writes them; docs/quality.md) or the keys as they are ("off"); "auto": "on" where
+# the rotations have means, the model's RoPE takes them and prefill_read is "chunk", else "off".
+# With a mean, prefills over a cached prefix run on the INT2 kernel (not the dense path).
+KEY_MEANS = ("off", "on", "auto")
 HOW_TO_GET_ROTATIONS = (
     "give a rotation folder with --additional-config '{\"oscar\": {\"rotation_path\": DIR}}' "
     "or OSCAR_ROTATION_PATH=DIR: published RotationZoo files, a folder written by "

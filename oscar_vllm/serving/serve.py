@@ -42,7 +42,7 @@ FLAGS = {
                          "a prefix-cache hit computes its BF16 recent window again (recompute), or copies "
                          "the ring an earlier request of the prefix left, where one is cached (reuse) "
                          "(default: recompute)"),
-    "--oscar-key-mean": ("key_mean", str, "{off,on}",
+    "--oscar-key-mean": ("key_mean", str, "{off,on,auto}",
                          "INT2 pages hold keys less the rotation file's mean before RoPE (on; files from "
                          "oscar-calibrate), read on the Triton kernels: not yet run on a GPU (default: off)"),
     "--oscar-warm-up-threads": ("warm_up_threads", int, "N",

@@ -272,7 +272,7 @@ def prepare_model(model: torch.nn.Module) -> None:
     tp_size, tp_rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
     rotations = rotations_in_process(settings, shape, worker=f"vLLM worker (tensor-parallel rank {tp_rank})")
     kv_heads = kv_heads_of_shard(shape.num_kv_heads, tp_size, tp_rank)
-    rope_tables: dict[int, torch.Tensor] = {}  # one table for the layers sharing a rotary embedding
+    rope_tables = rope_tables_for_key_means(settings, rotations.key_means is not None, blocks)
     for layer_id, block in blocks:
         qkv, o = block.qkv_proj, block.o_proj
         for proj in (qkv, o):
@@ -294,9 +294,8 @@ def prepare_model(model: torch.nn.Module) -> None:
             settings.clip_ratio_k or rotations.clip_ratio(KEY, layer_id),
             settings.clip_ratio_v or rotations.clip_ratio(VALUE, layer_id),
         )
-        if settings.key_mean == "on":
-            impl.set_key_mean(rotations.key_means[layer_id][kv_heads],
-                              rope_table_of(block, layer_id, impl.head_size, rope_tables))
+        if rope_tables is not None:
+            impl.set_key_mean(rotations.key_means[layer_id][kv_heads], rope_tables[layer_id])
     dense_bytes = give_dense_prefill_buffers([b.attn.impl for _, b in blocks], vllm_config)
     if settings.prefill_read == "decode" and not dense_bytes:
         raise OscarSettingsError(
@@ -305,8 +304,25 @@ def prepare_model(model: torch.nn.Module) -> None:
     logger.info(
         "OSCAR: %d layers, rotations %s (%s), sink %d, recent %d, scales %s, key means %s; dense prefill buffers "
         "%.2f GiB", len(blocks), settings.rotation_path, rotations.source_format, settings.sink_size,
-        settings.recent_size, settings.scale_dtype, settings.key_mean, dense_bytes / 2**30,
+        settings.recent_size, settings.scale_dtype, "on" if rope_tables is not None else "off", dense_bytes / 2**30,
     )
+
+
+def rope_tables_for_key_means(settings: OscarSettings, have_means: bool, blocks: list) -> dict[int, torch.Tensor] | None:
+    """Each layer's RoPE table (``rope_table_of``) where the model serves key means: with
+    ``key_mean`` "on" (a model whose RoPE cannot take them is refused), or "auto" where the
+    rotations have means (``have_means``), ``prefill_read`` is "chunk" and every layer's RoPE takes
+    them; else None (the keys as they are)."""
+    if settings.key_mean == "off" or (settings.key_mean == "auto" and (not have_means or settings.prefill_read != "chunk")):
+        return None
+    shared: dict[int, torch.Tensor] = {}
+    try:
+        return {layer_id: rope_table_of(block, layer_id, block.attn.impl.head_size, shared) for layer_id, block in blocks}
+    except OscarSettingsError as e:
+        if settings.key_mean == "on":
+            raise
+        logger.info("OSCAR: key_mean 'auto' serves the keys as they are: %s", e)
+        return None
 
 
 def rope_table_of(block: torch.nn.Module, layer_id: int, head_size: int,

@@ -67,7 +67,7 @@ def test_additional_config_wins_over_environment():
     ({"decode_splits": "sixteen"}, "decode_splits must be int, got 'sixteen'"),
     ({"warm_up_threads": 0}, "warm_up_threads must be >= 1, got 0"),
     ({"hit_ring": "keep"}, r"hit_ring must be one of \('recompute', 'reuse'\), got 'keep'"),
-    ({"key_mean": "yes"}, r"key_mean must be one of \('off', 'on'\), got 'yes'"),
+    ({"key_mean": "yes"}, r"key_mean must be one of \('off', 'on', 'auto'\), got 'yes'"),
     ({"key_mean": "on", "prefill_read": "decode"}, "key_mean 'on' does not serve prefill_read 'decode'"),
 ])
 def test_bad_settings_are_named(given, message):

@@ -333,3 +333,34 @@ def test_key_means_take_rotate_half_rope_over_the_whole_head_from_vllm():
         with pytest.raises(OscarSettingsError, match="key_mean 'on' needs rotate-half RoPE over all 64 dims of a "
                                                      "head.*layer 3"):
             rope_table_of(block, 3, 64)
+
+
+def test_key_mean_auto_serves_means_where_the_rotations_and_the_rope_take_them():
+    """``key_mean`` "auto": the layers' RoPE tables where the rotations have means, prefill_read is
+    "chunk" and every layer's RoPE is rotate-half over the whole head (one table for layers sharing
+    an embedding); otherwise the keys as they are. "on" refuses what "auto" passes over."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from oscar_vllm.core.settings import OscarSettings, OscarSettingsError
+    from oscar_vllm.serving.vllm_hooks import rope_tables_for_key_means
+    from vllm_cpu import vllm_configs_on_cpu
+
+    with vllm_configs_on_cpu(), set_current_vllm_config(VllmConfig()):
+        neox = get_rope(64, 128, is_neox_style=True, dtype=torch.float32)
+        gptj = get_rope(64, 128, is_neox_style=False, dtype=torch.float32)
+
+    def block(rotary):
+        return SimpleNamespace(rotary_emb=rotary, attn=SimpleNamespace(impl=SimpleNamespace(head_size=64)))
+
+    auto, on = OscarSettings(key_mean="auto"), OscarSettings(key_mean="on")
+    tables = rope_tables_for_key_means(auto, True, [(0, block(neox)), (1, block(neox))])
+    assert sorted(tables) == [0, 1] and tables[0] is tables[1] and tables[0].dtype == torch.float32
+    assert rope_tables_for_key_means(auto, False, [(0, block(neox))]) is None
+    assert rope_tables_for_key_means(OscarSettings(key_mean="auto", prefill_read="decode"), True,
+                                     [(0, block(neox))]) is None
+    assert rope_tables_for_key_means(OscarSettings(), True, [(0, block(neox))]) is None
+    mixed = [(0, block(neox)), (1, block(gptj))]
+    assert rope_tables_for_key_means(auto, True, mixed) is None
+    with pytest.raises(OscarSettingsError, match="layer 1"):
+        rope_tables_for_key_means(on, True, mixed)
