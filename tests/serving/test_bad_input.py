@@ -335,11 +335,13 @@ def test_refuses_an_engine_without_rotations(engine_args, models):
 
 def test_refuses_key_mean_without_key_means(engine_args, models, zoo, tmp_path):
     """``key_mean`` "on" with rotations that have no means (RotationZoo files, the Hadamard mode,
-    format 1): refused with the command that writes them; with format 2's means it starts."""
+    format 1): refused with the command that writes them; with format 2's means it starts, and
+    "auto" starts with either (the means where the file has them)."""
     folder = zoo()
     for path in (str(folder), "hadamard"):
         refused(engine_args, models / "qwen3", "key_mean 'on' needs rotations with key means, and .* has none: write "
                 "them with `oscar-calibrate", OscarSettingsError, oscar={"rotation_path": path, "key_mean": "on"})
+        build(engine_args, models / "qwen3", {"rotation_path": path, "key_mean": "auto"})
     rot = load_rotations(folder)
     rot.key_means = {i: torch.zeros(2, 128) for i in rot.layer_ids}
     save_rotations(rot, tmp_path / "ours")
