@@ -27,7 +27,7 @@ def decode_variants(max_num_seqs: int, num_sms: int) -> list[tuple[int | None, d
     the constants as ``compile_check`` specializes them."""
     compiles = {}
     for maxnreg, prefetch, ring_cost, splits in gluon_decode_variants(max_num_seqs, 8, num_sms):
-        shape = SimpleNamespace(maxnreg=maxnreg, g=4, d=128, prefetch=prefetch, ring_cost=ring_cost)
+        shape = SimpleNamespace(maxnreg=maxnreg, g=4, d=128, prefetch=prefetch, ring_cost=ring_cost, key_mean=False)
         consts = {**gluon_decode_consts(shape), "SPLIT": splits > 1}
         compiles.setdefault((maxnreg, *consts.values()), (maxnreg, consts))
     return list(compiles.values())
