@@ -318,6 +318,9 @@ ROWS = [
     Row("quarter-key-mean", "keys less their mean before RoPE, the correction at λ = 0.25 (the rounding variance "
         "it corrects is smaller with the mean taken off)", calibration=None, logit_correction=0.25,
         key_mean="before-rope"),
+    Row("quarter-key-mean-16pairs", "quarter-key-mean on each KV head's 16 RoPE pairs of most energy only: what "
+        "key_mean 'on' serves with logit_correction 0.25", calibration=None, logit_correction=0.25,
+        key_mean="before-rope", key_mean_pairs=16),
     Row("half-key-mean-recent-grows", "half-key-mean, with the recent window max(256, position/8)", calibration=None,
         recent_fraction=1 / 8, logit_correction=0.5, key_mean="before-rope"),
     Row("half-key-mean-recent-grows16", "half-key-mean, with the recent window max(256, position/16): 512 at 8K",
