@@ -18,8 +18,8 @@ from oscar_vllm.reference.oscar_attention import oscar_attention_reference
 from oscar_vllm.reference.oscar_decode import oscar_decode_reference
 from oscar_vllm.reference.oscar_write import oscar_write_reference
 from kernel_cases import (
-    CASES, CLIP_K, CLIP_V, DEVICE, ON_GPU, KeyMeanCase, assert_close_to_reference, cache_args, case_id, prepare,
-    random_rotation, random_rows, vllm_rope_table,
+    CASES, CLIP_K, CLIP_V, DEVICE, KEY_MEAN_BF16_MAX, ON_GPU, KeyMeanCase, assert_close_to_reference, cache_args,
+    case_id, prepare, random_rotation, random_rows, vllm_rope_table,
 )
 from paged_sim import PagedCache
 
@@ -78,7 +78,7 @@ def check_decode_kernel(case, splits, dtype, lam, key_mean=False, **launch):
                                   step.block_table, step.seq_lens, step.ring_slots, n, scale, sink, recent,
                                   logit_correction=lam)
     want = reference(key_mean=km and km.twin, rot_k=rot)
-    assert_close_to_reference(out, want, torch.bfloat16)
+    assert_close_to_reference(out, want, torch.bfloat16, bf16_max=KEY_MEAN_BF16_MAX if km else 1e-2)
     return out, want, reference
 
 
