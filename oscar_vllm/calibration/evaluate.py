@@ -49,7 +49,7 @@ from oscar_vllm.calibration.models import (
     rope_tables,
 )
 from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
-from oscar_vllm.core.key_mean import KeyMean
+from oscar_vllm.core.key_mean import KeyMean, strongest_pairs
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
 from oscar_vllm.core.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
 from oscar_vllm.core.rotation_io import OscarRotations, hadamard_rotation_sets, load_rotations
@@ -75,6 +75,7 @@ class Method:
     scale_dtype: torch.dtype = torch.float16
     logit_correction: float = 0.0  # see LayerCacheSpec: quantized keys' logits less λ/2 their rounding variance
     key_mean: bool = False  # keys rounded less the rotation file's mean before RoPE (core.key_mean)
+    key_mean_pairs: int = 0  # > 0: each KV head's mean on its that many strongest RoPE pairs (as served: 16)
 
     def describe(self) -> dict:
         return {
@@ -108,6 +109,9 @@ EXTRA_METHODS = [
     Method("oscar-int2-debiased-half", "oscar", "int2", logit_correction=0.5),
     Method("oscar-int2-fit-debiased-half-key-mean", "oscar", "int2", clip="fitted", logit_correction=0.5,
            key_mean=True),
+    # What key_mean "on" serves with logit_correction 0.25: the mean on each head's 16 strongest pairs.
+    Method("oscar-int2-fit-debiased-quarter-key-mean16", "oscar", "int2", clip="fitted", logit_correction=0.25,
+           key_mean=True, key_mean_pairs=16),
 ]
 METHODS_BY_NAME = {m.name: m for m in METHODS + EXTRA_METHODS}
 
@@ -137,9 +141,14 @@ def layer_specs(method: Method, rotations: dict[str, OscarRotations], layer_ids:
             RowQuantizer(method.quant, ck, None, method.scale_dtype),
             RowQuantizer(method.quant, cv, None, method.scale_dtype),
             method.logit_correction,
-            KeyMean(rot.key_means[i], *rope) if method.key_mean else None,
+            KeyMean(served_key_mean(rot.key_means[i], method.key_mean_pairs), *rope) if method.key_mean else None,
         )
     return specs
+
+
+def served_key_mean(mean: torch.Tensor, pairs: int) -> torch.Tensor:
+    """``mean`` ``[Hkv, d]`` on each head's ``pairs`` strongest RoPE pairs (0: all of them)."""
+    return strongest_pairs(mean, min(pairs, mean.shape[-1] // 2)) if pairs else mean
 
 
 def served_method(rotations: OscarRotations, dense_prefill: bool = False) -> Method:
