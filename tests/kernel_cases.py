@@ -6,7 +6,7 @@ import torch
 
 from oscar_vllm.reference.oscar_attention import causal_attention_reference
 from csrc_triton.paged_layout import BLOCK_SIZE, KEY_MEAN_PAIRS, block_rope_table
-from oscar_vllm.core.key_mean import KeyMean, strongest_pairs
+from oscar_vllm.core.key_mean import KeyMean, served_pairs
 from oscar_vllm.reference.oscar_write import oscar_write_reference, token_positions
 from paged_sim import PagedCache
 
@@ -80,7 +80,7 @@ class KeyMeanCase:
     kernels' device, the twins' ``KeyMean`` of the same numbers, and the decode kernel's operands."""
 
     def __init__(self, hkv: int, d: int, positions: int, seed: int = 99):
-        self.mean = strongest_pairs(3 * random_rows((hkv, d), torch.float32, seed), min(KEY_MEAN_PAIRS, d // 2))
+        self.mean = served_pairs(3 * random_rows((hkv, d), torch.float32, seed), KEY_MEAN_PAIRS)
         self.table = block_rope_table(vllm_rope_table(max(positions, BLOCK_SIZE), d)).to(DEVICE)
         self.twin = KeyMean.from_cos_sin_cache(self.mean.cpu(), self.table.cpu())
 

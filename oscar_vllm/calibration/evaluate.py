@@ -49,7 +49,7 @@ from oscar_vllm.calibration.models import (
     rope_tables,
 )
 from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
-from oscar_vllm.core.key_mean import KeyMean, strongest_pairs
+from oscar_vllm.core.key_mean import KeyMean, served_pairs
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
 from oscar_vllm.core.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
 from oscar_vllm.core.rotation_io import OscarRotations, hadamard_rotation_sets, load_rotations
@@ -141,14 +141,9 @@ def layer_specs(method: Method, rotations: dict[str, OscarRotations], layer_ids:
             RowQuantizer(method.quant, ck, None, method.scale_dtype),
             RowQuantizer(method.quant, cv, None, method.scale_dtype),
             method.logit_correction,
-            KeyMean(served_key_mean(rot.key_means[i], method.key_mean_pairs), *rope) if method.key_mean else None,
+            KeyMean(served_pairs(rot.key_means[i], method.key_mean_pairs), *rope) if method.key_mean else None,
         )
     return specs
-
-
-def served_key_mean(mean: torch.Tensor, pairs: int) -> torch.Tensor:
-    """``mean`` ``[Hkv, d]`` on each head's ``pairs`` strongest RoPE pairs (0: all of them)."""
-    return strongest_pairs(mean, min(pairs, mean.shape[-1] // 2)) if pairs else mean
 
 
 def served_method(rotations: OscarRotations, dense_prefill: bool = False) -> Method:

@@ -1,5 +1,5 @@
 """Keys less their mean before 2-bit rounding: the reference cache's, and the serving setting
-``key_mean`` "on"'s (the Triton kernels take it as ``KEY_MEAN``; docs/kernels.md).
+``key_mean`` "on"'s (the Triton and Gluon kernels take it as ``KEY_MEAN``; docs/kernels.md).
 
 Most of a key's length is a mean the model gives every key before RoPE: in SmolLM2's layers it
 holds 60-89% of the keys' energy past the sink (``docs/quality.md``). Rounding a key row to four
@@ -102,3 +102,9 @@ def strongest_pairs(mean: torch.Tensor, count: int, shared: bool = False) -> tor
         energy = energy.sum(0, keepdim=True).expand_as(energy)
     keep = torch.zeros_like(energy, dtype=torch.bool).scatter_(-1, energy.topk(count, dim=-1).indices, True)
     return mean * torch.cat([keep, keep], dim=-1)
+
+
+def served_pairs(mean: torch.Tensor, count: int) -> torch.Tensor:
+    """``mean`` ``[Hkv, d]`` on each KV head's ``count`` strongest pairs as ``key_mean`` serves it
+    (``strongest_pairs``), all of them where a head has no more than ``count``; ``count`` 0: all."""
+    return strongest_pairs(mean, min(count, mean.shape[-1] // 2)) if count else mean

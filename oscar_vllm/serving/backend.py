@@ -48,7 +48,7 @@ from csrc_triton.paged_layout import (
 )
 from csrc_triton.warm_up import warm_up_kernels
 from oscar_vllm.core.fold import RotationFoldError
-from oscar_vllm.core.key_mean import strongest_pairs
+from oscar_vllm.core.key_mean import served_pairs
 from oscar_vllm.core.quant import PARAM_DTYPES, clip_index
 from oscar_vllm.core.settings import BACKEND_NAME, OscarSettings, OscarSettingsError
 from oscar_vllm.reference.oscar_write import window_index
@@ -432,7 +432,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         if self.decode_read:
             raise OscarSettingsError("key_mean 'on' needs prefill_read 'chunk'")
         device = self.window_pos.device
-        mean = strongest_pairs(mean.to(device=device, dtype=torch.float32), min(KEY_MEAN_PAIRS, self.head_size // 2))
+        mean = served_pairs(mean.to(device=device, dtype=torch.float32), KEY_MEAN_PAIRS)
         self.key_mean = dict(key_mean=mean.contiguous(),
                              cos_sin=cos_sin.to(device=device, dtype=torch.float32).contiguous())
         if self.gluon_decode:

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from oscar_vllm.core.key_mean import KeyMean, pre_rope_mean, rope, strongest_pairs, unrope
+from oscar_vllm.core.key_mean import KeyMean, pre_rope_mean, rope, served_pairs, strongest_pairs, unrope
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
 
 D, HKV = 64, 2
@@ -126,6 +126,10 @@ def test_the_strongest_pairs_keep_both_dims_of_each_pair_and_nothing_else():
     torch.testing.assert_close(strongest_pairs(mean, 4), mean)
     with pytest.raises(ValueError, match="5 pairs asked for of 4"):
         strongest_pairs(mean, 5)
+    # as served: at most that many pairs, all of a head that has fewer, 0 for all
+    assert served_pairs(mean, 2).tolist() == kept.tolist()
+    assert served_pairs(mean, 16).tolist() == mean.tolist()
+    assert served_pairs(mean, 0) is mean
 
 
 def test_vllms_table_turns_the_mean_as_the_models_table_does():
