@@ -86,6 +86,7 @@ def warm_up_kernels(
     fixed_splits: int = 0,
     threads: int = 1,
     key_mean: dict[str, torch.Tensor] | None = None,
+    decode_key_mean: dict[str, torch.Tensor] | None = None,
 ) -> int:
     """Launch each kernel variant once on one-block scratch inputs; returns the launches.
 
@@ -98,13 +99,15 @@ def warm_up_kernels(
     ``max_num_seqs`` and ``max_num_tokens`` bound the batches (requests, tokens per step).
     ``threads`` > 1: launch (so compile) that many variants at a time (``launch_all``).
     ``key_mean``: the layer's ``{"key_mean": mean, "cos_sin": table}``, the keyword arguments its Triton
-    kernels take (their ``KEY_MEAN`` variants, the Gluon ones' with ``gluon``).
+    kernels take (their ``KEY_MEAN`` variants, the Gluon ones' with ``gluon``); ``decode_key_mean``:
+    the layer's ``oscar_decode`` operands of it (``key_mean_operands``), which the Gluon decode takes.
     """
     dev = cache.device
     hkv, d = cache.shape[1], rot_k.shape[-1]
     i32 = dict(dtype=torch.int32, device=dev)
     mean = key_mean or {}
-    gluon_mean = gluon_decode.key_mean_operands(**mean) if gluon and mean else None
+    if gluon and mean and decode_key_mean is None:
+        raise ValueError("the Gluon decode's key-mean variants need the layer's key_mean_operands (decode_key_mean)")
 
     def rows(n: int, heads: int) -> torch.Tensor:
         return torch.zeros(n, heads, d, dtype=dtype, device=dev)
@@ -132,7 +135,7 @@ def warm_up_kernels(
         block_table, seq_lens, _, ring_slots = batch(n, 1)
         gluon_decode.oscar_decode(q.clone(), q, cache, windows, window_pages, window_pos, block_table, seq_lens,
                                   ring_slots, n, 1.0, sink, recent, param_dtype, splits, *split_parts(n, splits),
-                                  ring_cost=ring_cost, q=q if mean else None, key_mean=gluon_mean)
+                                  ring_cost=ring_cost, q=q if mean else None, key_mean=decode_key_mean if mean else None)
 
     def triton_decode_attention(n: int, splits: int) -> None:
         q = rows(n, num_heads)

@@ -44,7 +44,8 @@ FLAGS = {
                          "(default: recompute)"),
     "--oscar-key-mean": ("key_mean", str, "{off,on,auto}",
                          "INT2 pages hold keys less the rotation file's mean before RoPE (on; files from "
-                         "oscar-calibrate), read on the Triton kernels: not yet run on a GPU (default: off)"),
+                         "oscar-calibrate), each head's 16 strongest RoPE pairs; auto: where the file has means "
+                         "(default: off)"),
     "--oscar-warm-up-threads": ("warm_up_threads", int, "N",
                                 "threads compiling the kernels' variants at startup (default: 4)"),
 }

@@ -75,6 +75,17 @@ def test_warm_up_writes_nothing(dense, decode_read, key_mean):
         assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))  # bitwise: unused window rows are NaN
 
 
+def test_warm_up_of_the_gluon_key_mean_variants_takes_the_layers_operands():
+    """The Gluon decode's key-mean variants are warmed up with the operands the layer serves with:
+    without them it would warm up the variants without the mean, so it refuses before any launch."""
+    pc, rot = _layer()
+    km = KeyMeanCase(2, 64, 128)
+    with pytest.raises(ValueError, match="key_mean_operands"):
+        warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, 4, torch.bfloat16, 4, 8,
+                        torch.float16, max_num_seqs=9, max_num_tokens=64, num_sms=4, merge_self=True, dense=False,
+                        gluon=True, key_mean=dict(key_mean=km.mean, cos_sin=km.table))
+
+
 def _compiled(kernels=KERNELS) -> list[int]:
     dev = torch.cuda.current_device()
     return [len(k.device_caches[dev][0]) for k in kernels]
@@ -199,13 +210,14 @@ def test_serving_with_key_mean_after_warm_up_compiles_nothing(gluon):
     rot = random_rotation(d).to(DEVICE)
     pc0 = pcs[0][0]
     mean = dict(key_mean=km.mean, cos_sin=km.table)
+    operands = km.operands()
     warm_up_kernels(pc0.cache, pc0.windows, pc0.window_pages, pc0.window_pos, rot, hkv * g, dtype, sink, recent,
-                    torch.float16, max_seqs, 8192, num_sms, merge_self=True, dense=False, gluon=gluon, key_mean=mean)
+                    torch.float16, max_seqs, 8192, num_sms, merge_self=True, dense=False, gluon=gluon, key_mean=mean,
+                    decode_key_mean=operands if gluon else None)
     compiled = _compiled(WARMED_UP)
     rows = decode_split_rows(max_seqs, hkv, num_sms)
     part_out = torch.empty(rows * hkv * g * d, dtype=torch.float32, device=DEVICE)
     part_lse = torch.empty(rows * hkv * g, dtype=torch.float32, device=DEVICE)
-    operands = km.operands()
 
     def own(q_p, k_p, v_p, cu, max_q, out_p):
         return torch.zeros(q_p.shape[1], q_p.shape[0], dtype=torch.float32, device=DEVICE)
