@@ -96,6 +96,26 @@ BASELINE = "FLASH_ATTN"
 QWEN3_8B_CONFIG = Path(__file__).parent / "configs" / "qwen3-8b.json"
 
 
+HADAMARD_KEY_MEANS = "hadamard-key-means"  # --rotations: Hadamard rotations and seeded key means
+
+
+def hadamard_key_mean_rotations(cfg: dict, folder: Path) -> Path:
+    """A rotation folder for timing ``key_mean`` on a model without calibration (dummy weights):
+    the Hadamard rotations and, for every layer, fixed-seed N(0, 1) means ``[Hkv, d]``. What a
+    kernel does per key does not depend on the numbers, only on there being a mean to read."""
+    import torch
+
+    from oscar_vllm.core.rotation_io import OscarRotations, hadamard_rotation_sets, save_rotations
+
+    layers = int(cfg["num_hidden_layers"])
+    kv_heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    gen = torch.Generator().manual_seed(0)
+    means = {i: torch.randn(kv_heads, head_dim, generator=gen) for i in range(layers)}
+    key, value = hadamard_rotation_sets(list(range(layers)), head_dim)
+    return save_rotations(OscarRotations(key, value, model="synthetic key means for timing", key_means=means), folder)
+
+
 def oscar_environment(environ=os.environ) -> dict[str, str]:
     """The OSCAR settings this run's environment sets (``OSCAR_HIT_RING`` and the like), which
     every OSCAR engine it starts reads: a report names them, as it names the engine arguments."""
@@ -1312,7 +1332,9 @@ def parser() -> argparse.ArgumentParser:
                    help="scenarios or presets (default: --plan's, else issue18: all); "
                    "none (or no value): only the --max-num-seqs-sweep")
     p.add_argument("--rotations", default="hadamard",
-                   help="OSCAR rotation path (default: hadamard; speed does not depend on the rotation values)")
+                   help="OSCAR rotation path (default: hadamard; speed does not depend on the rotation values); "
+                   f"{HADAMARD_KEY_MEANS}: Hadamard rotations with seeded key means written into --out, to time "
+                   "OSCAR_KEY_MEAN=on (which the run's environment must set)")
     p.add_argument("--engine-args", default="{}", help="JSON of vLLM engine arguments for every configuration")
     g = p.add_argument_group("sizes (before --budget-s scales them)")
     g.add_argument("--num-prompts", type=int, default=32, help="prefill and decode: requests")
@@ -1391,7 +1413,11 @@ def main() -> None:
         return
     if not args.scenarios and not args.max_num_seqs_sweep:
         parser().error("nothing to run: no --scenarios and no --max-num-seqs-sweep")
-    plan = parent_plan(args, model_config(args.model))
+    cfg = model_config(args.model)
+    if args.rotations == HADAMARD_KEY_MEANS and oscar_environment().get("OSCAR_KEY_MEAN") not in ("on", "auto"):
+        parser().error(f"--rotations {HADAMARD_KEY_MEANS} times the key means: set OSCAR_KEY_MEAN=on as well "
+                       "(else OSCAR serves without them)")
+    plan = parent_plan(args, cfg)
     if args.dry_run:
         print(plan_text(plan))
         return
@@ -1401,6 +1427,8 @@ def main() -> None:
         args.model = str(out / "qwen3-8b-shape")
         Path(args.model).mkdir(exist_ok=True)
         (Path(args.model) / "config.json").write_text(QWEN3_8B_CONFIG.read_text())
+    if args.rotations == HADAMARD_KEY_MEANS:
+        args.rotations = str(hadamard_key_mean_rotations(cfg, out / "rotations_hadamard_key_means"))
     import torch
 
     if torch.cuda.is_available() and args.gpus > torch.cuda.device_count():

@@ -450,10 +450,11 @@ def save_rotations(rot: OscarRotations, folder: str | Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     version = FORMAT_VERSION if rot.key_means else 1
     for rs in (rot.key, rot.value):
-        tensors = {f"layers.{i}.rotation": rs.rotations[i].float().contiguous() for i in rs.layer_ids}
-        tensors.update({f"layers.{i}.eigenvalues": e.float().contiguous() for i, e in rs.eigenvalues.items()})
+        # Copies: safetensors refuses tensors that share memory, as the layers of a Hadamard set do
+        tensors = {f"layers.{i}.rotation": rs.rotations[i].float().clone() for i in rs.layer_ids}
+        tensors.update({f"layers.{i}.eigenvalues": e.float().clone() for i, e in rs.eigenvalues.items()})
         if rs.kind == KEY and rot.key_means:
-            tensors.update({f"layers.{i}.key_mean": m.float().contiguous() for i, m in rot.key_means.items()})
+            tensors.update({f"layers.{i}.key_mean": m.float().clone() for i, m in rot.key_means.items()})
         meta = {"format": FORMAT_NAME, "format_version": str(version), "kind": rs.kind, "objective": rs.objective}
         save_file(tensors, str(folder / OUR_FILES[rs.kind]), metadata=meta)
     info = {

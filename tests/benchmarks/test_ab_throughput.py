@@ -2,6 +2,7 @@
 and its pool of GPUs with fake workers (concurrency, the timeout that ends a process group)."""
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -784,3 +785,30 @@ def test_report_merges_a_split_by_scenario(ab, tmp_path):
     assert table_row(text, "output tok/s, 32 x (1K in")[:2] == ["8,000.0 (2.00x)", "4,000.0"]  # run 1
     assert table_row(text, "overflow: output tok/s") == ["18,000.0 (4.00x)", "4,500.0", ""]  # run 2's baseline
     assert "Seconds per configuration" in text and "run 2 OSCAR 300" in text
+
+
+def test_hadamard_key_mean_rotations_load_as_the_backend_reads_them(ab, tmp_path):
+    """``--rotations hadamard-key-means``: a folder that ``key_mean`` 'on' accepts for the model's
+    shape (a mean a layer, ``[Hkv, d]``), the same numbers every run."""
+    import torch
+
+    from oscar_vllm.core.rotation_io import ModelShape, load_rotations
+
+    cfg = json.loads(ab.QWEN3_8B_CONFIG.read_text())
+    folder = ab.hadamard_key_mean_rotations(cfg, tmp_path / "a")
+    shape = ModelShape.from_hf_config(cfg)
+    rot = load_rotations(folder, shape)
+    assert sorted(rot.key_means) == list(range(36))
+    assert {tuple(m.shape) for m in rot.key_means.values()} == {(8, 128)}
+    assert rot.key.objective == "hadamard" and rot.key_means[0].std() > 0.5
+    again = load_rotations(ab.hadamard_key_mean_rotations(cfg, tmp_path / "b"), shape)
+    assert all(torch.equal(rot.key_means[i], again.key_means[i]) for i in range(36))
+
+
+def test_hadamard_key_means_without_the_setting_is_refused(tmp_path):
+    """Means that OSCAR would not read (``key_mean`` off) would time the run without them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OSCAR_")}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--rotations", "hadamard-key-means", "--scenarios", "decode",
+                           "--configs", "OSCAR", "--out", str(tmp_path / "ab")], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "OSCAR_KEY_MEAN=on" in proc.stderr
+    assert not (tmp_path / "ab").exists(), "refused before anything is written"

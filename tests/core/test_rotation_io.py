@@ -297,6 +297,15 @@ def test_hadamard_sets_validate():
         validate_rotations(OscarRotations(k, k), SMALL)
 
 
+def test_hadamard_sets_save_and_load(tmp_path):
+    """The Hadamard sets give every layer the same tensor; safetensors refuses to write tensors that
+    share memory, so saving them failed until the writer copied each."""
+    k, v = hadamard_rotation_sets([0, 1, 2, 3], 16)
+    back = load_rotations(save_rotations(OscarRotations(k, v), tmp_path), SMALL)
+    assert all(torch.equal(back.key.rotations[i], k.rotations[i]) for i in range(4))
+    assert back.key.objective == "hadamard"
+
+
 def key_means(shape=SMALL, seed=2):
     g = torch.Generator().manual_seed(seed)
     return {i: torch.randn(shape.num_kv_heads, shape.head_dim, generator=g) for i in range(shape.num_layers)}
