@@ -19,6 +19,8 @@ capacity column is how many KV tokens a byte of pool holds against today's page,
 
 Rows with a key mean (``half-key-mean*``) round each key less a calibrated mean and add it back
 where they read it (``oscar_vllm.core.key_mean``): no bits in the page, so the same page bits.
+Rows with keys per channel (``*-key-channels*``, ``ChannelBlockKeys``) store a key's scale and
+minimum per channel and 64-position block instead of per token: ``32/64`` bits a key element.
 
 Everything that takes long is cached in ``--cache`` (default ``runs/quality_cache``, ignored by
 git): the calibrations (rotations and clip ratios, keyed by what they were made from; key means), the
@@ -47,6 +49,7 @@ from oscar_vllm.calibration.evaluate import environment
 from oscar_vllm.calibration.models import LoadedModel, MixedCacheHook, attention_hooks, load_model, rope_tables
 from oscar_vllm.core.key_mean import KeyMean, pre_rope_mean, strongest_pairs
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
+from oscar_vllm.core.quant import SCALE_EPS
 from oscar_vllm.core.rotation_io import OscarRotations, hadamard_rotation_sets, load_rotations
 
 REPO = Path(__file__).resolve().parents[1]
@@ -192,6 +195,41 @@ class Calibrator:
         self.captures.clear()
 
 
+# ---------------------------------------------------------------------------- key formats
+
+
+@dataclass(frozen=True)
+class ChannelBlockKeys:
+    """Keys in 2 bits with a scale and a minimum per channel over each block of ``block`` positions
+    (KIVI's key layout, in the rotated space): what stands out along a channel for a while, the
+    keys' mean turned by RoPE among it, sets that channel's range for the block instead of every
+    token's. ``x``: rotated keys ``[T, Hkv, d]``, positions 0 .. T-1; a block is rounded once it is
+    whole, while its positions are still in the recent window (BF16), so a block still filling is
+    never read in 2 bits. Parameters in fp16, ``32 / block`` bits per element: the same bytes as
+    today's per-token scale and minimum where ``block == head_dim``."""
+
+    block: int = 64
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quantize(x)[0]
+
+    def rounding_variance(self, x: torch.Tensor) -> torch.Tensor:
+        """Per element ``[T, Hkv, d]``: the step² / 12 of its channel's block (one group a channel)."""
+        return self.quantize(x)[1]
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = x.shape[0]
+        xf = x.float()
+        pad = -t % self.block  # the last block is never read in 2 bits: padded with its last row
+        g = torch.cat([xf, xf[-1:].expand(pad, *xf.shape[1:])]).unflatten(0, (-1, self.block))
+        low = g.amin(1, keepdim=True).to(torch.float16).float()
+        step = ((g.amax(1, keepdim=True) - low) / 3).to(torch.float16).float().clamp(min=SCALE_EPS)
+        codes = torch.floor((g - low) / step + 0.5).clamp(0, 3)
+        out = (codes * step + low).flatten(0, 1)[:t]
+        var = (step.square() / 12).expand_as(g).flatten(0, 1)[:t]
+        return out, var
+
+
 # ---------------------------------------------------------------------------- rows
 
 
@@ -211,6 +249,8 @@ class Row:
     clip_less_mean: bool = False  # the key clip ratios fitted again on the keys less the mean
     key_mean_pairs: int = 0  # > 0: the mean on each KV head's strongest RoPE pairs only
     key_mean_pairs_shared: bool = False  # the same strongest pairs for every KV head of a layer
+    key_channel_block: int = 0  # > 0: keys rounded per channel over blocks of this many positions (ChannelBlockKeys)
+    key_rotation: bool = True  # False: keys cached in the model's own basis (values keep theirs)
 
     @property
     def key_groups(self) -> int:
@@ -225,9 +265,11 @@ class Row:
                 quant_k, quant_v = RowQuantizer("int4"), RowQuantizer("int4")
             else:
                 ck, cv = rot.clip_ratio("key", i), rot.clip_ratio("value", i)
-                quant_k = RowQuantizer("int2", tuple(ck) if isinstance(ck, list) else ck, head_dim // self.key_groups)
+                quant_k = (ChannelBlockKeys(self.key_channel_block) if self.key_channel_block else
+                           RowQuantizer("int2", tuple(ck) if isinstance(ck, list) else ck, head_dim // self.key_groups))
                 quant_v = RowQuantizer("int2", tuple(cv) if isinstance(cv, list) else cv)
-            specs[i] = LayerCacheSpec(rot.key.rotations[i], rot.value.rotations[i], quant_k, quant_v,
+            key_rotation = rot.key.rotations[i] if self.key_rotation else None
+            specs[i] = LayerCacheSpec(key_rotation, rot.value.rotations[i], quant_k, quant_v,
                                       self.logit_correction, key_means[i] if self.key_mean else None)
         return specs
 
@@ -243,7 +285,8 @@ class Row:
 
     def page_bits(self, head_dim: int, num_layers: int) -> float:
         """Bits per element of what the cache stores outside the windows, averaged over layers."""
-        int2 = (2 + 32 * self.key_groups / head_dim + 2 + 32 / head_dim) / 2
+        key_params = 32 / self.key_channel_block if self.key_channel_block else 32 * self.key_groups / head_dim
+        int2 = (2 + key_params + 2 + 32 / head_dim) / 2
         int4 = 4 + 32 / head_dim
         return ((num_layers - self.int4_layers) * int2 + self.int4_layers * int4) / num_layers
 
@@ -321,6 +364,23 @@ ROWS = [
     Row("quarter-key-mean-16pairs", "quarter-key-mean on each KV head's 16 RoPE pairs of most energy only: what "
         "key_mean 'on' serves with logit_correction 0.25", calibration=None, logit_correction=0.25,
         key_mean="before-rope", key_mean_pairs=16),
+    Row("eighth-key-mean-16pairs", "quarter-key-mean-16pairs with the correction at λ = 0.125", calibration=None,
+        logit_correction=0.125, key_mean="before-rope", key_mean_pairs=16),
+    Row("uncorrected-key-mean-16pairs", "quarter-key-mean-16pairs with no logit correction (λ = 0)", calibration=None,
+        logit_correction=0.0, key_mean="before-rope", key_mean_pairs=16),
+    Row("quarter-key-mean-16pairs-sink128", "quarter-key-mean-16pairs with a sink of 128", calibration=None,
+        sink=128, logit_correction=0.25, key_mean="before-rope", key_mean_pairs=16),
+    Row("quarter-key-channels", "keys rounded per channel over blocks of 64 positions (a scale and minimum per "
+        "channel and block, KIVI's key layout) in the committed rotation, λ = 0.25", calibration=None,
+        logit_correction=0.25, key_channel_block=64),
+    Row("quarter-key-mean-channels", "quarter-key-channels, the keys less their mean on 16 pairs as well",
+        calibration=None, logit_correction=0.25, key_channel_block=64, key_mean="before-rope", key_mean_pairs=16),
+    Row("quarter-key-channels-unrotated", "quarter-key-channels in the model's own key basis (KIVI's keys; values "
+        "as today)", calibration=None, logit_correction=0.25, key_channel_block=64, key_rotation=False),
+    Row("uncorrected-key-mean-16pairs-sink128", "uncorrected-key-mean-16pairs with a sink of 128", calibration=None,
+        sink=128, key_mean="before-rope", key_mean_pairs=16),
+    Row("uncorrected-key-mean-channels", "quarter-key-mean-channels with no logit correction", calibration=None,
+        key_channel_block=64, key_mean="before-rope", key_mean_pairs=16),
     Row("half-key-mean-recent-grows", "half-key-mean, with the recent window max(256, position/8)", calibration=None,
         recent_fraction=1 / 8, logit_correction=0.5, key_mean="before-rope"),
     Row("half-key-mean-recent-grows16", "half-key-mean, with the recent window max(256, position/16): 512 at 8K",

@@ -102,14 +102,15 @@ METHODS = [
     Method("oscar-int2-softmax", "oscar-softmax", "int2"),
 ]
 # Not in the default table (the README's main job): quantized logits corrected for their rounding
-# variance (docs/quality.md); the backend serves λ = OscarSettings.logit_correction (0.5).
+# variance (docs/quality.md); the backend serves OscarSettings.logit_correction_for's λ (0.5, 0 with key means).
 EXTRA_METHODS = [
     Method("oscar-int2-fit-debiased", "oscar", "int2", clip="fitted", logit_correction=1.0),
     Method("oscar-int2-fit-debiased-half", "oscar", "int2", clip="fitted", logit_correction=0.5),
     Method("oscar-int2-debiased-half", "oscar", "int2", logit_correction=0.5),
     Method("oscar-int2-fit-debiased-half-key-mean", "oscar", "int2", clip="fitted", logit_correction=0.5,
            key_mean=True),
-    # What key_mean "on" serves with logit_correction 0.25: the mean on each head's 16 strongest pairs.
+    # What key_mean "on" serves (the mean on each head's 16 strongest pairs): at its default λ, 0, and at 0.25.
+    Method("oscar-int2-fit-key-mean16", "oscar", "int2", clip="fitted", key_mean=True, key_mean_pairs=16),
     Method("oscar-int2-fit-debiased-quarter-key-mean16", "oscar", "int2", clip="fitted", logit_correction=0.25,
            key_mean=True, key_mean_pairs=16),
 ]
@@ -152,7 +153,7 @@ def served_method(rotations: OscarRotations, dense_prefill: bool = False) -> Met
     every INT2 read takes but a 16-bit model's prompt chunks over a cached prefix
     (``dense_prefill``: they run on FlashAttention, which takes no correction; docs/kernels.md)."""
     clip = "fitted" if rotations.clip_ratios_k else "reference"
-    correction = 0.0 if dense_prefill else OscarSettings().logit_correction
+    correction = 0.0 if dense_prefill else OscarSettings().logit_correction_for(key_mean=False)
     for m in METHODS + EXTRA_METHODS:
         if (m.rotation, m.quant, m.clip, m.windows, m.scale_dtype, m.logit_correction) == (
                 "oscar", "int2", clip, True, torch.float16, correction):

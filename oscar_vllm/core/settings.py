@@ -41,6 +41,11 @@ HOW_TO_GET_ROTATIONS = (
 
 
 FLOATS = ("logit_correction",)  # float settings besides the clip ratios
+# λ where logit_correction is not given (OscarSettings.logit_correction_for): rounding noise inflates a
+# key's softmax weight, and λ = 0.5 undoes the best share of it for keys rounded whole; keys rounded
+# less their mean are rounded finer, and there any correction scored worse than none.
+DEFAULT_LOGIT_CORRECTION = 0.5
+DEFAULT_LOGIT_CORRECTION_WITH_KEY_MEAN = 0.0
 INTS = ("decode_splits", "warm_up_threads")  # int settings besides the *_size ones
 
 
@@ -57,9 +62,9 @@ class OscarSettings:
     clip_ratio_v: float | None = None  # None: per layer from the file (reference: 0.92)
     scale_dtype: str = "fp16"
     # λ: an INT2 key's attention logit is lowered by λ/2 times its expected rounding variance
-    # (oscar_vllm.core.mixed_cache.LayerCacheSpec.logit_correction); 0 turns it off. 0.5: the best
-    # of 0.25-1 in the quality study (docs/quality.md).
-    logit_correction: float = 0.5
+    # (oscar_vllm.core.mixed_cache.LayerCacheSpec.logit_correction); 0 turns it off. None: what the
+    # quality study found best for how the layer rounds its keys (logit_correction_for).
+    logit_correction: float | None = None
     prefill_read: str = "chunk"
     # How many programs split each decode request's keys: 0 picks the count per batch (more for
     # small batches, to fill the GPU), so a request's floating-point sums depend on the batch it
@@ -99,9 +104,18 @@ class OscarSettings:
                                      f"got {self.decode_splits}")
         if self.warm_up_threads < 1:
             raise OscarSettingsError(f"warm_up_threads must be >= 1, got {self.warm_up_threads}")
-        if not (math.isfinite(self.logit_correction) and self.logit_correction >= 0):
+        if self.logit_correction is not None and not (math.isfinite(self.logit_correction)
+                                                      and self.logit_correction >= 0):
             raise OscarSettingsError(f"logit_correction must be a finite number >= 0 (0 turns it off), "
                                      f"got {self.logit_correction}")
+
+    def logit_correction_for(self, key_mean: bool) -> float:
+        """λ for a layer whose INT2 keys are rounded as they are (``key_mean`` False) or less their
+        mean: the setting where given, else the quality study's best for each: 0.5 of 0.25-1 for
+        the keys as they are, 0 of 0-0.5 with the mean (docs/quality.md)."""
+        if self.logit_correction is not None:
+            return self.logit_correction
+        return DEFAULT_LOGIT_CORRECTION_WITH_KEY_MEAN if key_mean else DEFAULT_LOGIT_CORRECTION
 
     @property
     def batch_invariant(self) -> bool:

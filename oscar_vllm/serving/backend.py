@@ -380,7 +380,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         self.param_dtype = PARAM_DTYPES[self.settings.scale_dtype]
         # λ for the INT2 kernels (decode, and prefill chunks over a cached prefix that take the
         # INT2 kernel); chunks on the dense FlashAttention path take none (oscar_dense_kv).
-        self.logit_correction = self.settings.logit_correction
+        self.logit_correction = self.settings.logit_correction_for(key_mean=False)  # set_key_mean changes it
         # Set by vllm_hooks.prepare_model once the model's weights are loaded.
         self.layer_id: int | None = None
         self.rot_k: torch.Tensor | None = None
@@ -433,6 +433,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
             raise OscarSettingsError("key_mean 'on' needs prefill_read 'chunk'")
         device = self.window_pos.device
         mean = served_pairs(mean.to(device=device, dtype=torch.float32), KEY_MEAN_PAIRS)
+        self.logit_correction = self.settings.logit_correction_for(key_mean=True)
         self.key_mean = dict(key_mean=mean.contiguous(),
                              cos_sin=cos_sin.to(device=device, dtype=torch.float32).contiguous())
         if self.gluon_decode:

@@ -29,7 +29,7 @@ FLAGS = {
     "--oscar-scale-dtype": ("scale_dtype", str, "{fp16,bf16}", "INT2 scale and min dtype (default: fp16)"),
     "--oscar-logit-correction": ("logit_correction", float, "L",
                                  "INT2 keys' logits lowered by L/2 times their rounding variance; 0: off "
-                                 "(default: 0.5)"),
+                                 "(default: 0.5, and 0 where the keys are rounded less their mean)"),
     "--oscar-prefill-read": ("prefill_read", str, "{chunk,decode}",
                              "prefill queries read their own chunk in BF16 (chunk), or only the last "
                              "recent-size positions, as decode does: replies independent of vLLM's schedule "

@@ -302,9 +302,10 @@ def prepare_model(model: torch.nn.Module) -> None:
             "prefill_read 'decode' runs on FlashAttention over dense prefill buffers, which this model does not "
             "get (layers of different shapes, or no FlashAttention build); serve it with prefill_read 'chunk'")
     logger.info(
-        "OSCAR: %d layers, rotations %s (%s), sink %d, recent %d, scales %s, key means %s; dense prefill buffers "
-        "%.2f GiB", len(blocks), settings.rotation_path, rotations.source_format, settings.sink_size,
-        settings.recent_size, settings.scale_dtype, "on" if rope_tables is not None else "off", dense_bytes / 2**30,
+        "OSCAR: %d layers, rotations %s (%s), sink %d, recent %d, scales %s, key means %s, logit correction %g; "
+        "dense prefill buffers %.2f GiB", len(blocks), settings.rotation_path, rotations.source_format,
+        settings.sink_size, settings.recent_size, settings.scale_dtype, "on" if rope_tables is not None else "off",
+        settings.logit_correction_for(key_mean=rope_tables is not None), dense_bytes / 2**30,
     )
 
 

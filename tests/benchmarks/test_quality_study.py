@@ -55,3 +55,28 @@ def test_the_key_mean_row_keeps_the_page_and_gives_each_int2_layer_its_mean():
     assert specs[0].key_mean is means[0] and specs[2].key_mean is means[2]
     assert specs[1].key_quant.kind == "int4" and specs[1].key_mean is means[1]
     assert all(s.key_mean is None for s in study.ROWS_BY_NAME["debiased-half"].specs(rot, set(), 3, means).values())
+
+
+def test_keys_per_channel_round_each_blocks_channels_on_their_own_range():
+    """``ChannelBlockKeys``: every channel of every 64-position block on four levels between its own
+    minimum and maximum there (fp16 parameters), the last block short; its rounding variance the
+    step² / 12 of that channel and block; the page bits those of a scale and minimum per channel a block."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(150, 2, 8, generator=gen) * torch.arange(1, 9)  # channels of different ranges
+    x[70, 1, 3] = 40.0  # one key that stands out: its channel's block only takes the wider range
+    out, var = study.ChannelBlockKeys(64).quantize(x)
+    assert out.shape == var.shape == x.shape
+    for b0 in (0, 64, 128):
+        blk = x[b0:b0 + 64]
+        lo, hi = blk.amin(0), blk.amax(0)
+        step = (hi - lo) / 3
+        torch.testing.assert_close(var[b0], step.square() / 12, rtol=3e-3, atol=0)  # fp16 parameters
+        got = out[b0:b0 + 64]
+        level = (got - lo) / step  # on one of the channel's four levels, the nearest to the key
+        torch.testing.assert_close(level, level.round().clamp(0, 3), rtol=0, atol=5e-3)
+        assert ((got - blk).abs() <= step / 2 * 1.01 + 1e-3).all()
+    assert var[70, 1, 3] > 3 * max(var[10, 1, 3], var[130, 1, 3]) and var[10, 1, 3] == var[63, 1, 3] and var[70, 0, 3] < var[70, 1, 3]
+    assert study.ROWS_BY_NAME["quarter-key-channels"].page_bits(64, 30) == 2.5
+    assert study.ROWS_BY_NAME["quarter-key-channels"].page_bits(128, 30) == pytest.approx((2 + 0.5 + 2.25) / 2)
+    assert study.ROWS_BY_NAME["quarter-key-channels-unrotated"].specs(
+        study.OscarRotations(*study.hadamard_rotation_sets([0], 8)), set(), 1)[0].key_rotation is None

@@ -223,7 +223,7 @@ def test_the_reference_cache_as_served_uses_the_serving_defaults():
     from oscar_vllm.core.settings import OscarSettings
 
     committed = load_rotations(Path(__file__).resolve().parents[2] / "results" / "smollm2_rotations")
-    correction = OscarSettings().logit_correction
+    correction = OscarSettings().logit_correction_for(key_mean=False)
     fitted = served_method(committed)
     assert (fitted.clip, fitted.logit_correction, fitted.scale_dtype) == ("fitted", correction, torch.float16)
     plain = served_method(dataclasses.replace(committed, clip_ratios_k=None, clip_ratios_v=None))

@@ -74,17 +74,17 @@ def test_calibration_cli_end_to_end(tmp_path, smollm2):
     # the evaluation CLI takes the folder as it is
     evaluate_main([
         "--rotations", str(out), "--methods",
-        "bf16,oscar-int2-fit,oscar-int2-fit-debiased-half-key-mean,oscar-int2-fit-debiased-quarter-key-mean16",
+        "bf16,oscar-int2-fit,oscar-int2-fit-debiased-half-key-mean,oscar-int2-fit-key-mean16",
         "--context", "512", "--eval-tokens", "512", "--output-dir", str(tmp_path / "eval"),
     ])
     results = json.loads((tmp_path / "eval" / "fidelity.json").read_text())["results"]
     assert list(results) == ["bf16", "oscar-int2-fit", "oscar-int2-fit-debiased-half-key-mean",
-                             "oscar-int2-fit-debiased-quarter-key-mean16"]
+                             "oscar-int2-fit-key-mean16"]
     assert 0 < results["oscar-int2-fit"]["kl"] < 0.5 and results["oscar-int2-fit"]["tokens"] == 511
     # keys less their mean: nearer BF16 than the same file's plain INT2 on these tokens
     assert 0 < results["oscar-int2-fit-debiased-half-key-mean"]["kl"] < 0.8 * results["oscar-int2-fit"]["kl"]
-    # as served (16 of the 32 pairs, λ 0.25): a different cache, as near BF16 within a tenth here
-    served = results["oscar-int2-fit-debiased-quarter-key-mean16"]["kl"]
+    # as served (16 of the 32 pairs, no correction): a different cache, as near BF16 within a tenth here
+    served = results["oscar-int2-fit-key-mean16"]["kl"]
     assert served != results["oscar-int2-fit-debiased-half-key-mean"]["kl"]
     assert 0 < served < 1.1 * results["oscar-int2-fit-debiased-half-key-mean"]["kl"]
 

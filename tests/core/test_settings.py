@@ -10,7 +10,7 @@ from oscar_vllm.serving.serve import build_vllm_argv
 def test_defaults():
     s = OscarSettings.from_sources({}, environ={})
     assert (s.rotation_path, s.sink_size, s.recent_size, s.clip_ratio_k, s.scale_dtype) == (None, 64, 256, None, "fp16")
-    assert s.logit_correction == 0.5  # on by default: it costs no bytes
+    assert s.logit_correction is None  # each layer's from how it rounds its keys (logit_correction_for)
     assert s.prefill_read == "chunk" and s.decode_splits == 0 and not s.batch_invariant
 
 
@@ -40,6 +40,17 @@ def test_logit_correction_from_either_source():
     assert OscarSettings.from_sources({"oscar": {"logit_correction": 0}}, environ={}).logit_correction == 0.0
     s = OscarSettings.from_sources({"oscar": {"logit_correction": 2}}, environ={"OSCAR_LOGIT_CORRECTION": "0"})
     assert s.logit_correction == 2.0 and isinstance(s.logit_correction, float)
+
+
+def test_logit_correction_default_follows_the_key_mean_and_a_given_one_holds_for_both():
+    """The study's best λ: 0.5 for keys rounded as they are, none for keys less their mean
+    (docs/quality.md); a λ the operator gives is served with and without the mean."""
+    s = OscarSettings.from_sources({}, environ={})
+    assert (s.logit_correction_for(key_mean=False), s.logit_correction_for(key_mean=True)) == (0.5, 0.0)
+    given = OscarSettings.from_sources({}, environ={"OSCAR_LOGIT_CORRECTION": "0.25"})
+    assert (given.logit_correction_for(key_mean=False), given.logit_correction_for(key_mean=True)) == (0.25, 0.25)
+    off = OscarSettings.from_sources({"oscar": {"logit_correction": 0}}, environ={})
+    assert off.logit_correction_for(key_mean=False) == 0.0
 
 
 def test_additional_config_wins_over_environment():

@@ -177,3 +177,19 @@ def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch
     for got, expect in zip(read_int2_slots(pc.cache, step.slot_mapping, d, torch.float16),
                            read_int2_slots(written.cache, step.slot_mapping, d, torch.float16)):
         assert ((got - expect).abs() > 1e-2 * expect.abs().max()).float().mean() <= 1e-2
+
+
+@pytest.mark.parametrize("given,want", [(None, 0.0), (0.25, 0.25)])
+def test_a_layer_given_key_means_reads_them_at_their_own_logit_correction(given, want):
+    """``set_key_mean`` takes the layer's λ for keys less their mean (none by default: the study's
+    best there) where a layer without means keeps 0.5; a λ the operator gives holds for both."""
+    from oscar_vllm.core.settings import OscarSettings
+    from oscar_vllm.serving.backend import OscarAttentionImpl
+
+    d, hkv = 64, 2
+    settings = OscarSettings(logit_correction=given)
+    impl = SimpleNamespace(settings=settings, decode_read=False, gluon_decode=False, window_pos=torch.zeros(2, 8),
+                           logit_correction=settings.logit_correction_for(key_mean=False))
+    assert impl.logit_correction == (0.5 if given is None else given)
+    OscarAttentionImpl.set_key_mean(impl, torch.randn(hkv, d), torch.randn(128, d))
+    assert impl.logit_correction == want and impl.key_mean["key_mean"].shape == (hkv, d)

@@ -104,7 +104,7 @@ def test_a_servable_engine_passes_and_its_settings_travel_in_its_config(engine_a
     # folder absolute: a worker started elsewhere has another working directory and environment.
     assert config.additional_config["oscar"] == {"rotation_path": str(rotations), "sink_size": 64,
                                                  "recent_size": 128, "scale_dtype": "fp16",
-                                                 "logit_correction": 0.5, "prefill_read": "chunk",
+                                                 "prefill_read": "chunk",
                                                  "decode_splits": 0, "hit_ring": "recompute",
                                                  "key_mean": "off", "warm_up_threads": 4}
     monkeypatch.delenv("OSCAR_RECENT_SIZE")
