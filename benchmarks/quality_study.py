@@ -50,6 +50,7 @@ from oscar_vllm.calibration.models import LoadedModel, MixedCacheHook, attention
 from oscar_vllm.core.key_mean import KeyMean, pre_rope_mean, strongest_pairs
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
 from oscar_vllm.core.quant import SCALE_EPS
+from oscar_vllm.core.rotation import apply_rotation
 from oscar_vllm.core.rotation_io import OscarRotations, hadamard_rotation_sets, load_rotations
 
 REPO = Path(__file__).resolve().parents[1]
@@ -175,6 +176,18 @@ class Calibrator:
         torch.save((means, left), path)
         return means, left
 
+    def value_means(self, c: Calibration, skip: int) -> dict[int, torch.Tensor]:
+        """Over the rotations' calibration text past each sequence's first ``skip`` positions: per
+        layer, each KV head's mean value ``[Hkv, d]`` (the model's basis)."""
+        path = self.cache / f"{c.key}-value-means-skip{skip}.pt"
+        if path.exists():
+            return torch.load(path)
+        stats = self.capture(c.text, 0, c.tokens, c.seq_len, c.value_weights == "softmax")
+        means = {i: torch.cat([v[skip:].double() for v in s.values]).mean(0).float() for i, s in stats.items()}
+        self.cache.mkdir(parents=True, exist_ok=True)
+        torch.save(means, path)
+        return means
+
     def clip_less_mean(self, rot: OscarRotations, c: Calibration, means: dict[int, torch.Tensor],
                        skip: int) -> OscarRotations:
         """``rot`` with its key clip ratios fitted again, on the held-out keys less ``means`` (before
@@ -196,6 +209,20 @@ class Calibrator:
 
 
 # ---------------------------------------------------------------------------- key formats
+
+
+@dataclass(frozen=True)
+class ValuesLessMean:
+    """Values rounded less a calibrated mean ``[Hkv, d]`` (in the value rotation's basis, as the
+    cache holds them) and read plus it: softmax weights sum to one, so a kernel would add the mean
+    times the 2-bit part's share of the weights, once per query and head."""
+
+    quant: RowQuantizer
+    mean: torch.Tensor
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        mean = self.mean.to(x.device, torch.float32)
+        return self.quant(x.float() - mean) + mean
 
 
 @dataclass(frozen=True)
@@ -251,23 +278,28 @@ class Row:
     key_mean_pairs_shared: bool = False  # the same strongest pairs for every KV head of a layer
     key_channel_block: int = 0  # > 0: keys rounded per channel over blocks of this many positions (ChannelBlockKeys)
     key_rotation: bool = True  # False: keys cached in the model's own basis (values keep theirs)
+    key_clip_ratio: float | None = None  # one key clip ratio for every layer instead of the rotations' (1: none)
+    value_mean: bool = False  # values rounded less their calibrated mean (ValuesLessMean)
 
     @property
     def key_groups(self) -> int:
         return self.calibration.key_groups if self.calibration else 1
 
     def specs(self, rot: OscarRotations, int4: set[int], num_layers: int,
-              key_means: dict[int, KeyMean] | None = None) -> dict[int, LayerCacheSpec]:
+              key_means: dict[int, KeyMean] | None = None,
+              value_means: dict[int, torch.Tensor] | None = None) -> dict[int, LayerCacheSpec]:
         head_dim = rot.key.head_dim
         specs = {}
         for i in range(num_layers):
             if i in int4:
                 quant_k, quant_v = RowQuantizer("int4"), RowQuantizer("int4")
             else:
-                ck, cv = rot.clip_ratio("key", i), rot.clip_ratio("value", i)
+                ck, cv = self.key_clip_ratio or rot.clip_ratio("key", i), rot.clip_ratio("value", i)
                 quant_k = (ChannelBlockKeys(self.key_channel_block) if self.key_channel_block else
                            RowQuantizer("int2", tuple(ck) if isinstance(ck, list) else ck, head_dim // self.key_groups))
                 quant_v = RowQuantizer("int2", tuple(cv) if isinstance(cv, list) else cv)
+                if self.value_mean:  # the mean as the cache holds values: in the value rotation's basis
+                    quant_v = ValuesLessMean(quant_v, apply_rotation(value_means[i], rot.value.rotations[i]))
             key_rotation = rot.key.rotations[i] if self.key_rotation else None
             specs[i] = LayerCacheSpec(key_rotation, rot.value.rotations[i], quant_k, quant_v,
                                       self.logit_correction, key_means[i] if self.key_mean else None)
@@ -381,6 +413,13 @@ ROWS = [
         sink=128, key_mean="before-rope", key_mean_pairs=16),
     Row("uncorrected-key-mean-channels", "quarter-key-mean-channels with no logit correction", calibration=None,
         key_channel_block=64, key_mean="before-rope", key_mean_pairs=16),
+    Row("uncorrected-key-mean-16pairs-clip96", "uncorrected-key-mean-16pairs with the reference's key clip ratio, "
+        "0.96, in every layer (the fitted ones clip more: 0.87-0.93)", calibration=None, key_mean="before-rope",
+        key_mean_pairs=16, key_clip_ratio=0.96),
+    Row("uncorrected-key-mean-16pairs-noclip", "uncorrected-key-mean-16pairs with the keys not clipped", calibration=None,
+        key_mean="before-rope", key_mean_pairs=16, key_clip_ratio=1.0),
+    Row("uncorrected-key-mean-16pairs-value-mean", "uncorrected-key-mean-16pairs with the values rounded less "
+        "their mean too", calibration=None, key_mean="before-rope", key_mean_pairs=16, value_mean=True),
     Row("half-key-mean-recent-grows", "half-key-mean, with the recent window max(256, position/8)", calibration=None,
         recent_fraction=1 / 8, logit_correction=0.5, key_mean="before-rope"),
     Row("half-key-mean-recent-grows16", "half-key-mean, with the recent window max(256, position/16): 512 at 8K",
@@ -662,7 +701,8 @@ def main() -> None:
             key_means = {i: KeyMean(strongest_pairs(m, row.key_mean_pairs, row.key_mean_pairs_shared)
                                     if row.key_mean_pairs else m, *turn)
                          for i, m in means[row.key_mean].items()}
-        configs[row.name] = (row.specs(rot, set(ranked[:row.int4_layers]), n, key_means), row.sink,
+        value_means = calibrate.value_means(row.calibration or AUSTEN, row.sink) if row.value_mean else None
+        configs[row.name] = (row.specs(rot, set(ranked[:row.int4_layers]), n, key_means, value_means), row.sink,
                              row.recent_at(positions))
         key_clip_ratios[row.name] = [rot.clip_ratio("key", i) for i in range(n)]
     calibrate.forget_captures()

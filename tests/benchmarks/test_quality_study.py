@@ -80,3 +80,16 @@ def test_keys_per_channel_round_each_blocks_channels_on_their_own_range():
     assert study.ROWS_BY_NAME["quarter-key-channels"].page_bits(128, 30) == pytest.approx((2 + 0.5 + 2.25) / 2)
     assert study.ROWS_BY_NAME["quarter-key-channels-unrotated"].specs(
         study.OscarRotations(*study.hadamard_rotation_sets([0], 8)), set(), 1)[0].key_rotation is None
+
+
+def test_values_less_their_mean_take_it_in_the_value_rotations_basis():
+    """A value equal to its layer's mean, as the cache holds it (rotated by ``R_V``), comes back
+    exactly: the mean goes in the rotated basis, where the rows are rounded."""
+    key, value = study.hadamard_rotation_sets([0], 16)
+    mean = torch.randn(2, 16, generator=torch.Generator().manual_seed(1)) * 3
+    row = study.ROWS_BY_NAME["uncorrected-key-mean-16pairs-value-mean"]
+    spec = row.specs(study.OscarRotations(key, value), set(), 1, {0: None}, {0: mean})[0]
+    held = study.apply_rotation(mean, value.rotations[0]).expand(5, 2, 16)  # what the cache is given
+    torch.testing.assert_close(spec.value_quant(held), held, rtol=0, atol=1e-6)
+    assert (spec.value_quant.quant(held) - held).abs().max() > 0.1, "rounded whole, the same rows are not exact"
+    assert (study.ValuesLessMean(spec.value_quant.quant, mean)(held) - held).abs().max() > 0.1, "nor in the wrong basis"
