@@ -444,17 +444,22 @@ def _load_our_file(path: Path, kind: str) -> tuple[RotationSet, dict[int, torch.
     return rs, found.get("key_mean", {})
 
 
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as safetensors writes it: f32, contiguous, and its own memory (it refuses views and
+    tensors that share memory, as the layers of a Hadamard set do)."""
+    return t.float().clone(memory_format=torch.contiguous_format)
+
+
 def save_rotations(rot: OscarRotations, folder: str | Path) -> Path:
     """Write ``rot`` in our format into ``folder`` (created); returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     version = FORMAT_VERSION if rot.key_means else 1
     for rs in (rot.key, rot.value):
-        # Copies: safetensors refuses tensors that share memory, as the layers of a Hadamard set do
-        tensors = {f"layers.{i}.rotation": rs.rotations[i].float().clone() for i in rs.layer_ids}
-        tensors.update({f"layers.{i}.eigenvalues": e.float().clone() for i, e in rs.eigenvalues.items()})
+        tensors = {f"layers.{i}.rotation": _stored(rs.rotations[i]) for i in rs.layer_ids}
+        tensors.update({f"layers.{i}.eigenvalues": _stored(e) for i, e in rs.eigenvalues.items()})
         if rs.kind == KEY and rot.key_means:
-            tensors.update({f"layers.{i}.key_mean": m.float().clone() for i, m in rot.key_means.items()})
+            tensors.update({f"layers.{i}.key_mean": _stored(m) for i, m in rot.key_means.items()})
         meta = {"format": FORMAT_NAME, "format_version": str(version), "kind": rs.kind, "objective": rs.objective}
         save_file(tensors, str(folder / OUR_FILES[rs.kind]), metadata=meta)
     info = {

@@ -304,6 +304,9 @@ def test_hadamard_sets_save_and_load(tmp_path):
     back = load_rotations(save_rotations(OscarRotations(k, v), tmp_path), SMALL)
     assert all(torch.equal(back.key.rotations[i], k.rotations[i]) for i in range(4))
     assert back.key.objective == "hadamard"
+    transposed = RotationSet("key", k.objective, {i: r.t() for i, r in k.rotations.items()}, k.eigenvalues)
+    back = load_rotations(save_rotations(OscarRotations(transposed, v), tmp_path / "t"), SMALL)
+    assert torch.equal(back.key.rotations[0], k.rotations[0].t()), "views are written as their values"
 
 
 def key_means(shape=SMALL, seed=2):
