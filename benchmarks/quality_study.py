@@ -420,6 +420,11 @@ ROWS = [
         key_mean="before-rope", key_mean_pairs=16, key_clip_ratio=1.0),
     Row("uncorrected-key-mean-16pairs-value-mean", "uncorrected-key-mean-16pairs with the values rounded less "
         "their mean too", calibration=None, key_mean="before-rope", key_mean_pairs=16, value_mean=True),
+    Row("uncorrected-key-mean-16pairs-recent320", "uncorrected-key-mean-16pairs with a recent window of 320 (the "
+        "64 more BF16 tokens of a sink of 128, at the other end)", calibration=None, recent=320,
+        key_mean="before-rope", key_mean_pairs=16),
+    Row("uncorrected-key-mean-16pairs-sink128-recent320", "uncorrected-key-mean-16pairs with a sink of 128 and a "
+        "recent window of 320", calibration=None, sink=128, recent=320, key_mean="before-rope", key_mean_pairs=16),
     Row("half-key-mean-recent-grows", "half-key-mean, with the recent window max(256, position/8)", calibration=None,
         recent_fraction=1 / 8, logit_correction=0.5, key_mean="before-rope"),
     Row("half-key-mean-recent-grows16", "half-key-mean, with the recent window max(256, position/16): 512 at 8K",
