@@ -105,14 +105,12 @@ def hadamard_key_mean_rotations(cfg: dict, folder: Path) -> Path:
     kernel does per key does not depend on the numbers, only on there being a mean to read."""
     import torch
 
-    from oscar_vllm.core.rotation_io import OscarRotations, hadamard_rotation_sets, save_rotations
+    from oscar_vllm.core.rotation_io import ModelShape, OscarRotations, hadamard_rotation_sets, save_rotations
 
-    layers = int(cfg["num_hidden_layers"])
-    kv_heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    shape = ModelShape.from_hf_config(cfg)
     gen = torch.Generator().manual_seed(0)
-    means = {i: torch.randn(kv_heads, head_dim, generator=gen) for i in range(layers)}
-    key, value = hadamard_rotation_sets(list(range(layers)), head_dim)
+    means = {i: torch.randn(shape.num_kv_heads, shape.head_dim, generator=gen) for i in range(shape.num_layers)}
+    key, value = hadamard_rotation_sets(list(range(shape.num_layers)), shape.head_dim)
     return save_rotations(OscarRotations(key, value, model="synthetic key means for timing", key_means=means), folder)
 
 
