@@ -278,7 +278,7 @@ class Row:
     key_mean_pairs_shared: bool = False  # the same strongest pairs for every KV head of a layer
     key_channel_block: int = 0  # > 0: keys rounded per channel over blocks of this many positions (ChannelBlockKeys)
     key_rotation: bool = True  # False: keys cached in the model's own basis (values keep theirs)
-    key_clip_ratio: float | None = None  # one key clip ratio for every layer instead of the rotations' (1: none)
+    key_clip_ratio: float | None = None  # one key clip ratio for every layer instead of the rotations' (1 or 0: none)
     value_mean: bool = False  # values rounded less their calibrated mean (ValuesLessMean)
 
     @property
@@ -294,7 +294,8 @@ class Row:
             if i in int4:
                 quant_k, quant_v = RowQuantizer("int4"), RowQuantizer("int4")
             else:
-                ck, cv = self.key_clip_ratio or rot.clip_ratio("key", i), rot.clip_ratio("value", i)
+                ck = rot.clip_ratio("key", i) if self.key_clip_ratio is None else self.key_clip_ratio
+                cv = rot.clip_ratio("value", i)
                 quant_k = (ChannelBlockKeys(self.key_channel_block) if self.key_channel_block else
                            RowQuantizer("int2", tuple(ck) if isinstance(ck, list) else ck, head_dim // self.key_groups))
                 quant_v = RowQuantizer("int2", tuple(cv) if isinstance(cv, list) else cv)
