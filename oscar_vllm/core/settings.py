@@ -3,12 +3,15 @@ environment variables (the JSON wins where both are given). Plain Python, so the
 the CLI and every vLLM process parse them the same way."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from oscar_vllm.core.errors import OscarError
+
+logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "OSCAR"  # what --attention-backend names
 BACKEND_PATH = "oscar_vllm.serving.backend.OscarAttentionBackend"
@@ -147,10 +150,13 @@ class OscarSettings:
             raise OscarSettingsError(f"unknown OSCAR setting(s) {unknown}; valid: {sorted(known)}")
         values: dict[str, Any] = {}
         for name, f in known.items():
-            raw = given.get(name, environ.get(cls.env_name(name)))
+            from_env = environ.get(cls.env_name(name))
+            raw = given.get(name, from_env)
             if raw is None or raw == "":
                 continue
             values[name] = _convert(name, raw, f.default)
+            if name in given and from_env not in (None, "") and _differs(name, from_env, values[name], f.default):
+                _warn_overridden(name, values[name], from_env)
         return cls(**values)
 
     @classmethod
@@ -161,6 +167,25 @@ class OscarSettings:
         if not self.rotation_path:
             raise OscarSettingsError(f"the OSCAR backend needs rotations: {HOW_TO_GET_ROTATIONS}")
         return self.rotation_path
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _differs(name: str, from_env: str, value: Any, default: Any) -> bool:
+    try:
+        return _convert(name, from_env, default) != value
+    except OscarSettingsError:  # not even a valid value: ignored all the same
+        return True
+
+
+def _warn_overridden(name: str, value: Any, from_env: str) -> None:
+    """Once a process: the JSON's value wins, and an operator who exported the variable should see
+    that it does not apply (every vLLM process parses the settings again)."""
+    if (name, from_env) not in _warned:
+        _warned.add((name, from_env))
+        logger.warning("OSCAR: %s is %r from --additional-config; %s=%s is ignored", name, value,
+                       OscarSettings.env_name(name), from_env)
 
 
 def _convert(name: str, raw: Any, default: Any) -> Any:

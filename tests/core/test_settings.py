@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from oscar_vllm.core import settings as settings_module
 from oscar_vllm.core.settings import OscarSettings, OscarSettingsError
 from oscar_vllm.serving.serve import build_vllm_argv
 
@@ -57,6 +58,25 @@ def test_additional_config_wins_over_environment():
     env = {"OSCAR_SINK_SIZE": "32", "OSCAR_RECENT_SIZE": "128", "OSCAR_ROTATION_PATH": "/env/rot"}
     s = OscarSettings.from_sources({"oscar": {"sink_size": 16, "clip_ratio_v": 0.9}}, environ=env)
     assert (s.sink_size, s.recent_size, s.rotation_path, s.clip_ratio_v) == (16, 128, "/env/rot", 0.9)
+
+
+def test_a_variable_the_json_overrides_is_named_in_a_warning(caplog, monkeypatch):
+    monkeypatch.setattr(settings_module, "_warned", set())  # earlier tests warned in this process
+    # The JSON's sink_size wins; the exported variable that says otherwise is named, once a process,
+    # and a variable that agrees (or one the JSON does not give) is not.
+    env = {"OSCAR_SINK_SIZE": "32", "OSCAR_RECENT_SIZE": "256", "OSCAR_HIT_RING": "reuse"}
+    given = {"oscar": {"sink_size": 16, "recent_size": 256}}
+    with caplog.at_level("WARNING", logger="oscar_vllm.core.settings"):
+        OscarSettings.from_sources(given, environ=env)
+        OscarSettings.from_sources(given, environ=env)
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == ["OSCAR: sink_size is 16 from --additional-config; OSCAR_SINK_SIZE=32 is ignored"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="oscar_vllm.core.settings"):
+        s = OscarSettings.from_sources({"oscar": {"recent_size": 128}}, environ={"OSCAR_RECENT_SIZE": "many"})
+    assert s.recent_size == 128
+    assert [r.getMessage() for r in caplog.records] == [
+        "OSCAR: recent_size is 128 from --additional-config; OSCAR_RECENT_SIZE=many is ignored"]
 
 
 @pytest.mark.parametrize("given,message", [

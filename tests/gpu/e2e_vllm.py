@@ -45,7 +45,20 @@ def result(**kw) -> None:
 
 
 def oscar_config(rotations: str) -> dict:
-    return {"oscar": {"rotation_path": rotations, "sink_size": 64, "recent_size": 256}}
+    """The rotations only: every other setting from OSCAR_* variables or its default, so that
+    `OSCAR_RECENT_SIZE=320 ...` runs what it says (the JSON would win over the variable)."""
+    return {"oscar": {"rotation_path": rotations}}
+
+
+def oscar_settings(backend: str) -> dict | None:
+    """The OSCAR settings an engine of ``oscar_config`` serves (rotations aside), for the RESULT line."""
+    from dataclasses import asdict
+
+    from oscar_vllm.core.settings import OscarSettings
+
+    if backend != "OSCAR":
+        return None
+    return {k: v for k, v in asdict(OscarSettings.from_sources(oscar_config(""))).items() if k != "rotation_path"}
 
 
 def cmd_prepare(args) -> None:
@@ -104,8 +117,8 @@ def cmd_ppl(args) -> None:
     prompt = windows[0][:600]
     greedy = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=48, temperature=0),
                           use_tqdm=False)[0].outputs[0]
-    result(check="ppl", backend=args.backend, dtype=args.dtype, eager=args.eager, chunk=args.chunk,
-           context=args.context, tokens_scored=n, ppl=math.exp(nll / n), seconds=round(time.time() - t0, 1),
+    result(check="ppl", backend=args.backend, settings=oscar_settings(args.backend), dtype=args.dtype,
+           eager=args.eager, chunk=args.chunk, context=args.context, tokens_scored=n, ppl=math.exp(nll / n), seconds=round(time.time() - t0, 1),
            greedy_ids=greedy.token_ids, greedy_text=tok.decode(greedy.token_ids))
 
 

@@ -81,7 +81,9 @@ def result(**kw) -> dict:
 
 
 def oscar_config(rotations: str) -> dict:
-    return {"oscar": {"rotation_path": rotations, "sink_size": 64, "recent_size": 256}}
+    """The rotations only: every other setting from OSCAR_* variables or its default, so that
+    `OSCAR_RECENT_SIZE=320 ...` runs what it says (the JSON would win over the variable)."""
+    return {"oscar": {"rotation_path": rotations}}
 
 
 def oscar_settings_in_use() -> dict:
