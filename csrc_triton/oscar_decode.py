@@ -352,14 +352,26 @@ def _mean_coefficients(q_base, stride_qh, mean_ptr, pairs_ptr, h, qk_scale, G: g
     return (q1 * m1 + q2 * m2) * qk_scale, (q2 * m1 - q1 * m2) * qk_scale, col
 
 
+@gluon.constexpr_function
+def _holds_mean_features(N, D):
+    """Whether a program holds its KV head's offset features in registers from the prologue (two
+    ``[64, 2·MEAN_PAIRS]`` fp16 fragments, 64 registers a thread) rather than loading them for
+    every block: where its loop leaves the room. At 16 query rows and head_dim 128 holding them
+    spilled far more than their loads cost (``compile_check.py gluon_decode --key-mean --g 16``)."""
+    return N == 8 or D == 64
+
+
 @gluon.jit
-def _add_mean_scores(s, blk, mean_a, mean_b, mean_col, cos_sin_ptr, stride_cs, feat_ptr, N: gl.constexpr,
-                     D: gl.constexpr):
+def _add_mean_scores(s, blk, mean_a, mean_b, mean_col, cos_sin_ptr, stride_cs, features, features_lo,
+                     N: gl.constexpr, D: gl.constexpr):
     """``s += q·RoPE_p(μ)`` for the keys of block ``blk``: ``cos((64b + t)θ)`` is
     ``cos(64bθ)·cos(tθ) - sin(64bθ)·sin(tθ)``, so the block's first row folds into the
     coefficients (``[2·MEAN_PAIRS, N]``: cosine features, then sine features) and the offsets'
-    features are one fixed ``[64, 2·MEAN_PAIRS]`` table a KV head (``key_mean_operands``). Both
-    as fp16 high and low terms: three products, within fp32 rounding of the exact sum."""
+    features are one fixed ``[64, 2·MEAN_PAIRS]`` table a KV head (``key_mean_operands``): its two
+    fragments (``features``, ``features_lo``) where the program holds them (``_holds_mean_features``;
+    loaded for every block they tripled the loop's loads), else loaded here from ``features``, the
+    head's pointer. Both as fp16 high and low terms: three products, within fp32 rounding of the
+    exact sum."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     B_M: gl.constexpr = gl.DotOperandLayout(1, ACC, 2)
     row = cos_sin_ptr + (blk * TILE).to(gl.int64) * stride_cs + mean_col
@@ -369,8 +381,12 @@ def _add_mean_scores(s, blk, mean_a, mean_b, mean_col, cos_sin_ptr, stride_cs, f
     c = gl.convert_layout(gl.reshape(gl.permute(c, [2, 0, 1]), [2 * MEAN_PAIRS, N]), B_M)
     c_hi = c.to(gl.float16)
     c_lo = (c - c_hi.to(gl.float32)).to(gl.float16)
-    f_hi = _mean_features(feat_ptr)
-    f_lo = _mean_features(feat_ptr + MEAN_FEATURES)
+    if _holds_mean_features(N, D):
+        f_hi = features
+        f_lo = features_lo
+    else:
+        f_hi = _mean_features(features)
+        f_lo = _mean_features(features + MEAN_FEATURES)
     s = mma_v2(f_lo, c_hi, s)
     s = mma_v2(f_hi, c_lo, s)
     return mma_v2(f_hi, c_hi, s)
@@ -415,7 +431,7 @@ def _attend_int2_block(
     k_scale = k_scale * (qk_scale * 16777216.0)
     s = (s - k_scale[:, None] * q_corr[None, :]) * k_scale[:, None] + (k_min * qk_scale)[:, None] * q_sum[None, :]
     if KEY_MEAN:
-        s = _add_mean_scores(s, blk, mean[0], mean[1], mean[2], mean[3], mean[4], mean[5], N, 4 * Q)
+        s = _add_mean_scores(s, blk, mean[0], mean[1], mean[2], mean[3], mean[4], mean[5], mean[6], N, 4 * Q)
     if MASKED:
         s = gl.where(use[:, None], s, float("-inf"))
         # Unwritten or window rows may hold anything: zero what multiplies their zero probability.
@@ -692,9 +708,14 @@ def _oscar_decode_kernel(
     if KEY_MEAN:
         mean_a, mean_b, mean_col = _mean_coefficients(q_ptr + r.to(gl.int64) * stride_mt + (h * G) * stride_mh,
                                                       stride_mh, key_mean_ptr, mean_pairs_ptr, h, qk_scale, G, N, D)
-        mean = (mean_a, mean_b, mean_col, cos_sin_ptr, stride_cs, mean_features_ptr + h * (2 * MEAN_FEATURES))
+        feat = mean_features_ptr + h * (2 * MEAN_FEATURES)
+        if _holds_mean_features(N, D):
+            mean = (mean_a, mean_b, mean_col, cos_sin_ptr, stride_cs, _mean_features(feat),
+                    _mean_features(feat + MEAN_FEATURES))
+        else:
+            mean = (mean_a, mean_b, mean_col, cos_sin_ptr, stride_cs, feat, 0)
     else:
-        mean = (0, 0, 0, cos_sin_ptr, stride_cs, mean_features_ptr)
+        mean = (0, 0, 0, cos_sin_ptr, stride_cs, 0, 0)
 
     m_i = gl.full([N], float("-inf"), gl.float32, layout=COLS)
     l_i = gl.zeros([N], gl.float32, layout=COLS)
@@ -881,7 +902,10 @@ def oscar_decode(
     mean = key_mean or dict(key_mean=out, mean_pairs=out, mean_features=out, cos_sin=out)
     table = decode_launch(num_reqs)
     if maxnreg == -1:
-        maxnreg = table.maxnreg if n_pad == 8 else None
+        # The key mean's offset features held for the whole loop (_holds_mean_features) take 64
+        # registers a thread: under the 168 cap they spilled inside it, uncapped not
+        # (compile_check.py gluon_decode --key-mean). Uncapped, 8 programs an SM fit, not 12.
+        maxnreg = table.maxnreg if n_pad == 8 and key_mean is None else None
     if prefetch is None:
         prefetch = table.prefetch
     split = num_splits > 1

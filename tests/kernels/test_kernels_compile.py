@@ -114,16 +114,20 @@ def test_gluon_decode_int2_loop_is_loads_unpacking_and_tensor_cores(shape):
     assert sum(loop.values()) < 1000, loop
 
 
-@pytest.mark.parametrize("shape", [["--d", "128", "--g", "4", "--maxnreg", "168"], ["--d", "64", "--g", "3"],
-                                   ["--d", "128", "--g", "16"]], ids=["d128-g4-168", "d64-g3", "d128-g16"])
+@pytest.mark.parametrize("shape", [["--d", "128", "--g", "4"], ["--d", "64", "--g", "3"], ["--d", "128", "--g", "16"]],
+                         ids=["d128-g4", "d64-g3", "d128-g16"])
 def test_gluon_decode_key_mean_adds_three_products_a_block(shape):
-    """``key_mean`` "on" (KEY_MEAN): the INT2 loop adds the mean's scores as three more products
-    of 16 keys' worth a block (offset features against the coefficients, fp16 high and low
-    terms: 24 m16n8k16 at N = 8), its features from 16 more 16-byte loads, nothing through shared
-    memory; at most 140 instructions more than the loop without the mean at N = 8 (131 at head_dim
-    128, 15% of its 890; 123 at 64), 250 at N = 16 (238)."""
-    d = int(shape[1])
-    extra = 24 * (2 if shape[3] == "16" else 1)
+    """``key_mean`` "on" (KEY_MEAN), uncapped as ``oscar_decode`` launches it: the INT2 loop adds
+    the mean's scores as three more products of 16 keys' worth a block (offset features against
+    the coefficients, fp16 high and low terms: 24 m16n8k16 at N = 8), nothing through shared
+    memory. Where the program holds the features from its prologue (N = 8, or head_dim 64) the
+    loop loads nothing more and spills nothing (at 168 registers it reloaded 8 KB of features and
+    25 spilled values a block); at N = 16 and head_dim 128 it loads them, 16 more 16-byte loads.
+    At most 140 instructions more than the loop without the mean at N = 8 (119 at head_dim 128,
+    14% of its 869), 250 at N = 16 (238)."""
+    d, g = int(shape[1]), int(shape[3])
+    n = 8 if g <= 8 else 16
+    extra = 24 * (n // 8)
 
     def int2_loop(*args):  # the shortest loop of one block's products and no window masks
         body = [b for b in loops(compile_check("gluon_decode", *args, *shape)) if b.get("HMMA.16816.F32", 0)
@@ -132,10 +136,15 @@ def test_gluon_decode_key_mean_adds_three_products_a_block(shape):
 
     base, loop = int2_loop(), int2_loop("--key-mean")
     assert loop["HMMA.16816.F32"] == base["HMMA.16816.F32"] + extra, (base, loop)
-    assert loop.get("LDG.E.128", 0) >= base.get("LDG.E.128", 0) + 16, loop
+    if n == 8 or d == 64:
+        assert loop.get("LDG.E.128", 0) <= base.get("LDG.E.128", 0), loop
+        assert not any(op.startswith("STL") for op in loop), loop
+        assert sum(v for op, v in loop.items() if op.startswith("LDL")) <= 4, loop
+    else:
+        assert loop.get("LDG.E.128", 0) >= base.get("LDG.E.128", 0) + 16, loop
     assert not any(op.startswith(("LDS", "STS", "BAR", "I2F")) for op in loop), loop
-    assert sum(loop.values()) - sum(base.values()) <= (250 if shape[3] == "16" else 140), (sum(base.values()),
-                                                                                         sum(loop.values()))
+    assert sum(loop.values()) - sum(base.values()) <= (250 if n == 16 else 140), (sum(base.values()),
+                                                                               sum(loop.values()))
 
 
 def test_gluon_decode_write_has_no_barrier_per_search_step(tmp_path):

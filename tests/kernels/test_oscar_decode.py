@@ -276,6 +276,34 @@ def test_logit_correction_reaches_the_kernel_as_a_runtime_float(monkeypatch, lam
                             logit_correction=bad)
 
 
+def test_key_mean_launches_without_the_register_cap(monkeypatch):
+    """A batch the table caps at 168 registers launches uncapped with the key mean: the program
+    holds the mean's offset features in 64 registers through its loop, which spilled under the
+    cap (``test_gluon_decode_key_mean_adds_three_products_a_block``). Recorded on the CPU."""
+    from csrc_triton import oscar_decode as od
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(od, "_oscar_decode_kernel", Recorder())
+    d, hkv, g, sink, recent = 64, 2, 2, 8, 16
+    n = 8
+    assert od.decode_launch(n).maxnreg == 168
+    pc, step, q, q_rot, _, _ = prepare(d, hkv, g, sink, recent, [100] * n, [1] * n, torch.bfloat16,
+                                       entries_per_page=8)
+    km = KeyMeanCase(hkv, d, 256)
+    for mean in (None, km.operands()):
+        od.oscar_decode(torch.empty_like(q_rot), q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
+                        step.block_table, step.seq_lens, step.ring_slots, n, 1 / math.sqrt(d), sink, recent,
+                        q=q, key_mean=mean)
+    plain, with_mean = launches
+    assert plain["maxnreg"] == 168 and plain["KEY_MEAN"] is False
+    assert "maxnreg" not in with_mean and with_mean["KEY_MEAN"] is True
+
+
 def mean_scores_as_the_kernel_adds_them(q, operands, h, g, blk):
     """fp64 ``[64 keys, g]``: what ``_add_mean_scores`` adds to block ``blk``'s scores of KV head
     ``h`` (before the softmax scale), from the operands as the kernel reads them: the features
