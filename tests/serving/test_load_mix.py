@@ -373,6 +373,9 @@ def test_the_load_summary_renders(serve_load, monkeypatch):
     assert "| same batch 20 times: requests that differed (the first third on shared system prompts) | not recorded | [2, 17] |" in text
     assert '"prefill_read": "decode"' in text and '"sink_size": 64' in text and "rotation_path" not in text
     assert "Checks: all passed" in text
+    # One backend alone: its own bookkeeping checked, and the line says the comparisons were not made.
+    alone = serve_load.load_markdown({"OSCAR": results["OSCAR"]}, {"requests": 512}, [], meta)
+    assert "Checks: all passed (only what needs no FLASH_ATTN: the comparisons with it were not made)" in alone
     # A run without the eager server (--graph-batches with no sizes) beside one with it.
     results["OSCAR"]["graphs_vs_eager"], results["OSCAR"]["start_seconds_eager"] = {}, "not started"
     assert serve_load.load_checks(results) == []
