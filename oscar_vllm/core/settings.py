@@ -7,6 +7,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Mapping
 
 from oscar_vllm.core.errors import OscarError
@@ -172,7 +173,16 @@ class OscarSettings:
 _warned: set[tuple[str, str]] = set()
 
 
+def pinned_rotation_path(path: str) -> str:
+    """A rotation path as the engine pins it into its config for every process: absolute where it
+    is a folder here; a Hub id and the Hadamard mode as given."""
+    folder = Path(path).expanduser()
+    return str(folder.resolve()) if path != HADAMARD and folder.exists() else path
+
+
 def _differs(name: str, from_env: str, value: Any, default: Any) -> bool:
+    if name == "rotation_path":  # a worker reads the pinned absolute path; the variable may be relative
+        return pinned_rotation_path(from_env) != pinned_rotation_path(value)
     try:
         return _convert(name, from_env, default) != value
     except OscarSettingsError:  # not even a valid value: ignored all the same

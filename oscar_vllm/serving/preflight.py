@@ -21,12 +21,11 @@ import logging
 import os
 from contextlib import contextmanager
 from dataclasses import fields
-from pathlib import Path
 
 import torch
 
 from oscar_vllm.core.errors import OscarError
-from oscar_vllm.core.settings import ADDITIONAL_CONFIG_KEY, HADAMARD, OscarSettings
+from oscar_vllm.core.settings import ADDITIONAL_CONFIG_KEY, OscarSettings, pinned_rotation_path
 from oscar_vllm.serving.vllm_hooks import SUPPORTED_MODEL_TYPES, engine_uses_oscar
 
 logger = logging.getLogger("vllm.oscar_vllm")
@@ -216,9 +215,8 @@ def pin_settings(vllm_config, settings: OscarSettings) -> None:
     """Write every setting into the engine's config, the rotation path absolute, so that each of
     its processes, on any node, reads these and not its own environment or folder."""
     values = {f.name: getattr(settings, f.name) for f in fields(settings) if getattr(settings, f.name) is not None}
-    path = values.get("rotation_path")
-    if path and path != HADAMARD and Path(path).expanduser().exists():
-        values["rotation_path"] = str(Path(path).expanduser().resolve())
+    if values.get("rotation_path"):
+        values["rotation_path"] = pinned_rotation_path(values["rotation_path"])
     config = vllm_config.additional_config
     if not isinstance(config, dict):
         raise OscarStartupError(f"additional_config is a {type(config).__name__}; OSCAR reads its settings from a dict")

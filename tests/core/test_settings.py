@@ -60,7 +60,7 @@ def test_additional_config_wins_over_environment():
     assert (s.sink_size, s.recent_size, s.rotation_path, s.clip_ratio_v) == (16, 128, "/env/rot", 0.9)
 
 
-def test_a_variable_the_json_overrides_is_named_in_a_warning(caplog, monkeypatch):
+def test_a_variable_the_json_overrides_is_named_in_a_warning(caplog, monkeypatch, tmp_path):
     monkeypatch.setattr(settings_module, "_warned", set())  # earlier tests warned in this process
     # The JSON's sink_size wins; the exported variable that says otherwise is named, once a process,
     # and a variable that agrees (or one the JSON does not give) is not.
@@ -77,6 +77,19 @@ def test_a_variable_the_json_overrides_is_named_in_a_warning(caplog, monkeypatch
     assert s.recent_size == 128
     assert [r.getMessage() for r in caplog.records] == [
         "OSCAR: recent_size is 128 from --additional-config; OSCAR_RECENT_SIZE=many is ignored"]
+    # A worker reads the rotation path its engine pinned, absolute, where the variable is relative:
+    # the same folder, no warning; another folder is named.
+    (tmp_path / "rot").mkdir()
+    monkeypatch.chdir(tmp_path)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="oscar_vllm.core.settings"):
+        OscarSettings.from_sources({"oscar": {"rotation_path": str(tmp_path / "rot")}},
+                                   environ={"OSCAR_ROTATION_PATH": "rot"})
+        assert caplog.records == []
+        OscarSettings.from_sources({"oscar": {"rotation_path": str(tmp_path / "rot")}},
+                                   environ={"OSCAR_ROTATION_PATH": "other"})
+    assert [r.getMessage() for r in caplog.records] == [
+        f"OSCAR: rotation_path is '{tmp_path / 'rot'}' from --additional-config; OSCAR_ROTATION_PATH=other is ignored"]
 
 
 @pytest.mark.parametrize("given,message", [
