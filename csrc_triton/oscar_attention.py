@@ -29,6 +29,7 @@ size and replays in CUDA graphs. ``_merge_splits_kernel`` merges them by log-sum
 
 Reference: :func:`oscar_vllm.reference.oscar_attention.oscar_attention_reference`.
 """
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -772,6 +773,10 @@ class DensePrefill:
     # (query tokens, sequence length) of each prefill request, on the host: given, the batch runs
     # in groups of requests that fit the buffers, each cutting them at its own rows
     shapes: tuple[tuple[int, int], ...] = ()
+    # key_mean "on": oscar_dense_kv's mean_basis [d, Hkv, d] and RoPE table [P, d], so the INT2
+    # prefix rows are read plus their mean
+    mean_basis: torch.Tensor | None = None
+    cos_sin: torch.Tensor | None = None
 
 
 def pack_requests(rows: Sequence[int], capacity: int) -> list[tuple[int, int]]:
@@ -828,8 +833,8 @@ def oscar_dense_prefill_attention(
         # the scores: their values still meet p = 0 in p @ v, and 0 * NaN is NaN. vLLM orders the
         # longest chunk last, so its last tile reaches past the group's rows: the buffers are cut
         # there (the tiles' loads then fill zeros), never left to what was written before.
-        group = DensePrefill(dense.k_rot[t0:t1], dense.k_buf[:rows], dense.v_buf[:rows], max(seqs[lo:hi]),
-                             dense.attention)
+        group = dataclasses.replace(dense, k_rot=dense.k_rot[t0:t1], k_buf=dense.k_buf[:rows],
+                                    v_buf=dense.v_buf[:rows], max_seq_len=max(seqs[lo:hi]), shapes=())
         cu = cu_q if (lo, hi) == (0, num_reqs) else cu_q[lo:hi + 1] - t0
         _dense_prefill_group(out[t0:t1], q_rot[t0:t1], v[t0:t1], cache, windows, window_pages, window_pos,
                              block_table[lo:hi], seq_lens[lo:hi], cu, ring_slots[lo:hi], hi - lo,
@@ -843,7 +848,8 @@ def _dense_prefill_group(out, q_rot, v, cache, windows, window_pages, window_pos
     cu_k = torch.zeros(num_reqs + 1, dtype=torch.int32, device=seq_lens.device)
     torch.cumsum(seq_lens[:num_reqs], 0, dtype=torch.int32, out=cu_k[1:])
     oscar_dense_kv(dense.k_buf, dense.v_buf, dense.k_rot, v, cache, windows, window_pages, window_pos, block_table,
-                   seq_lens, cu_q, cu_k, ring_slots, num_reqs, dense.max_seq_len, sink, recent, param_dtype)
+                   seq_lens, cu_q, cu_k, ring_slots, num_reqs, dense.max_seq_len, sink, recent, param_dtype,
+                   mean_basis=dense.mean_basis, cos_sin=dense.cos_sin)
     dense.attention(q_rot, dense.k_buf, dense.v_buf, cu_q, cu_k, max_query_len, dense.max_seq_len, out)
     return out
 
@@ -984,7 +990,7 @@ def oscar_attention(
     cached prefix take the dense path (``oscar_dense_prefill_attention``) instead.
     ``logit_correction``: λ for the INT2 kernels (``logit_coef``); the dense path takes none.
     ``key_mean``, ``cos_sin``: the INT2 keys' mean before RoPE and the RoPE table
-    (``oscar_decode_attention``); the INT2 kernels only: not with ``dense``.
+    (``oscar_decode_attention``); with ``dense``, its ``mean_basis`` of the same mean.
     """
     d = num_decodes  # decode requests come first and hold one token each
     if d:
@@ -1032,8 +1038,9 @@ def oscar_prefill_batch(
     batch's), as :func:`oscar_attention` runs them. ``logit_correction``: λ for the INT2 prefill
     kernel; chunks that take the dense path get none (FlashAttention takes no per-key bias).
     ``key_mean``, ``cos_sin``: as for :func:`oscar_attention`."""
-    if dense is not None and key_mean is not None:
-        raise ValueError("the dense prefix path does not add a key mean back: run it without one, or without dense")
+    if dense is not None and (key_mean is None) != (dense.mean_basis is None):
+        raise ValueError("the dense prefix path reads the INT2 keys plus a key mean exactly when the INT2 kernels do: "
+                         "give DensePrefill the mean's basis (oscar_dense_kv.key_mean_basis) with key_mean, or neither")
     d = num_decodes
     if d < num_reqs:
         pre = slice(d, None)

@@ -19,6 +19,12 @@ A prefill that reads as decode does (``prefill_read="decode"``) fills two such b
 the write, every position but the last ``drop_last`` from the INT2 pages, the ring only for the
 sink (``ring_recent=False``, with a ``cu_q`` of empty chunks: every position counts as cached).
 
+With a key mean (``key_mean`` "on": the INT2 keys were rounded less ``RoPE_p(μ)``, rotated), each
+INT2 row gets it back: ``RoPE_p(μ) @ R_K`` is linear in position ``p``'s row of the RoPE table,
+so it is that row times a ``[d, d]`` matrix per KV head (:func:`key_mean_basis`), one small
+product per block on the tensor cores (TF32x3, near fp32) beside the memory-bound copy. The ring's
+rows and the chunk's own keys are whole keys and take none.
+
 No logit correction on this path: the INT2 kernels lower an INT2 key's logit by
 ``λ/2·scale²·‖q‖²·s_k²/12`` (``paged_layout.logit_coef``), a bias that depends on both the query
 and the key, and a FlashAttention pass over dense keys takes none. Chunks that take it attend
@@ -74,8 +80,11 @@ def _oscar_dense_kv_kernel(
     cu_k_ptr,  # int32 [R + 1] first buffer row of each request
     ring_slot_ptr,  # int32 [R]
     first_pos_ptr,  # int32 [R] first position written (HAS_FIRST), else 0
+    mean_basis_ptr,  # fp32 [D, HKV, D] the key mean's rows per RoPE table column (KEY_MEAN: key_mean_basis)
+    cos_sin_ptr,  # fp32 [P, D] RoPE table: each position's D/2 cosines, then its D/2 sines (KEY_MEAN)
     drop_last,  # positions >= seq_len - drop_last are not written
     stride_nt, stride_nh, stride_vt, stride_vh, stride_bt,
+    stride_cs,  # cos_sin row stride
     stride_cb,  # bytes from one cache block to the next
     stride_wp,  # window_pages row stride
     stride_page,  # elements from one window page to the next
@@ -88,6 +97,7 @@ def _oscar_dense_kv_kernel(
     OUT_BF16: tl.constexpr,
     HAS_FIRST: tl.constexpr,
     RING_RECENT: tl.constexpr,  # the ring's recent entries replace INT2 copies (else the sink's only)
+    KEY_MEAN: tl.constexpr,  # INT2 keys are read plus RoPE_p(mean) @ R_K
 ):
     Q: tl.constexpr = D // 4
     REGION: tl.constexpr = BLOCK_SIZE * (D // 2 + 8)
@@ -132,9 +142,16 @@ def _oscar_dense_kv_kernel(
         slot = (entry % WIN_E)[:, None]
         k_off = page + slot * (HKV * D) + h * D + j[None, :]
         v_off = page + (h * D + j[None, :]) * WIN_E + slot
+        if KEY_MEAN:
+            c = tl.arange(0, D)
+            turn = tl.load(cos_sin_ptr + pos.to(tl.int64)[:, None] * stride_cs + c[None, :], mask=cached[:, None],
+                           other=0.0)  # [BS, D] each row's RoPE table row
         for i in tl.static_range(4):
             # c·scale is exact in fp32 (2-bit times 16-bit), so this rounds once, as the reference.
             k = ((k_codes >> (2 * i)) & 3).to(tl.float32) * k_scale + k_min
+            if KEY_MEAN:
+                basis = tl.load(mean_basis_ptr + (c[:, None] * HKV + h) * D + i * Q + j[None, :])  # [D, Q]
+                k += tl.dot(turn, basis, input_precision="tf32x3")
             v = ((v_codes >> (2 * i)) & 3).to(tl.float32) * v_scale + v_min
             k = tl.where(use_ring, tl.load(window_k_ptr + k_off + i * Q, mask=use_ring, other=0.0).to(tl.float32), k)
             v = tl.where(use_ring, tl.load(window_v_ptr + v_off + i * Q * WIN_E, mask=use_ring, other=0.0).to(tl.float32),
@@ -176,6 +193,8 @@ def oscar_dense_kv(
     first_pos: torch.Tensor | None = None,
     drop_last: int = 0,
     ring_recent: bool = True,
+    mean_basis: torch.Tensor | None = None,
+    cos_sin: torch.Tensor | None = None,
 ) -> None:
     """Fill rows ``[0, cu_k[num_reqs])`` of ``k_out``/``v_out`` ``[>= total_k, Hkv, d]``.
 
@@ -185,11 +204,22 @@ def oscar_dense_kv(
     The cache arguments as for the attention kernels. ``first_pos`` int32 ``[R]``: request ``r``
     writes positions ``[first_pos[r], seq_lens[r] - drop_last)`` to rows from ``cu_k[r]`` (then
     ``cu_k`` counts those); ``ring_recent=False``: only the sink comes from the ring.
+    ``mean_basis`` (:func:`key_mean_basis`) and ``cos_sin`` fp32 ``[P, d]`` (the RoPE table the
+    key mean was taken off with): INT2 keys are read plus their mean (``key_mean`` "on").
     """
     if num_reqs == 0 or max_seq_len == 0:
         return
     _, hkv, d = k_new.shape
     check_int2_cache(cache, d)
+    if (mean_basis is None) != (cos_sin is None):
+        raise ValueError("a key mean's basis needs its RoPE table and the table its basis: pass both or neither")
+    if mean_basis is not None:
+        if mean_basis.shape != (d, hkv, d) or mean_basis.dtype != torch.float32 or not mean_basis.is_contiguous():
+            raise ValueError(f"the key mean's basis must be contiguous fp32 [{d}, {hkv}, {d}] (key_mean_basis), got "
+                             f"{mean_basis.dtype} {tuple(mean_basis.shape)}")
+        if cos_sin.dim() != 2 or cos_sin.shape[1] != d or cos_sin.stride(1) != 1 or cos_sin.dtype != torch.float32:
+            raise ValueError(f"the RoPE table must be fp32 [positions, {d}] with unit stride along a row, got "
+                             f"{cos_sin.dtype} {tuple(cos_sin.shape)} strides {cos_sin.stride()}")
     for name, x in (("k_out", k_out), ("v_out", v_out)):
         if x.dim() != 3 or x.shape[1:] != (hkv, d) or not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous [rows, {hkv}, {d}], got {tuple(x.shape)}")
@@ -200,10 +230,33 @@ def oscar_dense_kv(
         params_ptr=param_view(cache, param_dtype),
         **window_args(windows, window_pages, window_pos, hkv, d, sink, recent), block_table_ptr=block_table, seq_lens_ptr=seq_lens, cu_q_ptr=cu_q,
         cu_k_ptr=cu_k, ring_slot_ptr=ring_slots, first_pos_ptr=ring_slots if first_pos is None else first_pos,
+        mean_basis_ptr=k_new if mean_basis is None else mean_basis, cos_sin_ptr=k_new if cos_sin is None else cos_sin,
         drop_last=drop_last,
         stride_nt=k_new.stride(0), stride_nh=k_new.stride(1), stride_vt=v_new.stride(0), stride_vh=v_new.stride(1),
-        stride_bt=block_table.stride(0), stride_cb=cache.stride(0),
+        stride_bt=block_table.stride(0), stride_cs=0 if cos_sin is None else cos_sin.stride(0),
+        stride_cb=cache.stride(0),
         HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, SINK=sink, RECENT=recent, OUT_BF16=k_out.dtype == torch.bfloat16,
-        HAS_FIRST=first_pos is not None, RING_RECENT=ring_recent,
+        HAS_FIRST=first_pos is not None, RING_RECENT=ring_recent, KEY_MEAN=mean_basis is not None,
         num_warps=4,
     )
+
+
+def key_mean_basis(key_mean: torch.Tensor, rot_k: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[d, Hkv, d]``: row ``i`` of head ``h`` is what column ``i`` of a RoPE table row
+    (``d/2`` cosines, then ``d/2`` sines) contributes to ``RoPE_p(μ_h) @ R_K``, so that a
+    position's table row times head ``h``'s ``[d, d]`` gives its key mean as the INT2 keys were
+    rounded less it. ``key_mean`` fp32 ``[Hkv, d]`` (before RoPE; rotate-half RoPE: pair ``i``
+    is dims ``i`` and ``i + d/2``), ``rot_k`` ``[d, d]`` or ``[Hkv, d, d]``."""
+    hkv, d = key_mean.shape
+    m1, m2 = key_mean.float().chunk(2, dim=-1)  # [Hkv, d/2]
+    # RoPE_p(μ)_i = μ_i·cos_i - μ_{i+d/2}·sin_i and RoPE_p(μ)_{i+d/2} = μ_{i+d/2}·cos_i + μ_i·sin_i:
+    # the table's column i (cos_i) and d/2 + i (sin_i) each reach dims i and i + d/2.
+    unrotated = key_mean.new_zeros(d, hkv, d, dtype=torch.float32)
+    i = torch.arange(d // 2, device=key_mean.device)
+    unrotated[i, :, i] = m1.T
+    unrotated[i, :, i + d // 2] = m2.T
+    unrotated[i + d // 2, :, i] = -m2.T
+    unrotated[i + d // 2, :, i + d // 2] = m1.T
+    rot = rot_k.float().to(key_mean.device)
+    rotated = unrotated @ rot if rot.dim() == 2 else torch.einsum("chi,hij->chj", unrotated, rot)
+    return rotated.contiguous()

@@ -27,7 +27,7 @@ from csrc_triton.oscar_attention import (
     oscar_prefill_attention,
 )
 from csrc_triton import oscar_decode as gluon_decode
-from csrc_triton.oscar_dense_kv import oscar_dense_kv
+from csrc_triton.oscar_dense_kv import key_mean_basis, oscar_dense_kv
 from csrc_triton.oscar_write import (
     DECODE_WRITE_LAUNCH,
     WRITE_LAUNCH,
@@ -175,8 +175,9 @@ def warm_up_kernels(
         launches += [functools.partial(triton_decode_attention, n, splits)
                      for (*_, splits), n in decode_variants(max_num_seqs, hkv, num_sms, fixed_splits).items()]
     launches.append(prefill_attention)
-    if dense:
-        launches.append(dense_fill)
+    if dense:  # with a key mean, its variant that adds the mean back
+        launches.append(functools.partial(dense_fill, mean_basis=key_mean_basis(mean["key_mean"], rot_k),
+                                          cos_sin=mean["cos_sin"]) if mean else dense_fill)
     if decode_read:  # its window's rows, and the INT2 rows after the write
         launches += [functools.partial(dense_fill, first_pos=torch.zeros(1, **i32)),
                      functools.partial(dense_fill, drop_last=recent, ring_recent=False)]

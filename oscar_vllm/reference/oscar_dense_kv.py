@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from oscar_vllm.core.key_mean import KeyMean
 from oscar_vllm.reference.oscar_attention import read_int2_slots
 from oscar_vllm.reference.oscar_write import window_index
-from oscar_vllm.reference.paged import block_size_of, read_ring
+from oscar_vllm.reference.paged import block_size_of, read_ring, rotated_key_mean
 
 
 def oscar_dense_kv_reference(
@@ -26,11 +27,14 @@ def oscar_dense_kv_reference(
     first_pos: torch.Tensor | None = None,
     drop_last: int = 0,
     ring_recent: bool = True,
+    key_mean: KeyMean | None = None,
+    rot_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``[sum(seq_lens), Hkv, d]`` keys and values: each request's cached prefix as the
     INT2 attention kernel reads it, then its new keys/values, requests one after another.
     ``first_pos``/``drop_last``: each request's positions ``[first_pos[r], seq_len - drop_last)``
-    only; ``ring_recent=False``: the ring replaces INT2 copies in the sink only."""
+    only; ``ring_recent=False``: the ring replaces INT2 copies in the sink only. ``key_mean``: the
+    INT2 keys read plus their mean turned to their positions, rotated by ``rot_k``."""
     d = k_new.shape[-1]
     bs = block_size_of(cache, d)
     ks, vs = [], []
@@ -40,6 +44,8 @@ def oscar_dense_kv_reference(
         kp = torch.arange(ctx)
         slots = block_table[r].long().cpu()[kp // bs] * bs + kp % bs
         k, v = read_int2_slots(cache, slots, d, param_dtype)
+        if key_mean is not None:
+            k = k + rotated_key_mean(key_mean, rot_k, kp)
         ring = int(ring_slots[r])
         idx = window_index(kp, sink, recent)
         in_window = (kp < sink) | ((ctx - kp < recent) if ring_recent else (kp < 0))

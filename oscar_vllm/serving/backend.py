@@ -42,6 +42,7 @@ from csrc_triton.oscar_attention import (
     pack_requests,
 )
 from csrc_triton.oscar_decode import oscar_decode
+from csrc_triton.oscar_dense_kv import key_mean_basis
 from csrc_triton.oscar_write import decode_rotation, oscar_write, oscar_write_decode
 from csrc_triton.paged_layout import (
     BLOCK_SIZE, KEY_MEAN_PAIRS, int2_cache_shape, window_pages_per_request, windows_view,
@@ -413,6 +414,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         # it is turned with, given by vllm_hooks.prepare_model; the Gluon decode's operands of them
         self.key_mean: dict[str, torch.Tensor] = {}
         self.decode_key_mean: dict[str, torch.Tensor] | None = None
+        self.dense_mean_basis: torch.Tensor | None = None  # the dense prefill's (oscar_dense_kv.key_mean_basis)
 
     def set_layer(self, layer_id: int, rot_k: torch.Tensor, clip_ratio_k: float, clip_ratio_v: float) -> None:
         """The layer's key rotation ``[d, d]`` or ``[Hkv, d, d]`` and clip ratios."""
@@ -438,6 +440,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
                              cos_sin=cos_sin.to(device=device, dtype=torch.float32).contiguous())
         if self.gluon_decode:
             self.decode_key_mean = gluon_decode.key_mean_operands(**self.key_mean)
+        self.dense_mean_basis = key_mean_basis(mean, self.rot_k)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ R_K`` in fp32 for queries ``[T, Hq, d]`` or keys ``[T, Hkv, d]`` (per KV head
@@ -469,11 +472,12 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         """The dense path for this batch's prefills, when some has a cached prefix and the host
         knows their lengths: in groups of requests that fit the buffers (one where all do)."""
         if (self.dense_kv is None or not md.prefill_has_prefix or md.num_decodes == md.num_reqs
-                or not md.prefill_shapes or self.key_mean):
-            return None  # (the dense path does not add a key mean back)
+                or not md.prefill_shapes):
+            return None
         k_buf, v_buf = self.dense_kv
         return DensePrefill(self.rotate(k[md.num_decodes:]), k_buf, v_buf, max(s for _, s in md.prefill_shapes),
-                            self.flash_attention, md.prefill_shapes)
+                            self.flash_attention, md.prefill_shapes, self.dense_mean_basis,
+                            self.key_mean.get("cos_sin"))
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: OscarAttentionMetadata, output: torch.Tensor,

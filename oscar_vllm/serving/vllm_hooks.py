@@ -363,8 +363,8 @@ def give_dense_prefill_buffers(impls: list, vllm_config) -> int:
     longest request plus a full chunk of others: ``max_model_len + max_num_batched_tokens``
     rows. Allocated at load time, so vLLM's memory profiler counts them. Returns their bytes."""
     shapes = {(impl.num_kv_heads, impl.head_size) for impl in impls}
-    if any(impl.flash_attention is None or impl.key_mean for impl in impls) or len(shapes) != 1:
-        return 0  # no FlashAttention (fp32 models), a key mean, or layers of different shapes: the INT2 kernel
+    if any(impl.flash_attention is None for impl in impls) or len(shapes) != 1:
+        return 0  # no FlashAttention (fp32 models) or layers of different shapes: the INT2 kernel
     (hkv, d), = shapes
     rows = vllm_config.model_config.max_model_len + vllm_config.scheduler_config.max_num_batched_tokens
     device = impls[0].window_pos.device

@@ -128,6 +128,7 @@ for stage in $stages; do
     key_mean)
       ( failed=0
         python3 -m pytest -q -p no:warnings $xdist tests/kernels/test_oscar_attention.py tests/kernels/test_oscar_write.py \
+          tests/kernels/test_oscar_dense_kv.py \
           tests/kernels/test_warm_up.py tests/kernels/test_oscar_decode.py \
           -k "key_mean or plus_their_mean or mixed_cache or coefficients" || failed=1
         [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1

@@ -8,16 +8,17 @@ import torch
 from csrc_triton.oscar_attention import (
     DecodeReadPrefill, DensePrefill, oscar_attention, oscar_decode_read_prefill, pack_requests,
 )
-from csrc_triton.oscar_dense_kv import oscar_dense_kv
+from csrc_triton.oscar_dense_kv import key_mean_basis, oscar_dense_kv
 from oscar_vllm.reference.oscar_attention import (
     causal_attention_reference, decode_read_attention_reference, oscar_attention_reference,
 )
 from oscar_vllm.reference.oscar_dense_kv import oscar_dense_kv_reference
 from oscar_vllm.reference.oscar_write import oscar_write_reference
 from paged_sim import PagedCache
+from oscar_vllm.reference.paged import rotated_key_mean
 from kernel_cases import (
-    CASES, CLIP_K, CLIP_V, DEVICE, DTYPES, assert_close_to_reference, cache_args, case_id, decode_read_twins, dense_twin,
-    prepare, random_rotation,
+    CASES, CLIP_K, CLIP_V, DEVICE, DTYPES, KEY_MEAN_BF16_MAX, KeyMeanCase, assert_close_to_reference, cache_args,
+    case_id, decode_read_twins, dense_twin, prepare, random_rotation,
 )
 
 PREFILL_CASES = [c for c in CASES if max(c[6]) > 1]
@@ -45,6 +46,66 @@ def test_dense_kv_matches_reference(case, out_dtype):
     assert k_out[total:].isnan().all() and v_out[total:].isnan().all()
     torch.testing.assert_close(k_out[:total].cpu(), want_k.to(out_dtype), rtol=0, atol=0)
     torch.testing.assert_close(v_out[:total].cpu(), want_v.to(out_dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+def test_key_mean_basis_gives_the_mean_turned_and_rotated(per_head):
+    """A RoPE table row times head h's basis is RoPE_p(mean_h) @ R_K, as the write took it off."""
+    hkv, d = 3, 64
+    km = KeyMeanCase(hkv, d, 500)
+    rot = random_rotation(d, hkv if per_head else None, seed=4)
+    pos = torch.tensor([0, 1, 63, 64, 65, 300, 499])
+    got = torch.einsum("nc,chj->nhj", km.table.cpu()[pos], key_mean_basis(km.mean.cpu(), rot))
+    torch.testing.assert_close(got, rotated_key_mean(km.twin, rot, pos), rtol=1e-5, atol=1e-4)
+
+
+# The key mean's product runs in TF32x3 on a GPU (fp32 under the interpreter): near fp32, not
+# bit-equal to the reference's sum. Here the mean term reaches 19-35; TF32x3 emulated on the CPU
+# over the GPU cases leaves it at most 1.9e-5 off the reference.
+DENSE_KEY_MEAN_FP32_ATOL = 1e-4
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_dense_kv_reads_int2_keys_plus_their_mean(case, out_dtype):
+    """Prefix keys written less their mean (``key_mean`` "on"): the INT2 rows come back plus
+    RoPE_p(mean) @ R_K, the ring's and the chunk's rows as they are, values untouched; read
+    without the mean the keys are far off."""
+    d, hkv, g, sink, recent, prefix, new = case
+    km = KeyMeanCase(hkv, d, max(prefix) + max(new) + 1)
+    pc, step, q, q_rot, k, v = prepare(*case, torch.float32, key_mean=km)
+    rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
+    n = len(new)
+    cu_k = cumulative(step.seq_lens)
+    total = int(cu_k[-1])
+    k_out = torch.full((total + 70, hkv, d), float("nan"), dtype=out_dtype, device=DEVICE)
+    v_out = torch.full_like(k_out, float("nan"))
+    oscar_dense_kv(k_out, v_out, k, v, *cache_args(pc, step)[:7], cu_k, step.ring_slots, n,
+                   int(step.seq_lens.max()) + 65, sink, recent, mean_basis=key_mean_basis(km.mean, rot),
+                   cos_sin=km.table)
+    want_k, want_v = oscar_dense_kv_reference(k, v, *cache_args(pc, step), n, sink, recent, key_mean=km.twin,
+                                              rot_k=rot)
+    without_k, _ = oscar_dense_kv_reference(k, v, *cache_args(pc, step), n, sink, recent)
+    assert k_out[total:].isnan().all() and v_out[total:].isnan().all()
+    if out_dtype == torch.float32:
+        torch.testing.assert_close(k_out[:total].cpu(), want_k, rtol=0, atol=DENSE_KEY_MEAN_FP32_ATOL)
+    else:  # one rounding to bf16 of numbers DENSE_KEY_MEAN_FP32_ATOL apart: one bf16 step apart, or
+        # (near zero, where a step is smaller) that far
+        torch.testing.assert_close(k_out[:total].cpu().float(), want_k.to(out_dtype).float(), rtol=2 ** -7,
+                                   atol=DENSE_KEY_MEAN_FP32_ATOL)
+    torch.testing.assert_close(v_out[:total].cpu(), want_v.to(out_dtype), rtol=0, atol=0)
+    assert (without_k - want_k).abs().max() > 100 * DENSE_KEY_MEAN_FP32_ATOL
+
+
+def test_dense_kv_rejects_a_key_mean_basis_without_its_table():
+    pc, step, q, q_rot, k, v = prepare(64, 1, 2, 4, 8, [70], [3], torch.float32)
+    out = torch.empty(73, 1, 64, device=DEVICE)
+    args = (out, out.clone(), k, v, *cache_args(pc, step)[:7], cumulative(step.seq_lens), step.ring_slots, 1, 73, 4, 8)
+    km = KeyMeanCase(1, 64, 73)
+    with pytest.raises(ValueError, match="pass both or neither"):
+        oscar_dense_kv(*args, mean_basis=key_mean_basis(km.mean, random_rotation(64).to(DEVICE)))
+    with pytest.raises(ValueError, match=r"contiguous fp32 \[64, 1, 64\]"):
+        oscar_dense_kv(*args, mean_basis=torch.zeros(64, 2, 64, device=DEVICE), cos_sin=km.table)
 
 
 @pytest.mark.parametrize("rows", ["window", "int2"])
@@ -174,15 +235,18 @@ def test_dense_kv_reads_the_ring_only_in_the_window():
     assert moved.nonzero().flatten().tolist() == [0, 1, 2, 3] + list(range(93, 100))
 
 
-def dense_prefill_against_reference(case, dtype, grouped: bool, roomy: bool = False) -> list[int]:
+def dense_prefill_against_reference(case, dtype, grouped: bool, roomy: bool = False,
+                                    key_mean: bool = False) -> list[int]:
     """Decodes through the split kernel, prefills through the dense path, one batch, against the
     reference; ``grouped``: the requests' shapes given, with buffers of only the longest prefill
-    request's rows (``roomy``: 64 rows more than all need), so the prefills run in groups.
+    request's rows (``roomy``: 64 rows more than all need), so the prefills run in groups;
+    ``key_mean``: the prefixes written less a key mean, which both paths add back.
     Returns the buffer rows of each attention call, and the prefill rows."""
     d, hkv, g, sink, recent, prefix, new = case
     order = sorted(range(len(new)), key=lambda r: new[r] > 1)  # decodes first, as vLLM orders them
     case = (d, hkv, g, sink, recent, [prefix[r] for r in order], [new[r] for r in order])
-    pc, step, q, q_rot, k, v = prepare(*case, dtype)
+    km = KeyMeanCase(hkv, d, max(prefix) + max(new) + 1) if key_mean else None
+    pc, step, q, q_rot, k, v = prepare(*case, dtype, key_mean=km)
     rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
     t, hq, n, scale = q.shape[0], hkv * g, len(new), 1 / math.sqrt(d)
     num_decodes = sum(1 for x in case[6] if x == 1)
@@ -198,18 +262,22 @@ def dense_prefill_against_reference(case, dtype, grouped: bool, roomy: bool = Fa
         k_rot=(k[num_decodes:].float() @ rot).to(dtype),
         k_buf=torch.full((rows, hkv, d), float("nan"), dtype=dtype, device=DEVICE),
         v_buf=torch.full((rows, hkv, d), float("nan"), dtype=dtype, device=DEVICE),
-        max_seq_len=int(step.seq_lens.max()), attention=attention, shapes=shapes if grouped else ())
+        max_seq_len=int(step.seq_lens.max()), attention=attention, shapes=shapes if grouped else (),
+        mean_basis=km and key_mean_basis(km.mean, rot), cos_sin=km and km.table)
     out = torch.full_like(q, float("nan"))
     part_out = torch.empty(t * hq * 4 * d, device=DEVICE)
     part_lse = torch.empty(t * hq * 4, device=DEVICE)
+    mean = dict(key_mean=km.mean, cos_sin=km.table) if km else {}
     oscar_attention(out, q, q_rot, k, v, *cache_args(pc, step), num_decodes, n, step.max_query_len, scale, sink,
-                    recent, decode_splits=4, part_out=part_out, part_lse=part_lse, dense=dense)
-    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent)
+                    recent, decode_splits=4, part_out=part_out, part_lse=part_lse, dense=dense, **mean)
+    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
+                                     key_mean=km and km.twin, rot_k=rot)
     # fp32: the chunk's own keys meet the queries rotated, (q R)·(k R), in the dense pass and
     # unrotated in the reference: on the H200, 2 of 3.9M outputs moved by up to 1.5e-4. bf16:
     # the dense rows are rounded to bf16 as well (the reference keeps fp32 INT2 values): on the
     # CPU the mean error is 0.52-0.54% of the mean output, the worst 0.8-1.2% of the largest.
-    assert_close_to_reference(out, want, dtype, fp32_atol=3e-4, bf16_max=2e-2, bf16_mean=8e-3)
+    assert_close_to_reference(out, want, dtype, fp32_atol=3e-4, bf16_max=KEY_MEAN_BF16_MAX if km else 2e-2,
+                              bf16_mean=8e-3)
     return calls, sum(s for _, s in shapes)
 
 
@@ -231,6 +299,33 @@ def test_dense_prefill_in_groups_matches_reference(case, dtype):
     rows it did not fill shows)."""
     calls, rows = dense_prefill_against_reference(case, dtype, grouped=True)
     assert len(calls) > 1 and sum(calls) == rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-launch", "grouped"])
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=case_id)
+def test_dense_prefill_with_a_key_mean_matches_reference(case, grouped, dtype):
+    """``key_mean`` "on" keeps the dense path: its INT2 prefix rows plus the mean, against the
+    reference that adds it to every INT2 key (the batch's decodes through the split kernel's)."""
+    dense_prefill_against_reference(case, dtype, grouped=grouped, key_mean=True)
+
+
+def test_a_dense_prefill_needs_the_basis_of_the_mean_the_kernels_add():
+    """A key mean for the INT2 kernels and a dense path without its basis (or the reverse) would
+    read the prefix two ways in one batch: refused."""
+    d, hkv, g, sink, recent, prefix, new = case = PREFILL_CASES[0]
+    km = KeyMeanCase(hkv, d, 400)
+    pc, step, q, q_rot, k, v = prepare(*case, torch.float32, key_mean=km)
+    buf = torch.zeros(1000, hkv, d, device=DEVICE)
+    dense = DensePrefill(k_rot=k, k_buf=buf, v_buf=buf.clone(), max_seq_len=int(step.seq_lens.max()),
+                         attention=dense_twin(1.0))
+    args = (torch.empty_like(q), q, q_rot, k, v, *cache_args(pc, step), 0, len(new), step.max_query_len, 1.0, sink,
+            recent)
+    with pytest.raises(ValueError, match="exactly when the INT2 kernels do"):
+        oscar_attention(*args, dense=dense, key_mean=km.mean, cos_sin=km.table)
+    dense.mean_basis, dense.cos_sin = key_mean_basis(km.mean, random_rotation(d).to(DEVICE)), km.table
+    with pytest.raises(ValueError, match="exactly when the INT2 kernels do"):
+        oscar_attention(*args, dense=dense)
 
 
 @pytest.mark.parametrize("case", GROUPED_CASES, ids=case_id)

@@ -61,7 +61,8 @@ def _layer(d=64, hkv=2, g=2, sink=4, recent=8, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("dense,decode_read,key_mean", [(False, False, False), (True, False, False),
-                                                       (True, True, False), (False, False, True)])
+                                                       (True, True, False), (False, False, True),
+                                                       (True, False, True)])
 def test_warm_up_writes_nothing(dense, decode_read, key_mean):
     pc, rot = _layer()
     before = [t.clone() for t in (pc.cache, pc.windows, pc.window_pages, pc.window_pos)]

@@ -101,13 +101,15 @@ def test_fresh_prefill_queries_are_not_rotated(has_prefix):
         torch.testing.assert_close(out, own, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("path", ["triton", "write-first"])
+@pytest.mark.parametrize("path", ["triton", "write-first", "dense"])
 def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch, path):
     """``key_mean`` "on" through the backend: a decode and a prefill over a cached prefix read the
     INT2 keys plus their mean as the twin does, and the step's keys go into the pages less it, as
-    the twin writes them; on the Triton path (attention, then the write) and on the Gluon one
+    the twin writes them; on the Triton path (attention, then the write), on the Gluon one
     (decode tokens written first, the decode kernel given the queries and its key-mean operands:
-    here the Gluon kernels' twins, from the arguments they are given)."""
+    here the Gluon kernels' twins, from the arguments they are given), and with the prefill on the
+    dense path (its prefix dequantized plus the mean, FlashAttention's twin over it; no λ there,
+    so λ 0, the key mean's default)."""
     import oscar_vllm.serving.backend as backend
     from csrc_triton.oscar_decode import key_mean_operands
     from kernel_cases import KeyMeanCase
@@ -117,6 +119,8 @@ def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch
     from oscar_vllm.reference.oscar_write import oscar_write_decode_reference
     from oscar_vllm.reference.oscar_write import oscar_write_reference, token_positions
     from oscar_vllm.reference.oscar_attention import read_int2_slots
+    from csrc_triton.oscar_dense_kv import key_mean_basis
+    from kernel_cases import dense_twin
 
     d, hkv, g, sink, recent = 64, 2, 2, 4, 8
     prefix, new = [90, 70], [1, 9]
@@ -124,7 +128,7 @@ def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch
     pc, step, q, q_rot, k, v = prepare(d, hkv, g, sink, recent, prefix, new, torch.float32, key_mean=km)
     k = km.keys_at(k, token_positions(step.cu_q, step.seq_lens, 2)[1])
     rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
-    scale, lam = 1 / math.sqrt(d), 0.5
+    scale, lam = 1 / math.sqrt(d), 0.0 if path == "dense" else 0.5
     want = oscar_attention_reference(q, q @ rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
                                      step.block_table, step.seq_lens, step.cu_q, step.ring_slots, 2, scale, sink,
                                      recent, logit_correction=lam, key_mean=km.twin, rot_k=rot)
@@ -143,8 +147,14 @@ def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch
         own_keys_attention=lambda *a: backend._own_keys(
             lambda *b, return_lse: attention(*b, return_lse=return_lse, window_left=-1), *a))
     impl.dense_prefill = lambda md, k: backend.OscarAttentionImpl.dense_prefill(impl, md, k)
+    dense_calls = []
+    if path == "dense":
+        impl.dense_kv = tuple(torch.full((100, hkv, d), float("nan")) for _ in range(2))
+        impl.dense_mean_basis = key_mean_basis(km.mean, rot)
+        impl.flash_attention = lambda *a: (dense_calls.append(a[3].tolist()), dense_twin(scale)(*a))
     md = SimpleNamespace(
-        num_decodes=1, num_reqs=2, num_actual_tokens=10, max_query_len=9, prefill_has_prefix=True, prefill_shapes=(),
+        num_decodes=1, num_reqs=2, num_actual_tokens=10, max_query_len=9, prefill_has_prefix=True,
+        prefill_shapes=((9, 79),) if path == "dense" else (),
         query_start_loc=step.cu_q, seq_lens=step.seq_lens, block_table=step.block_table,
         slot_mapping=step.slot_mapping, ring_slots=step.ring_slots, window_pages=pc.window_pages, decode_splits=2,
         decode_ring_cost=2, part_out=torch.empty(2 * hkv * g * 2 * d), part_lse=torch.empty(2 * hkv * g * 2))
@@ -173,6 +183,7 @@ def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch
     backend.OscarAttentionImpl.forward(impl, SimpleNamespace(layer_name="x"), q.flatten(1), k.flatten(1),
                                        v.flatten(1), pc.cache, md, out)
     torch.testing.assert_close(out.view(10, hkv * g, d), want, rtol=1e-4, atol=1e-4)
+    assert dense_calls == ([[0, 9]] if path == "dense" else []), "the prefill took the dense path where it can"
     # The step's slots as the pages hold them (k @ R sums in another order: a code may flip at a tie).
     for got, expect in zip(read_int2_slots(pc.cache, step.slot_mapping, d, torch.float16),
                            read_int2_slots(written.cache, step.slot_mapping, d, torch.float16)):
@@ -189,7 +200,8 @@ def test_a_layer_given_key_means_reads_them_at_their_own_logit_correction(given,
     d, hkv = 64, 2
     settings = OscarSettings(logit_correction=given)
     impl = SimpleNamespace(settings=settings, decode_read=False, gluon_decode=False, window_pos=torch.zeros(2, 8),
-                           logit_correction=settings.logit_correction_for(key_mean=False))
+                           logit_correction=settings.logit_correction_for(key_mean=False), rot_k=torch.eye(d))
     assert impl.logit_correction == (0.5 if given is None else given)
     OscarAttentionImpl.set_key_mean(impl, torch.randn(hkv, d), torch.randn(128, d))
     assert impl.logit_correction == want and impl.key_mean["key_mean"].shape == (hkv, d)
+    assert impl.dense_mean_basis.shape == (d, hkv, d), "and the dense prefill's basis of the mean"

@@ -142,15 +142,16 @@ def test_dense_prefill_buffers_are_shared_and_sized_for_a_longest_request():
     no_flash[1].flash_attention = None  # an fp32 model: FlashAttention cannot run, nor the dense path
     assert give_dense_prefill_buffers(no_flash, config) == 0 and no_flash[0].dense_kv is None
     with_mean = [impl(), impl()]
-    with_mean[0].key_mean = {"key_mean": torch.zeros(8, 128)}  # key_mean "on": the dense path adds no mean back
-    assert give_dense_prefill_buffers(with_mean, config) == 0 and with_mean[1].dense_kv is None
+    with_mean[0].key_mean = {"key_mean": torch.zeros(8, 128)}  # key_mean "on": the dense path adds it back
+    assert give_dense_prefill_buffers(with_mean, config) > 0 and with_mean[1].dense_kv is with_mean[0].dense_kv
 
 
 def test_dense_prefill_is_taken_where_a_prefill_has_a_prefix_and_the_host_knows_the_shapes():
     from oscar_vllm.serving.backend import OscarAttentionImpl
 
     buf = torch.empty(100, 2, 16)
-    impl = SimpleNamespace(dense_kv=(buf, buf), rotate=lambda x: x * 2, flash_attention=print, key_mean={})
+    impl = SimpleNamespace(dense_kv=(buf, buf), rotate=lambda x: x * 2, flash_attention=print, key_mean={},
+                           dense_mean_basis=None)
     k = torch.arange(7.0).view(7, 1, 1).expand(7, 2, 16)
     shapes = ((3, 60), (2, 70))  # more rows than the buffers: oscar_dense_prefill_attention groups them
 
@@ -164,8 +165,12 @@ def test_dense_prefill_is_taken_where_a_prefill_has_a_prefix_and_the_host_knows_
     assert dense.shapes == shapes and dense.max_seq_len == 70 and dense.attention is print
     for why in (dict(prefill_shapes=()), dict(prefill_has_prefix=False), dict(num_decodes=4)):
         assert OscarAttentionImpl.dense_prefill(impl, md(**why), k) is None, why
-    impl.key_mean = {"key_mean": torch.zeros(2, 16)}  # the dense path adds no key mean back
-    assert OscarAttentionImpl.dense_prefill(impl, md(), k) is None
+    assert dense.mean_basis is None and dense.cos_sin is None
+    # key_mean "on": the dense path reads the INT2 rows plus the layer's mean
+    impl.key_mean = {"key_mean": torch.zeros(2, 16), "cos_sin": torch.zeros(40, 16)}
+    impl.dense_mean_basis = torch.ones(16, 2, 16)
+    dense = OscarAttentionImpl.dense_prefill(impl, md(), k)
+    assert dense.mean_basis is impl.dense_mean_basis and dense.cos_sin is impl.key_mean["cos_sin"]
     impl.key_mean, impl.dense_kv = {}, None
     assert OscarAttentionImpl.dense_prefill(impl, md(), k) is None
 
