@@ -18,6 +18,9 @@
 #   key_mean  keys less their mean (OSCAR_KEY_MEAN=on): its kernel tests, SmolLM2 perplexity in vLLM
 #           (FLASH_ATTN, OSCAR, OSCAR with the mean, eager), the Gluon decode kernel with and without the
 #           mean (Qwen3-8B shape), then perplexity with the mean under CUDA graphs (its default λ: 0)
+#   key_mean_ab  the key mean's end-to-end price (Qwen3-8B shape, vLLM's defaults): FLASH_ATTN and OSCAR
+#           (decode after caching, prefix hit, prefill, batch-1 latency at 1K-128K), then OSCAR with
+#           OSCAR_KEY_MEAN=on and seeded means on the first run's sizes (OSCAR_AB_ARGS to both; ~9 minutes)
 #   ppl     SmolLM2 perplexity through OSCAR (fp32 eager, bf16 with CUDA graphs) only
 #   e2e     vLLM end to end: SmolLM2 perplexity through OSCAR vs the reference simulation,
 #           greedy text, CUDA graphs, the Qwen3-8B shape (generation, KV capacity)
@@ -140,6 +143,14 @@ for stage in $stages; do
         OSCAR_KEY_MEAN=on $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16 || failed=1
         exit $failed
       ) 2>&1 | tee "$out/key_mean.log" || status=1 ;;
+    key_mean_ab)
+      ( failed=0
+        python3 benchmarks/ab_throughput.py --configs FLASH_ATTN OSCAR --scenarios decode latency \
+          --out "$out/ab_key_mean/without" ${OSCAR_AB_ARGS:-} || failed=1
+        OSCAR_KEY_MEAN=on python3 benchmarks/ab_throughput.py --configs OSCAR --rotations hadamard-key-means \
+          --plan "$out/ab_key_mean/without/plan.json" --out "$out/ab_key_mean/with" ${OSCAR_AB_ARGS:-} || failed=1
+        exit $failed
+      ) 2>&1 | grep --line-buffered -v EngineCore | tee "$out/key_mean_ab.log" || status=1 ;;
     ppl)
       ( failed=0
         [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1
