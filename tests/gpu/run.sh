@@ -149,6 +149,8 @@ for stage in $stages; do
           --out "$out/ab_key_mean/without" ${OSCAR_AB_ARGS:-} || failed=1
         OSCAR_KEY_MEAN=on python3 benchmarks/ab_throughput.py --configs OSCAR --rotations hadamard-key-means \
           --plan "$out/ab_key_mean/without/plan.json" --out "$out/ab_key_mean/with" ${OSCAR_AB_ARGS:-} || failed=1
+        # one table, the mean's column "OSCAR (run 2)", into without/ab.md
+        python3 benchmarks/ab_throughput.py --report "$out/ab_key_mean/without" "$out/ab_key_mean/with" || failed=1
         exit $failed
       ) 2>&1 | grep --line-buffered -v EngineCore | tee "$out/key_mean_ab.log" || status=1 ;;
     ppl)
