@@ -1,6 +1,8 @@
 """Benchmark of ``csrc_triton/oscar_dense_kv.py`` (a prefill batch's cached prefix dequantized
 to dense BF16 beside its chunk) against the copy bandwidth of the same run: the kernel moves
-bytes and nothing else, so that is its bound.
+bytes and nothing else, so that is its bound. ``key_mean_ms``: the same fill adding a key mean
+to the INT2 rows (``key_mean`` "on": a seeded mean, a random rotation, a RoPE table), whose
+product with each row's table row is all it adds.
 
     python benchmarks/kernels/oscar_dense_kv.py --out results/kernels
 """
@@ -12,9 +14,20 @@ from pathlib import Path
 import torch
 
 from common import SHAPES, copy_bandwidth_gbs, environment, int2_bytes_read, make_int2_batch, time_calls, write_reports
-from csrc_triton.oscar_dense_kv import oscar_dense_kv
+from csrc_triton.oscar_dense_kv import key_mean_basis, oscar_dense_kv
 
 SINK, RECENT = 64, 256
+
+
+def key_mean_operands(hkv: int, d: int, positions: int) -> dict:
+    """What the fill takes for a key mean: a seeded mean's basis under a random rotation, and a
+    RoPE table (base 1e6, Qwen3's) of ``positions`` rows; the numbers do not change its work."""
+    g = torch.Generator().manual_seed(0)
+    rot, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    mean = torch.randn(hkv, d, generator=g)
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * 1e6 ** (-torch.arange(0, d, 2) / d)[None]
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+    return {"mean_basis": key_mean_basis(mean, rot.float()).cuda(), "cos_sin": table.cuda()}
 
 
 def main() -> None:
@@ -41,20 +54,27 @@ def main() -> None:
             k_out = torch.empty(total, hkv, d, device="cuda", dtype=torch.bfloat16)
             v_out = torch.empty_like(k_out)
             cu_k = torch.arange(n + 1, dtype=torch.int32, device="cuda") * (prefix + chunk)
-            ms = time_calls([lambda: oscar_dense_kv(k_out, v_out, k, v, b.cache, b.windows, b.window_pages,
-                                                    b.window_pos, b.block_table, b.seq_lens, b.cu_q, cu_k,
-                                                    b.ring_slots, n, prefix + chunk, SINK, RECENT)], rep_ms=100)
+            mean = key_mean_operands(hkv, d, prefix + chunk)
+
+            def fill(**kw):
+                oscar_dense_kv(k_out, v_out, k, v, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table,
+                               b.seq_lens, b.cu_q, cu_k, b.ring_slots, n, prefix + chunk, SINK, RECENT, **kw)
+
+            ms = time_calls([fill], rep_ms=100)
+            key_mean_ms = time_calls([lambda: fill(**mean)], rep_ms=100)
             # Read: the INT2 prefix and its ring, the chunk's K and V; written: bf16 K and V of every row.
             nbytes = int2_bytes_read([prefix] * n, hkv, d, SINK, RECENT) + k.nbytes * 2 + k_out.nbytes * 2
             row = {"shape": s.name, "requests": n, "chunk": chunk, "prefix": prefix, "ms": ms,
                    "GBps": nbytes / ms / 1e6}
             row["pct_copy"] = 100 * row["GBps"] / bw
+            row["key_mean_ms"] = key_mean_ms
             rows.append(row)
             print(row, flush=True)
     write_reports(Path(args.out), "dense_kv", rows, env, "Dense prefix for prefill: INT2 prefix -> BF16 rows",
-                  ["shape", "requests", "chunk", "prefix", "ms", "GBps", "pct_copy"],
+                  ["shape", "requests", "chunk", "prefix", "ms", "GBps", "pct_copy", "key_mean_ms"],
                   [f"copy bandwidth in this run: {bw:,.0f} GB/s",
-                   "bytes: INT2 prefix + ring read, chunk K/V read, bf16 K/V of every row written"])
+                   "bytes: INT2 prefix + ring read, chunk K/V read, bf16 K/V of every row written",
+                   "key_mean_ms: the same fill adding a key mean to the INT2 rows (key_mean on)"])
 
 
 if __name__ == "__main__":
