@@ -430,7 +430,8 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         """Keys are written less ``mean`` ``[Hkv, d]`` (before RoPE, this shard's KV heads) on each
         head's ``KEY_MEAN_PAIRS`` strongest RoPE pairs (what the decode kernel adds back; the
         study's 16 do what all do), turned by ``cos_sin`` fp32 ``[P, d]`` (``block_rope_table``), and
-        read plus it (``key_mean`` "on")."""
+        read plus it (``key_mean`` "on"): by the decode and INT2 kernels, and by the dense prefill's
+        fill through its basis under this layer's rotation (``key_mean_basis``; after ``set_layer``)."""
         if self.decode_read:
             raise OscarSettingsError("key_mean 'on' needs prefill_read 'chunk'")
         device = self.window_pos.device
