@@ -257,6 +257,8 @@ def key_mean_basis(key_mean: torch.Tensor, rot_k: torch.Tensor) -> torch.Tensor:
     unrotated[i, :, i + d // 2] = m2.T
     unrotated[i + d // 2, :, i] = -m2.T
     unrotated[i + d // 2, :, i + d // 2] = m1.T
-    rot = rot_k.float().to(key_mean.device)
+    # in fp64: an fp32 product may run in TF32 where a process allows it (torch's matmul precision)
+    rot = rot_k.double().to(key_mean.device)
+    unrotated = unrotated.double()
     rotated = unrotated @ rot if rot.dim() == 2 else torch.einsum("chi,hij->chj", unrotated, rot)
-    return rotated.contiguous()
+    return rotated.float().contiguous()

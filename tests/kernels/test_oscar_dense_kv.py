@@ -352,13 +352,15 @@ def test_dense_kv_rejects_a_buffer_of_the_wrong_shape():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention needs a GPU")
+@pytest.mark.parametrize("key_mean", [False, True], ids=["", "key-mean"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["one-launch", "grouped"])
 @pytest.mark.parametrize("prefix,new", [([0, 1536], [56, 200]), ([1504, 0, 1648], [24, 88, 232])])
-def test_dense_prefill_through_flash_attention_ignores_rows_past_the_batch(prefix, new, grouped):
+def test_dense_prefill_through_flash_attention_ignores_rows_past_the_batch(prefix, new, grouped, key_mean):
     """The backend's dense path with vLLM's FlashAttention, chunks ordered as vLLM orders them
     (the longest last) and NaN in every buffer row past the batch: FlashAttention reads whole
     key tiles, and the rows past the last chunk must not reach its output. ``grouped``: buffers of
-    the longest request's rows alone, so the batch runs in groups over the same buffers."""
+    the longest request's rows alone, so the batch runs in groups over the same buffers;
+    ``key_mean``: prefixes written less a key mean, which the layer's fill adds back."""
     pytest.importorskip("vllm")
     from types import SimpleNamespace
 
@@ -369,20 +371,24 @@ def test_dense_prefill_through_flash_attention_ignores_rows_past_the_batch(prefi
     attention = _flash_attention(scale, dtype)
     if attention is None:
         pytest.skip("no FlashAttention build")
-    pc, step, q, q_rot, k, v = prepare(d, hkv, g, sink, recent, prefix, new, dtype)
+    km = KeyMeanCase(hkv, d, max(prefix) + max(new) + 1) if key_mean else None
+    pc, step, q, q_rot, k, v = prepare(d, hkv, g, sink, recent, prefix, new, dtype, key_mean=km)
     rot = random_rotation(d).to(DEVICE)
     rows = int(step.seq_lens.max()) if grouped else 4352
     buffers = [torch.full((rows, hkv, d), float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
+    mean = dict(key_mean=km.mean, cos_sin=km.table) if km else {}
     impl = SimpleNamespace(dense_kv=tuple(buffers), rotate=lambda x: (x.float() @ rot).to(x.dtype),
-                           flash_attention=attention)
+                           flash_attention=attention, key_mean=mean,
+                           dense_mean_basis=km and key_mean_basis(km.mean, rot))
     md = SimpleNamespace(prefill_has_prefix=True, num_decodes=0, num_reqs=len(new),
                          prefill_shapes=tuple((n, p + n) for p, n in zip(prefix, new)))
     dense = OscarAttentionImpl.dense_prefill(impl, md, k)
     out = torch.full_like(q, float("nan"))
     oscar_attention(out, q, q_rot, k, v, *cache_args(pc, step), 0, len(new), step.max_query_len, scale, sink,
-                    recent, dense=dense)
+                    recent, dense=dense, **mean)
     assert not out.isnan().any()
-    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), len(new), scale, sink, recent)
+    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), len(new), scale, sink, recent,
+                                     key_mean=km and km.twin, rot_k=rot)
     # The twin's bounds (test_dense_prefill_matches_reference) with room for FlashAttention's
     # bf16 probabilities in p @ v; garbage read past the batch lands far outside them.
     assert_close_to_reference(out, want, dtype, bf16_max=3e-2, bf16_mean=1.2e-2)
