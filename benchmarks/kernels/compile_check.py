@@ -46,7 +46,7 @@ TYPES = {
     "first_pos_ptr": "*i32",
     "qk_scale": "fp32", "logit_coef": "fp32", "num_splits": "i32", "query_ptr": "*bf16", "rot_t_ptr": "*bf16",
     "q_mean_ptr": "*fp32", "key_mean_ptr": "*fp32", "cos_sin_ptr": "*fp32", "mean_pairs_ptr": "*i32",
-    "mean_features_ptr": "*fp16",
+    "mean_features_ptr": "*fp16", "mean_basis_ptr": "*fp32",
 }
 
 
@@ -98,7 +98,7 @@ def write_decode_consts(args) -> dict:
 
 def dense_kv_consts(args) -> dict:
     return dict(HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E, OUT_BF16=True, HAS_FIRST=False,
-                RING_RECENT=True)
+                RING_RECENT=True, KEY_MEAN=args.key_mean)
 
 
 def sass_instructions(sass: str) -> list[tuple[int, str, str]]:
@@ -135,7 +135,7 @@ def main() -> None:
     p.add_argument("--g", type=int, default=4)
     p.add_argument("--no-asm", action="store_true")
     p.add_argument("--bf16-params", action="store_true", help="write: bf16 scales and mins")
-    p.add_argument("--key-mean", action="store_true", help="every kernel but dense_kv: the KEY_MEAN variant")
+    p.add_argument("--key-mean", action="store_true", help="the KEY_MEAN variant")
     p.add_argument("--query-rows", type=int,
                    help="write_decode: query rows a program (default: DECODE_WRITE_LAUNCH's at one token)")
     p.add_argument("--maxnreg", type=int, help="registers a thread may use (gluon_decode: as DECODE_LAUNCH has it)")
