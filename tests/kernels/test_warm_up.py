@@ -14,7 +14,7 @@ from csrc_triton.oscar_attention import (
 )
 from csrc_triton import oscar_decode as gluon_decode
 from csrc_triton.oscar_decode import DECODE_LAUNCH as GLUON_DECODE_LAUNCH, FIXED_SPLITS_RING_COST
-from csrc_triton.oscar_dense_kv import _oscar_dense_kv_kernel, oscar_dense_kv
+from csrc_triton.oscar_dense_kv import _oscar_dense_kv_kernel, key_mean_basis, oscar_dense_kv
 from csrc_triton.oscar_write import WRITE_LAUNCH, _oscar_write_decode_kernel, _oscar_write_kernel, oscar_write
 from csrc_triton.paged_layout import launch_bucket
 from csrc_triton.warm_up import decode_variants, gluon_decode_variants, launch_all, warm_up_kernels
@@ -197,8 +197,8 @@ def test_warm_up_in_threads_compiles_what_one_thread_does(gluon, tmp_path, monke
 @pytest.mark.parametrize("gluon", [False, True])
 def test_serving_with_key_mean_after_warm_up_compiles_nothing(gluon):
     """``key_mean`` "on": the KEY_MEAN variants (decode of many batch sizes, on the Triton kernel or
-    the Gluon one, prefill over a prefix with FlashAttention's own-keys pass merged, the write) are
-    all warmed up."""
+    the Gluon one, prefill over a prefix with FlashAttention's own-keys pass merged and on the dense
+    path, the write) are all warmed up."""
     from csrc_triton.oscar_attention import oscar_prefill_batch
 
     d, hkv, g, sink, recent, dtype = 128, 8, 4, 64, 256, torch.bfloat16
@@ -213,7 +213,7 @@ def test_serving_with_key_mean_after_warm_up_compiles_nothing(gluon):
     mean = dict(key_mean=km.mean, cos_sin=km.table)
     operands = km.operands()
     warm_up_kernels(pc0.cache, pc0.windows, pc0.window_pages, pc0.window_pos, rot, hkv * g, dtype, sink, recent,
-                    torch.float16, max_seqs, 8192, num_sms, merge_self=True, dense=False, gluon=gluon, key_mean=mean,
+                    torch.float16, max_seqs, 8192, num_sms, merge_self=True, dense=True, gluon=gluon, key_mean=mean,
                     decode_key_mean=operands if gluon else None)
     compiled = _compiled(WARMED_UP)
     rows = decode_split_rows(max_seqs, hkv, num_sms)
@@ -244,6 +244,14 @@ def test_serving_with_key_mean_after_warm_up_compiles_nothing(gluon):
                                     step.block_table, step.seq_lens, step.cu_q, step.ring_slots, num_decodes,
                                     num_reqs, max(new), d ** -0.5, sink, recent, torch.float16, own, True, None,
                                     0.5, **mean)
+        if num_decodes < num_reqs:  # the dense path, which the backend takes where it knows the shapes
+            buf = [torch.empty(sum(prefix) + sum(new), hkv, d, dtype=dtype, device=DEVICE) for _ in range(2)]
+            dense = DensePrefill((k[num_decodes:].float() @ rot).to(dtype), *buf,
+                                 max(p + n for p, n in zip(prefix, new)), dense_twin(d ** -0.5),
+                                 mean_basis=key_mean_basis(km.mean, rot), cos_sin=km.table)
+            oscar_prefill_batch(out, q, q_rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
+                                step.block_table, step.seq_lens, step.cu_q, step.ring_slots, num_decodes, num_reqs,
+                                max(new), d ** -0.5, sink, recent, torch.float16, own, True, dense, 0.5, **mean)
         t = int(step.cu_q[-1])
         oscar_write(random_rows((t, hkv, d), dtype, 1), random_rows((t, hkv, d), dtype, 2), rot,
                     step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, pc.cache, pc.windows,
