@@ -50,14 +50,13 @@ def oscar_config(rotations: str) -> dict:
     return {"oscar": {"rotation_path": rotations}}
 
 
-def oscar_settings(backend: str) -> dict | None:
-    """The OSCAR settings an engine of ``oscar_config`` serves (rotations aside), for the RESULT line."""
+def oscar_settings_in_use() -> dict:
+    """The OSCAR settings an engine of ``oscar_config`` serves, besides its rotations: the rest from
+    OSCAR_* variables (such as OSCAR_PREFILL_READ) or their defaults, as the engines read them."""
     from dataclasses import asdict
 
     from oscar_vllm.core.settings import OscarSettings
 
-    if backend != "OSCAR":
-        return None
     return {k: v for k, v in asdict(OscarSettings.from_sources(oscar_config(""))).items() if k != "rotation_path"}
 
 
@@ -117,7 +116,7 @@ def cmd_ppl(args) -> None:
     prompt = windows[0][:600]
     greedy = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=48, temperature=0),
                           use_tqdm=False)[0].outputs[0]
-    result(check="ppl", backend=args.backend, settings=oscar_settings(args.backend), dtype=args.dtype,
+    result(check="ppl", backend=args.backend, settings=oscar_settings_in_use() if args.backend == "OSCAR" else None, dtype=args.dtype,
            eager=args.eager, chunk=args.chunk, context=args.context, tokens_scored=n, ppl=math.exp(nll / n),
            seconds=round(time.time() - t0, 1), greedy_ids=greedy.token_ids, greedy_text=tok.decode(greedy.token_ids))
 

@@ -38,6 +38,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_vllm import oscar_config, oscar_settings_in_use  # noqa: E402  (one engine configuration for both)
 from load_mix import (  # noqa: E402
     Reply,
     Request,
@@ -78,22 +79,6 @@ def result(**kw) -> dict:
     line = {**kw, **environment("tests/gpu/serve_load.py")}
     print("RESULT " + json.dumps(line), flush=True)
     return line
-
-
-def oscar_config(rotations: str) -> dict:
-    """The rotations only: every other setting from OSCAR_* variables or its default, so that
-    `OSCAR_RECENT_SIZE=320 ...` runs what it says (the JSON would win over the variable)."""
-    return {"oscar": {"rotation_path": rotations}}
-
-
-def oscar_settings_in_use() -> dict:
-    """The OSCAR settings the servers run with, besides their rotations: ``oscar_config``'s, and
-    the rest from OSCAR_* variables (such as OSCAR_PREFILL_READ), as the servers read them."""
-    from dataclasses import asdict
-
-    from oscar_vllm.core.settings import OscarSettings
-
-    return {k: v for k, v in asdict(OscarSettings.from_sources(oscar_config(""))).items() if k != "rotation_path"}
 
 
 def text_ids(model: str) -> list[int]:
