@@ -38,6 +38,7 @@ import triton.language as tl
 from csrc_triton.paged_layout import (
     BLOCK_SIZE,
     check_int2_cache,
+    check_rope_table,
     param_view,
     to_bf16_rne,
     window_args,
@@ -217,9 +218,9 @@ def oscar_dense_kv(
         if mean_basis.shape != (d, hkv, d) or mean_basis.dtype != torch.float32 or not mean_basis.is_contiguous():
             raise ValueError(f"the key mean's basis must be contiguous fp32 [{d}, {hkv}, {d}] (key_mean_basis), got "
                              f"{mean_basis.dtype} {tuple(mean_basis.shape)}")
-        if cos_sin.dim() != 2 or cos_sin.shape[1] != d or cos_sin.stride(1) != 1 or cos_sin.dtype != torch.float32:
-            raise ValueError(f"the RoPE table must be fp32 [positions, {d}] with unit stride along a row, got "
-                             f"{cos_sin.dtype} {tuple(cos_sin.shape)} strides {cos_sin.stride()}")
+        check_rope_table(cos_sin, d)
+        if cos_sin.dtype != torch.float32:
+            raise ValueError(f"the RoPE table must be fp32, got {cos_sin.dtype}")
     for name, x in (("k_out", k_out), ("v_out", v_out)):
         if x.dim() != 3 or x.shape[1:] != (hkv, d) or not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous [rows, {hkv}, {d}], got {tuple(x.shape)}")

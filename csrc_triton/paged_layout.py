@@ -187,6 +187,12 @@ def check_key_mean(key_mean: torch.Tensor | None, cos_sin: torch.Tensor | None, 
     if key_mean.shape != (num_kv_heads, head_dim) or key_mean.dtype != torch.float32 or not key_mean.is_contiguous():
         raise ValueError(f"the key mean must be contiguous fp32 [{num_kv_heads}, {head_dim}], got "
                          f"{key_mean.dtype} {tuple(key_mean.shape)}")
+    check_rope_table(cos_sin, head_dim)
+
+
+def check_rope_table(cos_sin: torch.Tensor, head_dim: int) -> None:
+    """A RoPE table as the key-mean kernels read it: ``[P, d]`` rows of ``d/2`` cosines then ``d/2``
+    sines, unit stride along a row."""
     if cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim or cos_sin.stride(1) != 1:
         raise ValueError(f"the RoPE table must be [positions, {head_dim}] with unit stride along a row, got "
                          f"{tuple(cos_sin.shape)} strides {cos_sin.stride()}")
