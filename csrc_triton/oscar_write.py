@@ -513,8 +513,10 @@ def _oscar_write_decode_kernel(
     k_rot = _times_rotation(k, r_hi, r_lo, gl.zeros([KM, D], gl.float32, layout=ACC))
     if KEY_MEAN:
         # The mean turned to each key's position, times R apart (fp32 rows: a high and a low term).
-        k_pos = gl.load(seq_lens_ptr + t0 + kr, mask=k_ok, other=1) - 1
-        mean = _turned_mean(key_mean_ptr, cos_sin_ptr, stride_cs, h, k_pos, k_ok, xd, D)
+        # Rows a full CUDA graph pads the batch with have sequence length 0: position -1 would read
+        # the row before the table (an illegal address on the H100, 2026-12-05), so they get no mean.
+        k_pos = gl.load(seq_lens_ptr + t0 + kr, mask=k_ok, other=0) - 1
+        mean = _turned_mean(key_mean_ptr, cos_sin_ptr, stride_cs, h, k_pos, k_ok & (k_pos >= 0), xd, D)
         mean_rot = _times_rotation(mean, r_hi, r_lo, gl.zeros([KM, D], gl.float32, layout=ACC))
 
     # Clip, quantize, pack: one set of rows, the TP keys (rotated) then the TP values, a row per

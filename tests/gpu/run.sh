@@ -17,7 +17,8 @@
 #   suite   the whole test suite on the GPU
 #   key_mean  keys less their mean (OSCAR_KEY_MEAN=on): its kernel tests, SmolLM2 perplexity in vLLM
 #           (FLASH_ATTN, OSCAR, OSCAR with the mean, eager), the Gluon decode kernel with and without the
-#           mean (Qwen3-8B shape), then perplexity with the mean under CUDA graphs (its default λ: 0)
+#           mean (Qwen3-8B shape), then perplexity with the mean under CUDA graphs (its default λ: 0) and
+#           decode batches of 3 and 31 that full CUDA graphs pad
 #   key_mean_ab  the key mean's end-to-end price (Qwen3-8B shape, vLLM's defaults): FLASH_ATTN and OSCAR
 #           (decode after caching, prefix hit, prefill, batch-1 latency at 1K-128K), then OSCAR with
 #           OSCAR_KEY_MEAN=on and seeded means on the first run's sizes (OSCAR_AB_ARGS to both; ~9 minutes)
@@ -141,6 +142,9 @@ for stage in $stages; do
         (cd benchmarks/kernels && python3 oscar_decode.py decode --key-mean --shapes qwen3-8b --batches 1 8 32 \
            --contexts 8192 32768 --out "$out/key_mean_decode") || failed=1
         OSCAR_KEY_MEAN=on $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16 || failed=1
+        # Decode batches a full CUDA graph pads (3 -> 4, 31 -> 32): its padding entries have sequence length 0
+        OSCAR_KEY_MEAN=on $e2e decode --model "$work/smollm2" --rotations "$smol_rot" --contexts 2048 \
+          --batches 3 31 --new-tokens 64 || failed=1
         exit $failed
       ) 2>&1 | tee "$out/key_mean.log" || status=1 ;;
     key_mean_ab)
