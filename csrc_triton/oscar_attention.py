@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.oscar_dense_kv import oscar_dense_kv
+from csrc_triton.oscar_dense_kv import KeyMeanBasis, oscar_dense_kv
 from csrc_triton.paged_layout import (
     BLOCK_SIZE,
     check_int2_cache,
@@ -773,9 +773,9 @@ class DensePrefill:
     # (query tokens, sequence length) of each prefill request, on the host: given, the batch runs
     # in groups of requests that fit the buffers, each cutting them at its own rows
     shapes: tuple[tuple[int, int], ...] = ()
-    # key_mean "on": oscar_dense_kv's mean_basis [d, Hkv, d] and RoPE table [P, d], so the INT2
-    # prefix rows are read plus their mean
-    mean_basis: torch.Tensor | None = None
+    # key_mean "on": oscar_dense_kv's mean_basis (key_mean_basis) and RoPE table [P, d], so the
+    # INT2 prefix rows are read plus their mean
+    mean_basis: KeyMeanBasis | None = None
     cos_sin: torch.Tensor | None = None
 
 

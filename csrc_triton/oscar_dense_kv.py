@@ -22,8 +22,10 @@ sink (``ring_recent=False``, with a ``cu_q`` of empty chunks: every position cou
 With a key mean (``key_mean`` "on": the INT2 keys were rounded less ``RoPE_p(μ)``, rotated), each
 INT2 row gets it back: ``RoPE_p(μ) @ R_K`` is linear in position ``p``'s row of the RoPE table,
 so it is that row times a ``[d, d]`` matrix per KV head (:func:`key_mean_basis`), one small
-product per block on the tensor cores (TF32x3, near fp32) beside the memory-bound copy. The ring's
-rows and the chunk's own keys are whole keys and take none.
+product per block on the tensor cores (TF32x3, near fp32) beside the memory-bound copy. Only the
+table columns of the pairs the mean has (the backend serves 16 a head) reach it, so the product
+takes those: ``[64, K] x [K, d]`` with ``K`` twice the pairs, a quarter of ``[64, d] x [d, d]`` at
+head_dim 128. The ring's rows and the chunk's own keys are whole keys and take none.
 
 No logit correction on this path: the INT2 kernels lower an INT2 key's logit by
 ``λ/2·scale²·‖q‖²·s_k²/12`` (``paged_layout.logit_coef``), a bias that depends on both the query
@@ -31,6 +33,8 @@ and the key, and a FlashAttention pass over dense keys takes none. Chunks that t
 as with λ = 0, whatever λ the backend serves with. Reference:
 :func:`oscar_vllm.reference.oscar_dense_kv.oscar_dense_kv_reference`.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -81,7 +85,8 @@ def _oscar_dense_kv_kernel(
     cu_k_ptr,  # int32 [R + 1] first buffer row of each request
     ring_slot_ptr,  # int32 [R]
     first_pos_ptr,  # int32 [R] first position written (HAS_FIRST), else 0
-    mean_basis_ptr,  # fp32 [D, HKV, D] the key mean's rows per RoPE table column (KEY_MEAN: key_mean_basis)
+    mean_basis_ptr,  # fp32 [MEAN_K, HKV, D] the key mean's rows per RoPE table column (KEY_MEAN: key_mean_basis)
+    mean_cols_ptr,  # int32 [HKV, MEAN_K] the table column each of those rows multiplies (KEY_MEAN)
     cos_sin_ptr,  # fp32 [P, D] RoPE table: each position's D/2 cosines, then its D/2 sines (KEY_MEAN)
     drop_last,  # positions >= seq_len - drop_last are not written
     stride_nt, stride_nh, stride_vt, stride_vh, stride_bt,
@@ -99,6 +104,7 @@ def _oscar_dense_kv_kernel(
     HAS_FIRST: tl.constexpr,
     RING_RECENT: tl.constexpr,  # the ring's recent entries replace INT2 copies (else the sink's only)
     KEY_MEAN: tl.constexpr,  # INT2 keys are read plus RoPE_p(mean) @ R_K
+    MEAN_K: tl.constexpr,  # rows of the mean's basis: twice the pairs it has, a power of two >= 16
 ):
     Q: tl.constexpr = D // 4
     REGION: tl.constexpr = BLOCK_SIZE * (D // 2 + 8)
@@ -144,14 +150,15 @@ def _oscar_dense_kv_kernel(
         k_off = page + slot * (HKV * D) + h * D + j[None, :]
         v_off = page + (h * D + j[None, :]) * WIN_E + slot
         if KEY_MEAN:
-            c = tl.arange(0, D)
-            turn = tl.load(cos_sin_ptr + pos.to(tl.int64)[:, None] * stride_cs + c[None, :], mask=cached[:, None],
-                           other=0.0)  # [BS, D] each row's RoPE table row
+            c = tl.arange(0, MEAN_K)
+            cols = tl.load(mean_cols_ptr + h * MEAN_K + c)
+            turn = tl.load(cos_sin_ptr + pos.to(tl.int64)[:, None] * stride_cs + cols[None, :], mask=cached[:, None],
+                           other=0.0)  # [BS, MEAN_K] each row's RoPE table row, the mean's columns
         for i in tl.static_range(4):
             # c·scale is exact in fp32 (2-bit times 16-bit), so this rounds once, as the reference.
             k = ((k_codes >> (2 * i)) & 3).to(tl.float32) * k_scale + k_min
             if KEY_MEAN:
-                basis = tl.load(mean_basis_ptr + (c[:, None] * HKV + h) * D + i * Q + j[None, :])  # [D, Q]
+                basis = tl.load(mean_basis_ptr + (c[:, None] * HKV + h) * D + i * Q + j[None, :])  # [MEAN_K, Q]
                 k += tl.dot(turn, basis, input_precision="tf32x3")
             v = ((v_codes >> (2 * i)) & 3).to(tl.float32) * v_scale + v_min
             k = tl.where(use_ring, tl.load(window_k_ptr + k_off + i * Q, mask=use_ring, other=0.0).to(tl.float32), k)
@@ -194,7 +201,7 @@ def oscar_dense_kv(
     first_pos: torch.Tensor | None = None,
     drop_last: int = 0,
     ring_recent: bool = True,
-    mean_basis: torch.Tensor | None = None,
+    mean_basis: "KeyMeanBasis | None" = None,
     cos_sin: torch.Tensor | None = None,
 ) -> None:
     """Fill rows ``[0, cu_k[num_reqs])`` of ``k_out``/``v_out`` ``[>= total_k, Hkv, d]``.
@@ -215,9 +222,7 @@ def oscar_dense_kv(
     if (mean_basis is None) != (cos_sin is None):
         raise ValueError("a key mean's basis needs its RoPE table and the table its basis: pass both or neither")
     if mean_basis is not None:
-        if mean_basis.shape != (d, hkv, d) or mean_basis.dtype != torch.float32 or not mean_basis.is_contiguous():
-            raise ValueError(f"the key mean's basis must be contiguous fp32 [{d}, {hkv}, {d}] (key_mean_basis), got "
-                             f"{mean_basis.dtype} {tuple(mean_basis.shape)}")
+        check_key_mean_basis(mean_basis, hkv, d)
         check_rope_table(cos_sin, d)
         if cos_sin.dtype != torch.float32:
             raise ValueError(f"the RoPE table must be fp32, got {cos_sin.dtype}")
@@ -231,35 +236,73 @@ def oscar_dense_kv(
         params_ptr=param_view(cache, param_dtype),
         **window_args(windows, window_pages, window_pos, hkv, d, sink, recent), block_table_ptr=block_table, seq_lens_ptr=seq_lens, cu_q_ptr=cu_q,
         cu_k_ptr=cu_k, ring_slot_ptr=ring_slots, first_pos_ptr=ring_slots if first_pos is None else first_pos,
-        mean_basis_ptr=k_new if mean_basis is None else mean_basis, cos_sin_ptr=k_new if cos_sin is None else cos_sin,
+        mean_basis_ptr=k_new if mean_basis is None else mean_basis.rows,
+        mean_cols_ptr=ring_slots if mean_basis is None else mean_basis.columns,
+        cos_sin_ptr=k_new if cos_sin is None else cos_sin,
         drop_last=drop_last,
         stride_nt=k_new.stride(0), stride_nh=k_new.stride(1), stride_vt=v_new.stride(0), stride_vh=v_new.stride(1),
         stride_bt=block_table.stride(0), stride_cs=0 if cos_sin is None else cos_sin.stride(0),
         stride_cb=cache.stride(0),
         HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, SINK=sink, RECENT=recent, OUT_BF16=k_out.dtype == torch.bfloat16,
         HAS_FIRST=first_pos is not None, RING_RECENT=ring_recent, KEY_MEAN=mean_basis is not None,
-        num_warps=4,
+        MEAN_K=16 if mean_basis is None else mean_basis.rows.shape[0], num_warps=4,
     )
 
 
-def key_mean_basis(key_mean: torch.Tensor, rot_k: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[d, Hkv, d]``: row ``i`` of head ``h`` is what column ``i`` of a RoPE table row
-    (``d/2`` cosines, then ``d/2`` sines) contributes to ``RoPE_p(μ_h) @ R_K``, so that a
-    position's table row times head ``h``'s ``[d, d]`` gives its key mean as the INT2 keys were
-    rounded less it. ``key_mean`` fp32 ``[Hkv, d]`` (before RoPE; rotate-half RoPE: pair ``i``
-    is dims ``i`` and ``i + d/2``), ``rot_k`` ``[d, d]`` or ``[Hkv, d, d]``."""
+class KeyMeanBasis(NamedTuple):
+    """What the dense fill adds a key mean with (:func:`key_mean_basis`)."""
+
+    rows: torch.Tensor  # fp32 [K, Hkv, d]: row k of head h, what table column columns[h, k] contributes
+    columns: torch.Tensor  # int32 [Hkv, K]: the RoPE table column each row multiplies
+
+
+def key_mean_basis(key_mean: torch.Tensor, rot_k: torch.Tensor) -> KeyMeanBasis:
+    """``RoPE_p(μ_h) @ R_K`` as a position's RoPE table row (``d/2`` cosines, then ``d/2`` sines)
+    times a matrix per KV head, kept to the table columns of the pairs the mean has: ``rows``
+    ``[K, Hkv, d]`` and the column each multiplies, ``columns`` ``[Hkv, K]``. ``K`` is twice the
+    most pairs a head has (its cosine and sine columns), a power of two and at least 16 (the tensor
+    cores' depth); rows past a head's pairs are zero. ``key_mean`` fp32 ``[Hkv, d]`` (before RoPE;
+    rotate-half RoPE: pair ``i`` is dims ``i`` and ``i + d/2``; zero outside its pairs, as
+    ``served_pairs`` leaves it), ``rot_k`` ``[d, d]`` or ``[Hkv, d, d]``."""
     hkv, d = key_mean.shape
-    m1, m2 = key_mean.float().chunk(2, dim=-1)  # [Hkv, d/2]
+    half = d // 2
+    m1, m2 = key_mean.float().cpu().chunk(2, dim=-1)  # [Hkv, d/2]
+    has = (m1 != 0) | (m2 != 0)
+    k = max(16, triton.next_power_of_2(2 * int(has.sum(dim=1).max())))
+    # A head's pairs first (ascending), then pair 0 again with zero rows to fill K/2.
+    order = torch.sort((~has).to(torch.int8), dim=1, stable=True).indices[:, : k // 2]  # [Hkv, K/2]
+    live = torch.gather(has, 1, order)
+    pair = torch.where(live, order, torch.zeros_like(order))
+    a = torch.where(live, torch.gather(m1, 1, pair), torch.zeros(()))  # μ_i
+    b = torch.where(live, torch.gather(m2, 1, pair), torch.zeros(()))  # μ_{i+d/2}
     # RoPE_p(μ)_i = μ_i·cos_i - μ_{i+d/2}·sin_i and RoPE_p(μ)_{i+d/2} = μ_{i+d/2}·cos_i + μ_i·sin_i:
     # the table's column i (cos_i) and d/2 + i (sin_i) each reach dims i and i + d/2.
-    unrotated = key_mean.new_zeros(d, hkv, d, dtype=torch.float32)
-    i = torch.arange(d // 2, device=key_mean.device)
-    unrotated[i, :, i] = m1.T
-    unrotated[i, :, i + d // 2] = m2.T
-    unrotated[i + d // 2, :, i] = -m2.T
-    unrotated[i + d // 2, :, i + d // 2] = m1.T
+    unrotated = torch.zeros(hkv, k, d, dtype=torch.float64)
+    heads = torch.arange(hkv)[:, None]
+    cos_row, sin_row = torch.arange(k // 2)[None, :], k // 2 + torch.arange(k // 2)[None, :]
+    unrotated[heads, cos_row, pair] = a.double()
+    unrotated[heads, cos_row, pair + half] = b.double()
+    unrotated[heads, sin_row, pair] = -b.double()
+    unrotated[heads, sin_row, pair + half] = a.double()
     # in fp64: an fp32 product may run in TF32 where a process allows it (torch's matmul precision)
-    rot = rot_k.double().to(key_mean.device)
-    unrotated = unrotated.double()
-    rotated = unrotated @ rot if rot.dim() == 2 else torch.einsum("chi,hij->chj", unrotated, rot)
-    return rotated.float().contiguous()
+    rot = rot_k.double().cpu()
+    rotated = unrotated @ rot if rot.dim() == 2 else torch.einsum("hki,hij->hkj", unrotated, rot)
+    columns = torch.cat([pair, pair + half], dim=1).to(torch.int32)
+    device = key_mean.device
+    return KeyMeanBasis(rotated.transpose(0, 1).float().contiguous().to(device), columns.contiguous().to(device))
+
+
+def check_key_mean_basis(basis: KeyMeanBasis, hkv: int, d: int) -> None:
+    """``basis`` is what :func:`key_mean_basis` gives for ``hkv`` KV heads of ``d`` dims, else an
+    error naming what differs."""
+    if not isinstance(basis, KeyMeanBasis):
+        raise ValueError(f"the key mean's basis must be a KeyMeanBasis (key_mean_basis), got {type(basis).__name__}")
+    rows, columns = basis
+    k = rows.shape[0] if rows.dim() == 3 else 0
+    if (rows.shape != (k, hkv, d) or rows.dtype != torch.float32 or not rows.is_contiguous() or k < 16
+            or k & (k - 1) or k > d):
+        raise ValueError(f"the key mean's basis rows must be contiguous fp32 [K, {hkv}, {d}] with K a power of two in "
+                         f"[16, {d}] (key_mean_basis), got {rows.dtype} {tuple(rows.shape)}")
+    if columns.shape != (hkv, k) or columns.dtype != torch.int32 or not columns.is_contiguous():
+        raise ValueError(f"the key mean's basis columns must be contiguous int32 [{hkv}, {k}], got {columns.dtype} "
+                         f"{tuple(columns.shape)}")

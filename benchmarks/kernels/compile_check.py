@@ -27,6 +27,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from csrc_triton import oscar_attention, oscar_decode, oscar_dense_kv, oscar_write
+from csrc_triton.paged_layout import KEY_MEAN_PAIRS
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 # Integer arguments a launch passes as multiples of 16 (Triton specializes those).
@@ -46,7 +47,7 @@ TYPES = {
     "first_pos_ptr": "*i32",
     "qk_scale": "fp32", "logit_coef": "fp32", "num_splits": "i32", "query_ptr": "*bf16", "rot_t_ptr": "*bf16",
     "q_mean_ptr": "*fp32", "key_mean_ptr": "*fp32", "cos_sin_ptr": "*fp32", "mean_pairs_ptr": "*i32",
-    "mean_features_ptr": "*fp16", "mean_basis_ptr": "*fp32",
+    "mean_features_ptr": "*fp16", "mean_basis_ptr": "*fp32", "mean_cols_ptr": "*i32",
 }
 
 
@@ -98,7 +99,7 @@ def write_decode_consts(args) -> dict:
 
 def dense_kv_consts(args) -> dict:
     return dict(HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E, OUT_BF16=True, HAS_FIRST=False,
-                RING_RECENT=True, KEY_MEAN=args.key_mean)
+                RING_RECENT=True, KEY_MEAN=args.key_mean, MEAN_K=2 * KEY_MEAN_PAIRS)
 
 
 def sass_instructions(sass: str) -> list[tuple[int, str, str]]:

@@ -15,19 +15,22 @@ import torch
 
 from common import SHAPES, copy_bandwidth_gbs, environment, int2_bytes_read, make_int2_batch, time_calls, write_reports
 from csrc_triton.oscar_dense_kv import key_mean_basis, oscar_dense_kv
+from csrc_triton.paged_layout import KEY_MEAN_PAIRS
+from oscar_vllm.core.key_mean import served_pairs
 
 SINK, RECENT = 64, 256
 
 
 def key_mean_operands(hkv: int, d: int, positions: int) -> dict:
-    """What the fill takes for a key mean: a seeded mean's basis under a random rotation, and a
-    RoPE table (base 1e6, Qwen3's) of ``positions`` rows; the numbers do not change its work."""
+    """What the fill takes for a key mean: a seeded mean on each KV head's ``KEY_MEAN_PAIRS``
+    strongest pairs (as the backend serves one: that decides the basis's size), its basis under a
+    random rotation, and a RoPE table (base 1e6, Qwen3's) of ``positions`` rows."""
     g = torch.Generator().manual_seed(0)
     rot, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
-    mean = torch.randn(hkv, d, generator=g)
+    mean = served_pairs(torch.randn(hkv, d, generator=g), KEY_MEAN_PAIRS)
     angles = torch.arange(positions, dtype=torch.float64)[:, None] * 1e6 ** (-torch.arange(0, d, 2) / d)[None]
     table = torch.cat([angles.cos(), angles.sin()], dim=-1).float()
-    return {"mean_basis": key_mean_basis(mean, rot.float()).cuda(), "cos_sin": table.cuda()}
+    return {"mean_basis": key_mean_basis(mean.cuda(), rot.float()), "cos_sin": table.cuda()}
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ from csrc_triton.oscar_attention import (
     pack_requests,
 )
 from csrc_triton.oscar_decode import oscar_decode
-from csrc_triton.oscar_dense_kv import key_mean_basis
+from csrc_triton.oscar_dense_kv import KeyMeanBasis, key_mean_basis
 from csrc_triton.oscar_write import decode_rotation, oscar_write, oscar_write_decode
 from csrc_triton.paged_layout import (
     BLOCK_SIZE, KEY_MEAN_PAIRS, int2_cache_shape, window_pages_per_request, windows_view,
@@ -414,7 +414,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         # it is turned with, given by vllm_hooks.prepare_model; the Gluon decode's operands of them
         self.key_mean: dict[str, torch.Tensor] = {}
         self.decode_key_mean: dict[str, torch.Tensor] | None = None
-        self.dense_mean_basis: torch.Tensor | None = None  # the dense prefill's (oscar_dense_kv.key_mean_basis)
+        self.dense_mean_basis: KeyMeanBasis | None = None  # the dense prefill's (oscar_dense_kv.key_mean_basis)
 
     def set_layer(self, layer_id: int, rot_k: torch.Tensor, clip_ratio_k: float, clip_ratio_v: float) -> None:
         """The layer's key rotation ``[d, d]`` or ``[Hkv, d, d]`` and clip ratios."""

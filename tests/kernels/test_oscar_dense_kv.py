@@ -9,6 +9,7 @@ from csrc_triton.oscar_attention import (
     DecodeReadPrefill, DensePrefill, oscar_attention, oscar_decode_read_prefill, pack_requests,
 )
 from csrc_triton.oscar_dense_kv import key_mean_basis, oscar_dense_kv
+from oscar_vllm.core.key_mean import KeyMean
 from oscar_vllm.reference.oscar_attention import (
     causal_attention_reference, decode_read_attention_reference, oscar_attention_reference,
 )
@@ -18,7 +19,7 @@ from paged_sim import PagedCache
 from oscar_vllm.reference.paged import rotated_key_mean
 from kernel_cases import (
     CASES, CLIP_K, CLIP_V, DEVICE, DTYPES, KEY_MEAN_BF16_MAX, KeyMeanCase, assert_close_to_reference, cache_args,
-    case_id, decode_read_twins, dense_twin, prepare, random_rotation,
+    case_id, decode_read_twins, dense_twin, prepare, random_rotation, random_rows,
 )
 
 PREFILL_CASES = [c for c in CASES if max(c[6]) > 1]
@@ -48,15 +49,31 @@ def test_dense_kv_matches_reference(case, out_dtype):
     torch.testing.assert_close(v_out[:total].cpu(), want_v.to(out_dtype), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("pairs", ["served", "all", "uneven"])
 @pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
-def test_key_mean_basis_gives_the_mean_turned_and_rotated(per_head):
-    """A RoPE table row times head h's basis is RoPE_p(mean_h) @ R_K, as the write took it off."""
+def test_key_mean_basis_gives_the_mean_turned_and_rotated(per_head, pairs):
+    """A RoPE table row's columns of head h's pairs times its rows of the basis is
+    RoPE_p(mean_h) @ R_K, as the write took it off: for a mean on the pairs the backend serves
+    (16 a head: 32 rows), on all pairs (d rows), and on a different count a head (one with a single
+    pair, one with none: the rows past a head's pairs are zero)."""
     hkv, d = 3, 64
     km = KeyMeanCase(hkv, d, 500)
+    if pairs != "served":
+        mean = 3 * random_rows((hkv, d), torch.float32, 7)
+        if pairs == "uneven":
+            mean[1, 1:d // 2] = mean[1, d // 2 + 1:] = 0
+            mean[2] = 0
+        km.mean, km.twin = mean, KeyMean.from_cos_sin_cache(mean, km.table.cpu())
     rot = random_rotation(d, hkv if per_head else None, seed=4)
     pos = torch.tensor([0, 1, 63, 64, 65, 300, 499])
-    got = torch.einsum("nc,chj->nhj", km.table.cpu()[pos], key_mean_basis(km.mean.cpu(), rot))
+    basis = key_mean_basis(km.mean.cpu(), rot)
+    assert basis.rows.shape == ({"served": 32, "all": d, "uneven": d}[pairs], hkv, d)
+    got = torch.stack([km.table.cpu()[pos][:, basis.columns[h].long()] @ basis.rows[:, h] for h in range(hkv)], dim=1)
     torch.testing.assert_close(got, rotated_key_mean(km.twin, rot, pos), rtol=1e-5, atol=1e-4)
+    if pairs == "uneven":
+        k = basis.rows.shape[0]  # head 1: its pair's cosine row 0 and sine row K/2; head 2: none
+        assert (basis.rows[:, 1].abs().amax(dim=1) > 0).nonzero().flatten().tolist() == [0, k // 2]
+        assert basis.rows[:, 2].abs().max() == 0
 
 
 # The key mean's product runs in TF32x3 on a GPU (fp32 under the interpreter): near fp32, not
@@ -65,14 +82,21 @@ def test_key_mean_basis_gives_the_mean_turned_and_rotated(per_head):
 DENSE_KEY_MEAN_FP32_ATOL = 1e-4
 
 
+@pytest.mark.parametrize("pairs", ["served", "all"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_dense_kv_reads_int2_keys_plus_their_mean(case, out_dtype):
+def test_dense_kv_reads_int2_keys_plus_their_mean(case, out_dtype, pairs):
     """Prefix keys written less their mean (``key_mean`` "on"): the INT2 rows come back plus
     RoPE_p(mean) @ R_K, the ring's and the chunk's rows as they are, values untouched; read
-    without the mean the keys are far off."""
+    without the mean the keys are far off. ``pairs``: the mean on the 16 pairs a head serves (a
+    32-row basis), or on all of them (d rows; one case)."""
+    if pairs == "all" and (case != CASES[0] or out_dtype != torch.float32):
+        pytest.skip("a mean on all pairs: one case")
     d, hkv, g, sink, recent, prefix, new = case
     km = KeyMeanCase(hkv, d, max(prefix) + max(new) + 1)
+    if pairs == "all":
+        km.mean = 3 * random_rows((hkv, d), torch.float32, 7).to(DEVICE)
+        km.twin = KeyMean.from_cos_sin_cache(km.mean.cpu(), km.table.cpu())
     pc, step, q, q_rot, k, v = prepare(*case, torch.float32, key_mean=km)
     rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
     n = len(new)
@@ -104,8 +128,13 @@ def test_dense_kv_rejects_a_key_mean_basis_without_its_table():
     km = KeyMeanCase(1, 64, 73)
     with pytest.raises(ValueError, match="pass both or neither"):
         oscar_dense_kv(*args, mean_basis=key_mean_basis(km.mean, random_rotation(64).to(DEVICE)))
-    with pytest.raises(ValueError, match=r"contiguous fp32 \[64, 1, 64\]"):
-        oscar_dense_kv(*args, mean_basis=torch.zeros(64, 2, 64, device=DEVICE), cos_sin=km.table)
+    with pytest.raises(ValueError, match="must be a KeyMeanBasis"):
+        oscar_dense_kv(*args, mean_basis=torch.zeros(64, 1, 64, device=DEVICE), cos_sin=km.table)
+    basis = key_mean_basis(km.mean, random_rotation(64).to(DEVICE))
+    with pytest.raises(ValueError, match=r"rows must be contiguous fp32 \[K, 1, 64\]"):
+        oscar_dense_kv(*args, mean_basis=basis._replace(rows=basis.rows[:, :, :32].contiguous()), cos_sin=km.table)
+    with pytest.raises(ValueError, match=r"columns must be contiguous int32 \[1, 32\]"):
+        oscar_dense_kv(*args, mean_basis=basis._replace(columns=basis.columns.long()), cos_sin=km.table)
 
 
 @pytest.mark.parametrize("rows", ["window", "int2"])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernel_cases import CLIP_K, CLIP_V, DEVICE, decode_read_twins, prepare, random_rotation
+from csrc_triton.paged_layout import KEY_MEAN_PAIRS
 from oscar_vllm.core.quant import clip_index
 from oscar_vllm.reference.oscar_attention import decode_read_attention_reference
 from oscar_vllm.reference.oscar_dense_kv import oscar_dense_kv_reference
@@ -204,4 +205,4 @@ def test_a_layer_given_key_means_reads_them_at_their_own_logit_correction(given,
     assert impl.logit_correction == (0.5 if given is None else given)
     OscarAttentionImpl.set_key_mean(impl, torch.randn(hkv, d), torch.randn(128, d))
     assert impl.logit_correction == want and impl.key_mean["key_mean"].shape == (hkv, d)
-    assert impl.dense_mean_basis.shape == (d, hkv, d), "and the dense prefill's basis of the mean"
+    assert impl.dense_mean_basis.rows.shape == (2 * KEY_MEAN_PAIRS, hkv, d), "and the dense prefill's basis of the mean"
