@@ -255,6 +255,25 @@ def estimate_bf16_kv_tokens(cfg: dict, gpu_mem_gib: float, utilization: float) -
 # The engine's log of 2026-12-01 (results/windows/engine_*.log, one H200, Qwen3-8B shape): 139.8 GiB,
 # vLLM 0.26's gpu_memory_utilization 0.92, weights 15.27 GiB, KV 111.53 GiB: 1.83 GiB besides.
 H200_GIB = 139.8
+
+
+def gpu_memory_gib() -> float | None:
+    """The first visible GPU's memory (NVML, as the engine's device; the parent creates no CUDA
+    context), or None where NVML finds none (a dry run on a machine without a GPU)."""
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        index = int(visible) if visible.isdigit() else 0
+        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).total / 2**30
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
 ACTIVATION_GIB = 1.8
 # A cost model for the plan, fitted to the H200 runs of 2026-12-01 (results/ab, results/windows/ab;
 # Qwen3-8B shape): prefill of 32 x 16K at 33K tok/s and of 1 x 128K at 11.9K tok/s give
@@ -1290,8 +1309,12 @@ def parent_plan(args, cfg: dict) -> dict:
         bf16, source = args.bf16_kv_tokens, "given by --bf16-kv-tokens"
     else:
         util = engine_args.get("gpu_memory_utilization", 0.92)  # vLLM 0.26's default
-        bf16 = estimate_bf16_kv_tokens(cfg, args.gpu_mem_gib, util)
-        source = f"estimated from {args.gpu_mem_gib} GiB x {util} less the weights"
+        gib, where = args.gpu_mem_gib, "given by --gpu-mem-gib"
+        if gib is None:
+            found = gpu_memory_gib()
+            gib, where = (found, "this GPU's") if found else (H200_GIB, "no GPU found: an H200's")
+        bf16 = estimate_bf16_kv_tokens(cfg, gib, util)
+        source = f"estimated from {gib:.1f} GiB ({where}) x {util} less the weights"
     plan = make_plan(inputs, bf16, source, engine_args.get("max_num_seqs", 1024))  # vLLM's default for LLM on an H200
     if needs_bf16_capacity(plan) and BASELINE in args.configs and not args.bf16_kv_tokens:
         plan["bf16_kv_source"] += "; the FLASH_ATTN engine, which runs first, sizes the run with its own"
@@ -1364,7 +1387,8 @@ def parser() -> argparse.ArgumentParser:
                    help="overflow needs this times their largest KV cache, capacity this times BF16's (default 1.25)")
     b.add_argument("--bf16-kv-tokens", type=int, help="BF16's KV capacity to plan with (default: estimated, then "
                    "read from the FLASH_ATTN engine)")
-    b.add_argument("--gpu-mem-gib", type=float, default=H200_GIB, help="GPU memory for that estimate (default: H200's)")
+    b.add_argument("--gpu-mem-gib", type=float, help="GPU memory for that estimate (default: the first visible "
+                   "GPU's, by NVML; an H200's without one)")
     b.add_argument("--plan", help="run the sizes of an earlier run's plan.json (no scaling)")
     b.add_argument("--dry-run", action="store_true", help="print the plan (sizes, estimated seconds) and stop")
     p.add_argument("--no-warmup", action="store_true",

@@ -304,6 +304,24 @@ def test_kv_capacity_estimate_and_ratios(ab):
     assert ab.oscar_window_tokens(QWEN3_8B) == 40 * 64  # the engine logs 40 blocks of 64 per request
 
 
+def test_the_estimate_takes_the_gpus_memory_or_the_given(ab):
+    """Without FLASH_ATTN in the run, BF16's capacity is estimated from the GPU's memory (an H100
+    has about half an H200's), by NVML; on a machine NVML finds no GPU on, from an H200's."""
+    args = ab.parse_args(["--configs", "OSCAR", "--scenarios", "decode"])
+    plan = ab.parent_plan(args, QWEN3_8B)
+    found = ab.gpu_memory_gib()
+    if found is None:
+        assert "no GPU found: an H200's" in plan["bf16_kv_source"]
+        assert plan["bf16_kv_tokens"] == ab.estimate_bf16_kv_tokens(QWEN3_8B, ab.H200_GIB, 0.92)
+    else:
+        assert "this GPU's" in plan["bf16_kv_source"]
+        assert plan["bf16_kv_tokens"] == ab.estimate_bf16_kv_tokens(QWEN3_8B, found, 0.92)
+    given = ab.parent_plan(ab.parse_args(["--configs", "OSCAR", "--scenarios", "decode", "--gpu-mem-gib", "79.6"]),
+                           QWEN3_8B)
+    assert "79.6 GiB (given by --gpu-mem-gib)" in given["bf16_kv_source"]
+    assert 0.45 < given["bf16_kv_tokens"] / ab.estimate_bf16_kv_tokens(QWEN3_8B, ab.H200_GIB, 0.92) < 0.55
+
+
 def test_parse_args_presets_and_order(ab):
     args = ab.parse_args(["--configs", "OSCAR", "fp8", "FLASH_ATTN", "--scenarios", "memory-bound", "latency"])
     assert args.configs == ["FLASH_ATTN", "OSCAR", "fp8"]  # FLASH_ATTN first: it sizes a budgeted run
