@@ -150,7 +150,7 @@ def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch
     impl.dense_prefill = lambda md, k: backend.OscarAttentionImpl.dense_prefill(impl, md, k)
     dense_calls = []
     if path == "dense":
-        impl.dense_kv = tuple(torch.full((100, hkv, d), float("nan")) for _ in range(2))
+        impl.dense_kv = tuple(torch.full((100, hkv, d), float("nan"), device=DEVICE) for _ in range(2))
         impl.dense_mean_basis = key_mean_basis(km.mean, rot)
         impl.flash_attention = lambda *a: (dense_calls.append(a[3].tolist()), dense_twin(scale)(*a))
     md = SimpleNamespace(
@@ -158,7 +158,8 @@ def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch
         prefill_shapes=((9, 79),) if path == "dense" else (),
         query_start_loc=step.cu_q, seq_lens=step.seq_lens, block_table=step.block_table,
         slot_mapping=step.slot_mapping, ring_slots=step.ring_slots, window_pages=pc.window_pages, decode_splits=2,
-        decode_ring_cost=2, part_out=torch.empty(2 * hkv * g * 2 * d), part_lse=torch.empty(2 * hkv * g * 2))
+        decode_ring_cost=2, part_out=torch.empty(2 * hkv * g * 2 * d, device=DEVICE),
+        part_lse=torch.empty(2 * hkv * g * 2, device=DEVICE))
     monkeypatch.setattr(backend, "windows_view", lambda cache: pc.windows)
 
     def decode_twin(out, q_rot, cache, windows, window_pages, window_pos, block_table, seq_lens, ring_slots, n, scale,
@@ -180,10 +181,10 @@ def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch
     impl.rot_t = object()
     impl.gluon_decode = path == "write-first"
     impl._forward_write_first = lambda *a: backend.OscarAttentionImpl._forward_write_first(impl, *a)
-    out = torch.full((10, hkv * g * d), float("nan"))
+    out = torch.full((10, hkv * g * d), float("nan"), device=DEVICE)
     backend.OscarAttentionImpl.forward(impl, SimpleNamespace(layer_name="x"), q.flatten(1), k.flatten(1),
                                        v.flatten(1), pc.cache, md, out)
-    torch.testing.assert_close(out.view(10, hkv * g, d), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.view(10, hkv * g, d).cpu(), want.cpu(), rtol=1e-4, atol=1e-4)
     assert dense_calls == ([[0, 9]] if path == "dense" else []), "the prefill took the dense path where it can"
     # The step's slots as the pages hold them (k @ R sums in another order: a code may flip at a tie).
     for got, expect in zip(read_int2_slots(pc.cache, step.slot_mapping, d, torch.float16),
