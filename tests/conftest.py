@@ -3,7 +3,7 @@ the real model and the corpus.
 
 The tests sit in folders that mirror the package (core/, kernels/, calibration/, serving/, and
 benchmarks/ for the benchmarks' scripts). The helpers beside this file (kernel_cases, paged_sim,
-rotationzoo_files, vllm_cpu) are imported by name from all of them: pytest puts this folder on
+rotationzoo_files, vllm_cpu, interpreter_bounds) are imported by name from all of them: pytest puts this folder on
 sys.path when it loads this file (no __init__.py here, the default "prepend" import mode)."""
 
 import os
@@ -18,6 +18,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from rotationzoo_files import write_published_files  # noqa: E402  (after TRITON_INTERPRET is set)
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # Every masked-in load and store of an interpreted kernel must lie inside its arguments.
+    import interpreter_bounds  # noqa: E402
+
+    interpreter_bounds.install()
 
 REPO = Path(__file__).resolve().parents[1]
 ROTATIONZOO = Path(os.environ.get("OSCAR_ROTATIONZOO_DIR", REPO.parent / "shared" / "data" / "rotationzoo"))
