@@ -142,6 +142,50 @@ def test_mixed_batch_splits_decodes_from_prefills(lam):
     assert_close_to_reference(out, want, torch.bfloat16)
 
 
+@pytest.mark.parametrize("key_mean", [False, True], ids=["plain", "key-mean"])
+def test_a_decode_batch_padded_as_full_cuda_graphs_pad_it(key_mean):
+    """vLLM's full CUDA graphs pad a decode batch to a captured size with entries of sequence
+    length 0, slot -1 and (in the backend) a ring row no request holds. The write stores nothing
+    for them, and the decode gives the real requests bit for bit what it gives them unpadded; under
+    the interpreter neither kernel reaches outside its arguments for them (tests/interpreter_bounds.py:
+    the Gluon decode write with a key mean read its RoPE table's row -1 there, 2026-12-05)."""
+    case = (64, 2, 2, 4, 8, [90, 300], [1, 1])
+    d, hkv, g, sink, recent, prefix, new = case
+    km = KeyMeanCase(hkv, d, max(prefix) + 2) if key_mean else None
+    pc, step, q, q_rot, k, v = prepare(*case, torch.float32, key_mean=km)
+    if km:
+        k = km.keys_at(k, step.seq_lens.long().cpu() - 1)
+    n, pad, hq, scale, splits = len(new), 3, hkv * g, 1 / math.sqrt(d), 4
+    rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
+    null_row = next(r for r in range(pc.window_pos.shape[0]) if r not in step.ring_slots.tolist())
+    mean = dict(key_mean=km.mean, cos_sin=km.table) if km else {}
+
+    def padded(x: torch.Tensor, fill) -> torch.Tensor:
+        return torch.cat([x, torch.full((pad, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)])
+
+    def step_on(cache: PagedCache, rows: int, q, q_rot, k, v, block_table, seq_lens, slots, rings) -> torch.Tensor:
+        cu = torch.arange(rows + 1, dtype=step.cu_q.dtype, device=DEVICE)
+        oscar_write(k, v, rot, slots, cu, seq_lens, rings, rows, cache.cache, cache.windows, cache.window_pages,
+                    cache.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent, num_decodes=rows,
+                    **mean)
+        out = torch.full_like(q, float("nan"))
+        oscar_decode_attention(out, q, q_rot, k, v, cache.cache, cache.windows, cache.window_pages, cache.window_pos,
+                               block_table, seq_lens, cu, rings, rows, scale, sink, recent, num_splits=splits,
+                               part_out=torch.full((rows * hq * splits * d,), float("nan"), device=DEVICE),
+                               part_lse=torch.full((rows * hq * splits,), float("nan"), device=DEVICE), **mean)
+        return out
+
+    alone, together = pc.clone(), pc.clone()
+    want = step_on(alone, n, q, q_rot, k, v, step.block_table, step.seq_lens, step.slot_mapping, step.ring_slots)
+    extra = lambda x, seed: torch.cat([x, random_rows((pad, *x.shape[1:]), x.dtype, seed)])  # noqa: E731
+    got = step_on(together, n + pad, extra(q, 20), extra(q_rot, 21), extra(k, 22), extra(v, 23),
+                  padded(step.block_table, 0), padded(step.seq_lens, 0), padded(step.slot_mapping, -1),
+                  padded(step.ring_slots, null_row))
+    assert torch.equal(got[:n], want)
+    assert torch.equal(together.cache, alone.cache) and torch.equal(together.window_pos, alone.window_pos)
+    assert torch.equal(together.windows.nan_to_num(7.0), alone.windows.nan_to_num(7.0))
+
+
 def test_fixed_splits_decode_a_request_alike_in_any_batch():
     """decode_splits fixed: a request's split boundaries and merge follow its own length, so its
     output is bit for bit the same alone as in a batch; another split count (what a count chosen
