@@ -255,6 +255,7 @@ def estimate_bf16_kv_tokens(cfg: dict, gpu_mem_gib: float, utilization: float) -
 # The engine's log of 2026-12-01 (results/windows/engine_*.log, one H200, Qwen3-8B shape): 139.8 GiB,
 # vLLM 0.26's gpu_memory_utilization 0.92, weights 15.27 GiB, KV 111.53 GiB: 1.83 GiB besides.
 H200_GIB = 139.8
+ACTIVATION_GIB = 1.8
 
 
 def gpu_memory_gib() -> float | None:
@@ -274,7 +275,8 @@ def gpu_memory_gib() -> float | None:
         return None
     finally:
         pynvml.nvmlShutdown()
-ACTIVATION_GIB = 1.8
+
+
 # A cost model for the plan, fitted to the H200 runs of 2026-12-01 (results/ab, results/windows/ab;
 # Qwen3-8B shape): prefill of 32 x 16K at 33K tok/s and of 1 x 128K at 11.9K tok/s give
 # 1/44.5K s per token plus 4.7e-10 s per token squared (attention); a decode step costs the

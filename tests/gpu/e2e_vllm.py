@@ -116,8 +116,9 @@ def cmd_ppl(args) -> None:
     prompt = windows[0][:600]
     greedy = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=48, temperature=0),
                           use_tqdm=False)[0].outputs[0]
-    result(check="ppl", backend=args.backend, settings=oscar_settings_in_use() if args.backend == "OSCAR" else None, dtype=args.dtype,
-           eager=args.eager, chunk=args.chunk, context=args.context, tokens_scored=n, ppl=math.exp(nll / n),
+    settings = oscar_settings_in_use() if args.backend == "OSCAR" else None
+    result(check="ppl", backend=args.backend, settings=settings, dtype=args.dtype, eager=args.eager,
+           chunk=args.chunk, context=args.context, tokens_scored=n, ppl=math.exp(nll / n),
            seconds=round(time.time() - t0, 1), greedy_ids=greedy.token_ids, greedy_text=tok.decode(greedy.token_ids))
 
 
