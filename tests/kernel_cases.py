@@ -26,6 +26,12 @@ def random_rotation(d: int, heads: int | None = None, seed: int = 0) -> torch.Te
     return q.float()
 
 
+def padded(x: torch.Tensor, count: int, fill) -> torch.Tensor:
+    """``x`` with ``count`` rows of ``fill`` after its own, as a full CUDA graph pads a batch's
+    metadata (slot -1, sequence length 0, ...)."""
+    return torch.cat([x, torch.full((count, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)])
+
+
 def random_rows(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Rows with a few outlier channels, like real keys."""
     g = torch.Generator().manual_seed(seed)

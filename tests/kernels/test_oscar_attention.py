@@ -23,7 +23,8 @@ from oscar_vllm.core.quant import clip_index
 from oscar_vllm.reference.oscar_attention import causal_attention_reference, oscar_attention_reference
 from kernel_cases import (
     CASES, CLIP_K, CLIP_V, DEVICE, KEY_MEAN_BF16_MAX, KEY_MEAN_FP32_ATOL, ON_GPU, KeyMeanCase,
-    assert_close_to_reference, cache_args, case_id, dense_twin, fp32_atol, prepare, random_rotation, random_rows,
+    assert_close_to_reference, cache_args, case_id, dense_twin, fp32_atol, padded, prepare, random_rotation,
+    random_rows,
 )
 from paged_sim import PagedCache
 
@@ -160,9 +161,6 @@ def test_a_decode_batch_padded_as_full_cuda_graphs_pad_it(key_mean):
     null_row = next(r for r in range(pc.window_pos.shape[0]) if r not in step.ring_slots.tolist())
     mean = dict(key_mean=km.mean, cos_sin=km.table) if km else {}
 
-    def padded(x: torch.Tensor, fill) -> torch.Tensor:
-        return torch.cat([x, torch.full((pad, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)])
-
     def step_on(cache: PagedCache, rows: int, q, q_rot, k, v, block_table, seq_lens, slots, rings) -> torch.Tensor:
         cu = torch.arange(rows + 1, dtype=step.cu_q.dtype, device=DEVICE)
         oscar_write(k, v, rot, slots, cu, seq_lens, rings, rows, cache.cache, cache.windows, cache.window_pages,
@@ -179,8 +177,8 @@ def test_a_decode_batch_padded_as_full_cuda_graphs_pad_it(key_mean):
     want = step_on(alone, n, q, q_rot, k, v, step.block_table, step.seq_lens, step.slot_mapping, step.ring_slots)
     extra = lambda x, seed: torch.cat([x, random_rows((pad, *x.shape[1:]), x.dtype, seed)])  # noqa: E731
     got = step_on(together, n + pad, extra(q, 20), extra(q_rot, 21), extra(k, 22), extra(v, 23),
-                  padded(step.block_table, 0), padded(step.seq_lens, 0), padded(step.slot_mapping, -1),
-                  padded(step.ring_slots, null_row))
+                  padded(step.block_table, pad, 0), padded(step.seq_lens, pad, 0), padded(step.slot_mapping, pad, -1),
+                  padded(step.ring_slots, pad, null_row))
     assert torch.equal(got[:n], want)
     assert torch.equal(together.cache, alone.cache) and torch.equal(together.window_pos, alone.window_pos)
     assert torch.equal(together.windows.nan_to_num(7.0), alone.windows.nan_to_num(7.0))

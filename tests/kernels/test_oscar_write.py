@@ -13,7 +13,7 @@ from oscar_vllm.core.quant import clip_index, unpack_int2
 from oscar_vllm.core.key_mean import KeyMean
 from oscar_vllm.reference.oscar_write import oscar_write_decode_reference, oscar_write_reference, token_positions
 from oscar_vllm.reference.paged import layout_views, window_views
-from kernel_cases import DEVICE, DTYPES, ON_GPU, KeyMeanCase, random_rotation, random_rows, vllm_rope_table
+from kernel_cases import DEVICE, DTYPES, ON_GPU, KeyMeanCase, padded, random_rotation, random_rows, vllm_rope_table
 from paged_sim import PagedCache
 
 CASES = [
@@ -186,9 +186,8 @@ def check_decode_write(case, param_dtype, query_rows=None, key_mean=None, pad=0)
                 pc.window_pages, pc.window_pos, clip_index(0.96, d), clip_index(0.92, d), sink, recent, param_dtype)
     ref = pc.clone()
     step = pc.schedule({r: 1 for r in range(n)})
-    slot_mapping, seq_lens, ring_slots = (torch.cat([x, torch.full((pad,), fill, dtype=x.dtype, device=x.device)])
-                                          for x, fill in ((step.slot_mapping, -1), (step.seq_lens, 0),
-                                                          (step.ring_slots, 0)))
+    slot_mapping, seq_lens, ring_slots = (padded(step.slot_mapping, pad, -1), padded(step.seq_lens, pad, 0),
+                                          padded(step.ring_slots, pad, 0))
     t = n + pad
     k, v = random_rows((t, hkv, d), torch.bfloat16, 3), random_rows((t, hkv, d), torch.bfloat16, 4)
     if km:
