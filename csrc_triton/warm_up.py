@@ -27,7 +27,7 @@ from csrc_triton.oscar_attention import (
     oscar_prefill_attention,
 )
 from csrc_triton import oscar_decode as gluon_decode
-from csrc_triton.oscar_dense_kv import key_mean_basis, oscar_dense_kv
+from csrc_triton.oscar_dense_kv import KeyMeanBasis, oscar_dense_kv
 from csrc_triton.oscar_write import (
     DECODE_WRITE_LAUNCH,
     WRITE_LAUNCH,
@@ -87,6 +87,7 @@ def warm_up_kernels(
     threads: int = 1,
     key_mean: dict[str, torch.Tensor] | None = None,
     decode_key_mean: dict[str, torch.Tensor] | None = None,
+    dense_mean_basis: KeyMeanBasis | None = None,
 ) -> int:
     """Launch each kernel variant once on one-block scratch inputs; returns the launches.
 
@@ -100,7 +101,9 @@ def warm_up_kernels(
     ``threads`` > 1: launch (so compile) that many variants at a time (``launch_all``).
     ``key_mean``: the layer's ``{"key_mean": mean, "cos_sin": table}``, the keyword arguments its Triton
     kernels take (their ``KEY_MEAN`` variants, the Gluon ones' with ``gluon``); ``decode_key_mean``:
-    the layer's ``oscar_decode`` operands of it (``key_mean_operands``), which the Gluon decode takes.
+    the layer's ``oscar_decode`` operands of it (``key_mean_operands``), which the Gluon decode takes;
+    ``dense_mean_basis``: its dense fill's basis of it (``key_mean_basis``), which that fill takes with
+    ``dense``.
     """
     dev = cache.device
     hkv, d = cache.shape[1], rot_k.shape[-1]
@@ -108,6 +111,8 @@ def warm_up_kernels(
     mean = key_mean or {}
     if gluon and mean and decode_key_mean is None:
         raise ValueError("the Gluon decode's key-mean variants need the layer's key_mean_operands (decode_key_mean)")
+    if dense and mean and dense_mean_basis is None:
+        raise ValueError("the dense fill's key-mean variant needs the layer's key_mean_basis (dense_mean_basis)")
 
     def rows(n: int, heads: int) -> torch.Tensor:
         return torch.zeros(n, heads, d, dtype=dtype, device=dev)
@@ -176,8 +181,8 @@ def warm_up_kernels(
                      for (*_, splits), n in decode_variants(max_num_seqs, hkv, num_sms, fixed_splits).items()]
     launches.append(prefill_attention)
     if dense:  # with a key mean, its variant that adds the mean back
-        launches.append(functools.partial(dense_fill, mean_basis=key_mean_basis(mean["key_mean"], rot_k),
-                                          cos_sin=mean["cos_sin"]) if mean else dense_fill)
+        launches.append(functools.partial(dense_fill, mean_basis=dense_mean_basis, cos_sin=mean["cos_sin"])
+                        if mean else dense_fill)
     if decode_read:  # its window's rows, and the INT2 rows after the write
         launches += [functools.partial(dense_fill, first_pos=torch.zeros(1, **i32)),
                      functools.partial(dense_fill, drop_last=recent, ring_recent=False)]

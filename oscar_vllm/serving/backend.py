@@ -466,7 +466,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
             merge_self=self.own_keys_attention is not None, dense=self.dense_kv is not None, gluon=self.gluon_decode,
             decode_read=self.decode_read, fixed_splits=self.settings.decode_splits,
             threads=self.settings.warm_up_threads,
-            key_mean=self.key_mean, decode_key_mean=self.decode_key_mean,
+            key_mean=self.key_mean, decode_key_mean=self.decode_key_mean, dense_mean_basis=self.dense_mean_basis,
         )
 
     def dense_prefill(self, md: OscarAttentionMetadata, k: torch.Tensor) -> DensePrefill | None:

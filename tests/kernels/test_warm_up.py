@@ -69,7 +69,9 @@ def test_warm_up_writes_nothing(dense, decode_read, key_mean):
     km = KeyMeanCase(2, 64, 128)
     n = warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, 4, torch.float32, 4, 8,
                         torch.float16, max_num_seqs=9, max_num_tokens=64, num_sms=4, merge_self=True, dense=dense,
-                        decode_read=decode_read, key_mean=dict(key_mean=km.mean, cos_sin=km.table) if key_mean else None)
+                        decode_read=decode_read,
+                        key_mean=dict(key_mean=km.mean, cos_sin=km.table) if key_mean else None,
+                        dense_mean_basis=key_mean_basis(km.mean, rot) if key_mean else None)
     # 64 tokens: one write bucket of WRITE_LAUNCH; the decode read's two dense fills
     assert n == len(decode_variants(9, 2, 4)) + 1 + dense + 2 * decode_read + 1
     for b, a in zip(before, (pc.cache, pc.windows, pc.window_pages, pc.window_pos)):
@@ -85,6 +87,17 @@ def test_warm_up_of_the_gluon_key_mean_variants_takes_the_layers_operands():
         warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, 4, torch.bfloat16, 4, 8,
                         torch.float16, max_num_seqs=9, max_num_tokens=64, num_sms=4, merge_self=True, dense=False,
                         gluon=True, key_mean=dict(key_mean=km.mean, cos_sin=km.table))
+
+
+def test_warm_up_of_the_dense_key_mean_variant_takes_the_layers_basis():
+    """The dense fill's key-mean variant is warmed up with the basis the layer serves with (its
+    size is a compile-time constant): without it the warm-up refuses before any launch."""
+    pc, rot = _layer()
+    km = KeyMeanCase(2, 64, 128)
+    with pytest.raises(ValueError, match="key_mean_basis"):
+        warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, 4, torch.bfloat16, 4, 8,
+                        torch.float16, max_num_seqs=9, max_num_tokens=64, num_sms=4, merge_self=True, dense=True,
+                        key_mean=dict(key_mean=km.mean, cos_sin=km.table))
 
 
 def _compiled(kernels=KERNELS) -> list[int]:
@@ -214,7 +227,7 @@ def test_serving_with_key_mean_after_warm_up_compiles_nothing(gluon):
     operands = km.operands()
     warm_up_kernels(pc0.cache, pc0.windows, pc0.window_pages, pc0.window_pos, rot, hkv * g, dtype, sink, recent,
                     torch.float16, max_seqs, 8192, num_sms, merge_self=True, dense=True, gluon=gluon, key_mean=mean,
-                    decode_key_mean=operands if gluon else None)
+                    decode_key_mean=operands if gluon else None, dense_mean_basis=key_mean_basis(km.mean, rot))
     compiled = _compiled(WARMED_UP)
     rows = decode_split_rows(max_seqs, hkv, num_sms)
     part_out = torch.empty(rows * hkv * g * d, dtype=torch.float32, device=DEVICE)
