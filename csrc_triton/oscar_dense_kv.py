@@ -62,11 +62,12 @@ def _store_rows(ptr, off, mask, x, OUT_BF16: tl.constexpr):
 
 
 # The prefill part of a batch is a slice of its metadata, at any int32 offset, and the block
-# table's width is the server's (see _oscar_attention_kernel).
+# table's width is the server's (see _oscar_attention_kernel). Without a key mean its column
+# pointer is the ring slots', so it takes their offsets too.
 @triton.jit(
     do_not_specialize=["stride_bt", "drop_last"],
     do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "cu_q_ptr", "cu_k_ptr", "ring_slot_ptr",
-                                    "first_pos_ptr"],
+                                    "first_pos_ptr", "mean_cols_ptr"],
 )
 def _oscar_dense_kv_kernel(
     k_out_ptr,  # [total_k, HKV, D] dense keys, rotated basis

@@ -1,7 +1,11 @@
-"""csrc_triton/warm_up.py: it leaves the cache and windows as they were, and on a GPU it
-compiles everything serving launches afterwards (no Triton compile while serving)."""
+"""csrc_triton/warm_up.py: it leaves the cache and windows as they were, and it compiles every
+variant serving launches afterwards (no Triton compile while serving): on a GPU counted in
+Triton's caches, on the CPU by each launch's compile key (CompiledVariants)."""
 import pytest
 import torch
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from csrc_triton.oscar_attention import (
     DECODE_LAUNCH,
@@ -24,6 +28,7 @@ from kernel_cases import (
 from oscar_vllm.core.quant import clip_index
 
 KERNELS = (_oscar_attention_kernel, _merge_splits_kernel, _oscar_dense_kv_kernel, _oscar_write_kernel)
+NUM_SMS = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else 132  # an H100 SXM's, on the CPU
 
 
 def test_decode_variants_cover_every_batch_size():
@@ -100,14 +105,71 @@ def test_warm_up_of_the_dense_key_mean_variant_takes_the_layers_basis():
                         key_mean=dict(key_mean=km.mean, cos_sin=km.table))
 
 
-def _compiled(kernels=KERNELS) -> list[int]:
-    dev = torch.cuda.current_device()
-    return [len(k.device_caches[dev][0]) for k in kernels]
+def _name(kernel) -> str:
+    return kernel.fn.__qualname__
 
 
-@pytest.mark.skipif(not ON_GPU, reason="compiled-kernel caches exist on a GPU only")
+class CompiledVariants:
+    """The variants of ``kernels`` a GPU would hold. On a GPU: Triton's compiled-kernel caches. On
+    the CPU: the compile key of each launch (Triton's specialization of every argument, the
+    constexprs and launch options, as an sm_90 backend makes them), recorded in place of running
+    it. Either way a launch that adds one would have compiled. (The record found what the H100
+    compiled while serving on 2026-12-05, variant for variant: the dense fill's unused mean-column
+    pointer, the ring slots', specialized on their alignment.)"""
+
+    def __init__(self, kernels, monkeypatch):
+        self.kernels = kernels
+        self.keys = {_name(k): set() for k in kernels}
+        if ON_GPU:
+            return
+        backend = CUDABackend(GPUTarget("cuda", 90, 32))
+        for kernel in kernels:
+            # Under TRITON_INTERPRET a Triton kernel is an InterpretedFunction; its JITFunction twin
+            # (same function, same specialization rules) binds the arguments. Gluon's are JITFunctions.
+            jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+            binder = create_function_from_signature(jit.signature, jit.params, backend)
+
+            def record(*args, grid, warmup, _binder=binder, _keys=self.keys[_name(kernel)], **kwargs):
+                _, specialization, options = _binder(*args, **kwargs)
+                _keys.add(repr((specialization, sorted(options.items()))))
+
+            monkeypatch.setattr(kernel, "run", record)
+
+    def counts(self) -> dict[str, int]:
+        if not ON_GPU:
+            return {name: len(keys) for name, keys in self.keys.items()}
+        torch.cuda.synchronize()
+        dev = torch.cuda.current_device()
+        return {_name(k): len(k.device_caches[dev][0]) if dev in k.device_caches else 0 for k in self.kernels}
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU's record of compile keys (a GPU counts what it compiled)")
+def test_the_record_keys_a_launch_as_triton_does(monkeypatch):
+    """A pointer whose 16-byte alignment an offset breaks is a new variant; an offset on a pointer
+    the kernel does not specialize on alignment (the batch metadata's) is not."""
+    variants = CompiledVariants((_oscar_dense_kv_kernel,), monkeypatch)
+    pc, step, _, _, k, v = prepare(64, 2, 2, 4, 8, [70, 3, 5], [1, 1, 1], torch.float32)
+    cu_k = torch.nn.functional.pad(step.seq_lens.cumsum(0), (1, 0)).to(torch.int32)
+
+    def fill(k_new, ring_slots=step.ring_slots):
+        buf = [torch.empty(int(cu_k[-1]), 2, 64, device=DEVICE) for _ in range(2)]
+        oscar_dense_kv(*buf, k_new, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
+                       step.seq_lens, step.cu_q, cu_k, ring_slots, 3, int(step.seq_lens.max()), 4, 8)
+
+    def at_offset(x, elements):  # x's values, `elements` into a fresh storage
+        y = torch.empty(x.numel() + elements, dtype=x.dtype, device=x.device)[elements:].view(x.shape)
+        return y.copy_(x)
+
+    fill(k)
+    fill(at_offset(k, 16))
+    fill(k, at_offset(step.ring_slots, 1))
+    assert variants.counts() == {_name(_oscar_dense_kv_kernel): 1}
+    fill(at_offset(k, 1))
+    assert variants.counts() == {_name(_oscar_dense_kv_kernel): 2}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_serving_after_warm_up_compiles_nothing(dtype):
+def test_serving_after_warm_up_compiles_nothing(dtype, monkeypatch):
     d, hkv, g, sink, recent = 128, 8, 4, 64, 256
     # Batches of the shapes a server meets: decodes of many sizes (1, 16, 33: Triton's ==1 and
     # %16 size classes), prefills over a prefix with and without the dense path, mixed batches;
@@ -115,13 +177,14 @@ def test_serving_after_warm_up_compiles_nothing(dtype):
     batches = [([5000 if n < 16 else 300] * n, [1] * n) for n in (1, 2, 16, 33, 48)]
     batches += [([0, 700], [1000, 37]), ([900, 3000, 16], [1, 300, 2049]), ([4095, 64, 1], [1, 1, 17])]
     pcs = [prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=i) for i, (prefix, new) in enumerate(batches)]
-    max_seqs, num_sms = 64, torch.cuda.get_device_properties(0).multi_processor_count
+    max_seqs, num_sms = 64, NUM_SMS
     rot = random_rotation(d).to(DEVICE)
     pc0 = pcs[0][0]
+    variants = CompiledVariants(KERNELS, monkeypatch)
     warm_up_kernels(pc0.cache, pc0.windows, pc0.window_pages, pc0.window_pos, rot, hkv * g, dtype, sink, recent,
                     torch.float16, max_seqs, 8192, num_sms, merge_self=dtype != torch.float32, dense=True,
                     decode_read=dtype != torch.float32)
-    compiled = _compiled()
+    compiled = variants.counts()
     rows = decode_split_rows(max_seqs, hkv, num_sms)
     part_out = torch.empty(rows * hkv * g * d, dtype=torch.float32, device=DEVICE)
     part_lse = torch.empty(rows * hkv * g, dtype=torch.float32, device=DEVICE)
@@ -161,8 +224,7 @@ def test_serving_after_warm_up_compiles_nothing(dtype):
                     step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, pc.cache, pc.windows,
                     pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent,
                     torch.float16, num_decodes)
-    torch.cuda.synchronize()
-    assert _compiled() == compiled, f"compiled while serving: {compiled} -> {_compiled()} ({WRITE_LAUNCH=})"
+    assert variants.counts() == compiled, f"compiled while serving: {compiled} -> {variants.counts()} ({WRITE_LAUNCH=})"
 
 
 def test_launch_all_runs_every_launch_once_in_order_on_one_thread():
@@ -206,9 +268,8 @@ def test_warm_up_in_threads_compiles_what_one_thread_does(gluon, tmp_path, monke
         assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="compiled-kernel caches exist on a GPU only")
 @pytest.mark.parametrize("gluon", [False, True])
-def test_serving_with_key_mean_after_warm_up_compiles_nothing(gluon):
+def test_serving_with_key_mean_after_warm_up_compiles_nothing(gluon, monkeypatch):
     """``key_mean`` "on": the KEY_MEAN variants (decode of many batch sizes, on the Triton kernel or
     the Gluon one, prefill over a prefix with FlashAttention's own-keys pass merged and on the dense
     path, the write) are all warmed up."""
@@ -220,15 +281,16 @@ def test_serving_with_key_mean_after_warm_up_compiles_nothing(gluon):
     batches += [([900, 3000, 16], [1, 300, 2049]), ([4095, 64, 1], [1, 1, 17])]
     pcs = [prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=i, key_mean=km,
                    entries_per_page=8 if gluon else None) for i, (prefix, new) in enumerate(batches)]
-    max_seqs, num_sms = 64, torch.cuda.get_device_properties(0).multi_processor_count
+    max_seqs, num_sms = 64, NUM_SMS
     rot = random_rotation(d).to(DEVICE)
     pc0 = pcs[0][0]
     mean = dict(key_mean=km.mean, cos_sin=km.table)
     operands = km.operands()
+    variants = CompiledVariants(WARMED_UP, monkeypatch)
     warm_up_kernels(pc0.cache, pc0.windows, pc0.window_pages, pc0.window_pos, rot, hkv * g, dtype, sink, recent,
                     torch.float16, max_seqs, 8192, num_sms, merge_self=True, dense=True, gluon=gluon, key_mean=mean,
                     decode_key_mean=operands if gluon else None, dense_mean_basis=key_mean_basis(km.mean, rot))
-    compiled = _compiled(WARMED_UP)
+    compiled = variants.counts()
     rows = decode_split_rows(max_seqs, hkv, num_sms)
     part_out = torch.empty(rows * hkv * g * d, dtype=torch.float32, device=DEVICE)
     part_lse = torch.empty(rows * hkv * g, dtype=torch.float32, device=DEVICE)
@@ -270,5 +332,4 @@ def test_serving_with_key_mean_after_warm_up_compiles_nothing(gluon):
                     step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, pc.cache, pc.windows,
                     pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent,
                     torch.float16, num_decodes, **mean)
-    torch.cuda.synchronize()
-    assert _compiled(WARMED_UP) == compiled, f"compiled while serving: {compiled} -> {_compiled(WARMED_UP)}"
+    assert variants.counts() == compiled, f"compiled while serving: {compiled} -> {variants.counts()}"
