@@ -33,7 +33,7 @@ HIT_RINGS = ("recompute", "reuse")
 # Whether the INT2 pages hold keys less their mean before RoPE ("on": the rotation file's means,
 # oscar-calibrate writes them; docs/quality.md) or the keys as they are ("off"); "auto": "on" where
 # the rotations have means, the model's RoPE takes them and prefill_read is "chunk", else "off".
-# With a mean, prefills over a cached prefix run on the INT2 kernel (not the dense path).
+# Off by default: it costs 3-7% of a decode step and 7% of prefill (docs/kernels.md, H100, 2026-12-05).
 KEY_MEANS = ("off", "on", "auto")
 HOW_TO_GET_ROTATIONS = (
     "give a rotation folder with --additional-config '{\"oscar\": {\"rotation_path\": DIR}}' "
