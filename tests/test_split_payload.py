@@ -62,3 +62,18 @@ def test_a_chunk_larger_than_the_room_is_refused(device):
     folder, _, _, stage = device
     with pytest.raises(split_payload.PayloadError, match="does not fit"):
         split_payload.split_payload(folder, room=900, first_room=900, stage_script=stage)
+
+
+def test_an_earlier_split_is_cut_again_for_less_room(device):
+    """The tree grows between sessions: the s1.. parts of a split are joined and cut again, for
+    the room beside the tree as it is now, with the same streams and install files."""
+    folder, payload, model, stage = device
+    first = split_payload.split_payload(folder, room=3500, first_room=2500, stage_script=stage)
+    again = split_payload.split_payload(folder, room=2200, first_room=2100, stage_script=stage)
+    assert len(again) > len(first)
+    assert all(split_payload.folder_bytes(p) <= 2200 for p in again)
+    assert {p.name for p in folder.iterdir()} == {f"s{i}" for i in range(1, len(again) + 1)}
+    staged = {f.name: f.read_bytes() for p in again for f in p.iterdir()}
+    assert b"".join(staged[n] for n in sorted(staged) if n.startswith("part.")) == payload
+    assert b"".join(staged[n] for n in sorted(staged) if n.startswith("model.part.")) == model
+    assert {"install_payload.sh", "payload.sha256", "install_model.sh", "model.sha256"} <= set(os.listdir(again[-1]))

@@ -78,7 +78,8 @@ status=0
 # A stage of several steps runs them all and fails if any failed: `|| failed=1` on each step makes
 # the subshell's exit status (a `{ a; b; }` group reports b's status alone, and an ERR trap does not
 # fire inside the `|| status=1` list).
-# Kernel tests are bound by compiling their many variants on the CPU (over half an hour of one
+# Kernel tests print each result as it comes (-v): a call that runs out of time still names its
+# failures. They are bound by compiling their many variants on the CPU (over half an hour of one
 # core on the H200 machine, 2026-12-03): spread them over all cores but two with pytest-xdist. A machine
 # without it and without network installs it from OSCAR_WHEELS (a folder from
 # `pip download --no-deps pytest-xdist execnet -d DIR`), if given.
@@ -90,7 +91,7 @@ for stage in $stages; do
   case $stage in
     tests)
       { python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA GPU"; print(torch.cuda.get_device_name(0))' &&
-        python3 -m pytest -q -p no:warnings $xdist tests/kernels/test_oscar_decode.py tests/kernels/test_oscar_write.py \
+        python3 -m pytest -v -rf -p no:warnings $xdist tests/kernels/test_oscar_decode.py tests/kernels/test_oscar_write.py \
           tests/kernels/test_oscar_attention.py tests/kernels/test_oscar_dense_kv.py tests/kernels/test_launch_table.py tests/kernels/test_warm_up.py \
           tests/serving/test_plugin.py::test_admitting_requests_does_not_synchronize_the_gpu \
           tests/benchmarks/test_profile_decode.py; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
@@ -133,7 +134,7 @@ for stage in $stages; do
       python3 benchmarks/ab_throughput.py --out "$out/ab" ${OSCAR_AB_ARGS:-} 2>&1 | tee "$out/ab.log" || status=1 ;;
     key_mean)
       ( failed=0
-        python3 -m pytest -q -p no:warnings $xdist tests/kernels/test_oscar_attention.py tests/kernels/test_oscar_write.py \
+        python3 -m pytest -v -rf -p no:warnings $xdist tests/kernels/test_oscar_attention.py tests/kernels/test_oscar_write.py \
           tests/kernels/test_oscar_dense_kv.py \
           tests/kernels/test_warm_up.py tests/kernels/test_oscar_decode.py \
           -k "key_mean or plus_their_mean or mixed_cache or coefficients" || failed=1

@@ -9,7 +9,7 @@ The last part holds the install scripts and checksums, so the order of the calls
 device README's: stage every part back to back, install from the last.
 
     bash ../shared/device/build_payload.sh .device && bash ../shared/device/build_model_payload.sh .device
-    python tests/gpu/split_payload.py .device
+    python tests/gpu/split_payload.py .device   # again, on the s1.. parts, when the tree has grown
     # then one call per part: carry [".device/s1", ".carry"], run `bash .device/s1/stage_part.sh`;
     # s2 .. sN alike without .carry; the last one: `bash .device/sN/stage_part.sh &&
     # bash .device/sN/install_payload.sh && bash /tmp/oscar-payload/install_model.sh && ...`
@@ -24,7 +24,7 @@ import subprocess
 from pathlib import Path
 
 CALL_BYTES = 64 * 2**20  # what one device call carries, tree included
-MARGIN_BYTES = 4 * 2**20  # the tree grows between the split and the calls (results: over 1 MiB in a day)
+MARGIN_BYTES = 8 * 2**20  # the tree grows between the split and the calls (results: up to 4 MiB in a day)
 CHUNK_BYTES = 4_000_000
 INSTALL_FILES = ("install_payload.sh", "payload.sha256", "install_model.sh", "model.sha256")
 
@@ -51,15 +51,20 @@ def _numbered(folders: list[Path], pattern: str) -> list[Path]:
 
 
 def read_streams(device_dir: Path) -> tuple[dict[str, bytes], dict[str, bytes]]:
-    """The payload and model streams from the build's parts, checked against their checksums, and
-    the install scripts and checksums that go with them."""
+    """The payload and model streams from the build's parts (or, where there are none, from an
+    earlier split's ``s1..``: the tree grew and they no longer fit), checked against their
+    checksums, and the install scripts and checksums that go with them."""
     streams, extras = {}, {}
+    built = any(re.fullmatch(r"[pm]\d+", d.name) for d in device_dir.iterdir())
     for prefix, stem, sha in (("p", "part", "payload.sha256"), ("m", "model.part", "model.sha256")):
+        prefix = prefix if built else "s"
         folders = sorted(d for d in device_dir.iterdir() if re.fullmatch(rf"{prefix}\d+", d.name))
         if not folders:
             continue
         data = b"".join(f.read_bytes() for f in _numbered(folders, rf"{re.escape(stem)}\.\d+"))
         sums = [d / sha for d in folders if (d / sha).is_file()]
+        if not data and not sums and not built:  # an earlier split without this stream
+            continue
         if not sums:
             raise PayloadError(f"{device_dir}/{prefix}*: no {sha}; build the payload again")
         want = sums[0].read_text().split()[0]
@@ -71,7 +76,7 @@ def read_streams(device_dir: Path) -> tuple[dict[str, bytes], dict[str, bytes]]:
                 if (d / name).is_file():
                     extras[name] = (d / name).read_bytes()
     if not streams:
-        raise PayloadError(f"{device_dir}: no p1.. or m1.. parts; run ../shared/device/build_payload.sh first")
+        raise PayloadError(f"{device_dir}: no p1.., m1.. or s1.. parts; run ../shared/device/build_payload.sh first")
     return streams, extras
 
 
