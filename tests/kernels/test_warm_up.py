@@ -268,68 +268,75 @@ def test_warm_up_in_threads_compiles_what_one_thread_does(gluon, tmp_path, monke
         assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))
 
 
-@pytest.mark.parametrize("gluon", [False, True])
-def test_serving_with_key_mean_after_warm_up_compiles_nothing(gluon, monkeypatch):
-    """``key_mean`` "on": the KEY_MEAN variants (decode of many batch sizes, on the Triton kernel or
-    the Gluon one, prefill over a prefix with FlashAttention's own-keys pass merged and on the dense
-    path, the write) are all warmed up."""
+@pytest.mark.parametrize("key_mean", [False, True], ids=["plain", "key_mean"])
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+def test_serving_each_decode_path_after_warm_up_compiles_nothing(gluon, key_mean, monkeypatch):
+    """A layer's kernels as the backend launches them (``OscarAttentionImpl.forward`` on the Triton
+    kernels, ``_forward_write_first`` on the Gluon ones: the decode write and decode, then the
+    prefills over their slices of the batch; the dense path), with and without a key mean (its
+    KEY_MEAN variants): decodes of many batch sizes, prefills over a prefix, mixed batches. The
+    warm-up compiled all of them."""
     from csrc_triton.oscar_attention import oscar_prefill_batch
+    from csrc_triton.oscar_write import decode_rotation, oscar_write_decode
 
     d, hkv, g, sink, recent, dtype = 128, 8, 4, 64, 256, torch.bfloat16
-    km = KeyMeanCase(hkv, d, 16384)
+    km = KeyMeanCase(hkv, d, 16384) if key_mean else None
     batches = [([5000 if n < 16 else 300] * n, [1] * n) for n in (1, 2, 16, 33, 48)]
     batches += [([900, 3000, 16], [1, 300, 2049]), ([4095, 64, 1], [1, 1, 17])]
     pcs = [prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=i, key_mean=km,
                    entries_per_page=8 if gluon else None) for i, (prefix, new) in enumerate(batches)]
     max_seqs, num_sms = 64, NUM_SMS
     rot = random_rotation(d).to(DEVICE)
+    rot_t = decode_rotation(rot)
     pc0 = pcs[0][0]
-    mean = dict(key_mean=km.mean, cos_sin=km.table)
-    operands = km.operands()
+    mean = dict(key_mean=km.mean, cos_sin=km.table) if km else {}
+    basis = dict(mean_basis=key_mean_basis(km.mean, rot), cos_sin=km.table) if km else {}
+    operands = km.operands() if km and gluon else None
     variants = CompiledVariants(WARMED_UP, monkeypatch)
     warm_up_kernels(pc0.cache, pc0.windows, pc0.window_pages, pc0.window_pos, rot, hkv * g, dtype, sink, recent,
-                    torch.float16, max_seqs, 8192, num_sms, merge_self=True, dense=True, gluon=gluon, key_mean=mean,
-                    decode_key_mean=operands if gluon else None, dense_mean_basis=key_mean_basis(km.mean, rot))
+                    torch.float16, max_seqs, 8192, num_sms, merge_self=True, dense=True, gluon=gluon,
+                    key_mean=mean or None, decode_key_mean=operands, dense_mean_basis=basis.get("mean_basis"))
     compiled = variants.counts()
     rows = decode_split_rows(max_seqs, hkv, num_sms)
     part_out = torch.empty(rows * hkv * g * d, dtype=torch.float32, device=DEVICE)
     part_lse = torch.empty(rows * hkv * g, dtype=torch.float32, device=DEVICE)
+    clips, scale = (clip_index(CLIP_K, d), clip_index(CLIP_V, d)), d ** -0.5
 
     def own(q_p, k_p, v_p, cu, max_q, out_p):
         return torch.zeros(q_p.shape[1], q_p.shape[0], dtype=torch.float32, device=DEVICE)
 
     for (prefix, new), (pc, step, q, q_rot, k, v) in zip(batches, pcs):
-        num_decodes = next((i for i, n in enumerate(new) if n > 1), len(new))
-        num_reqs = len(new)
+        nd = next((i for i, n in enumerate(new) if n > 1), len(new))
+        num_reqs, n = len(new), int(step.cu_q[-1])
+        cache = (pc.cache, pc.windows, pc.window_pages, pc.window_pos)
+        dense = None
+        if nd < num_reqs:  # the dense path, which the backend takes where it knows the shapes
+            buf = [torch.empty(sum(prefix) + sum(new), hkv, d, dtype=dtype, device=DEVICE) for _ in range(2)]
+            dense = DensePrefill((k[nd:].float() @ rot).to(dtype), *buf, max(p + n for p, n in zip(prefix, new)),
+                                 dense_twin(scale), **basis)
         out = torch.empty_like(q)
         if not gluon:
-            oscar_attention(out, q, q_rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                            step.block_table, step.seq_lens, step.cu_q, step.ring_slots, num_decodes, num_reqs,
-                            max(new), d ** -0.5, sink, recent, torch.float16, decode_splits(num_decodes, hkv, num_sms),
-                            part_out, part_lse, own, True, None, logit_correction=0.5, **mean)
-        else:
-            if num_decodes:
-                gluon_decode.oscar_decode(
-                    out, q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table, step.seq_lens,
-                    step.ring_slots, num_decodes, d ** -0.5, sink, recent, torch.float16,
-                    gluon_decode.decode_splits(num_decodes, hkv, num_sms), part_out, part_lse, logit_correction=0.5,
-                    ring_cost=gluon_decode.decode_ring_cost(num_decodes), q=q, key_mean=operands)
-            if num_decodes < num_reqs:
-                oscar_prefill_batch(out, q, q_rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                                    step.block_table, step.seq_lens, step.cu_q, step.ring_slots, num_decodes,
-                                    num_reqs, max(new), d ** -0.5, sink, recent, torch.float16, own, True, None,
-                                    0.5, **mean)
-        if num_decodes < num_reqs:  # the dense path, which the backend takes where it knows the shapes
-            buf = [torch.empty(sum(prefix) + sum(new), hkv, d, dtype=dtype, device=DEVICE) for _ in range(2)]
-            dense = DensePrefill((k[num_decodes:].float() @ rot).to(dtype), *buf,
-                                 max(p + n for p, n in zip(prefix, new)), dense_twin(d ** -0.5),
-                                 mean_basis=key_mean_basis(km.mean, rot), cos_sin=km.table)
-            oscar_prefill_batch(out, q, q_rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                                step.block_table, step.seq_lens, step.cu_q, step.ring_slots, num_decodes, num_reqs,
-                                max(new), d ** -0.5, sink, recent, torch.float16, own, True, dense, 0.5, **mean)
-        t = int(step.cu_q[-1])
-        oscar_write(random_rows((t, hkv, d), dtype, 1), random_rows((t, hkv, d), dtype, 2), rot,
-                    step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, pc.cache, pc.windows,
-                    pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent,
-                    torch.float16, num_decodes, **mean)
+            for dense_path in (None, dense):
+                oscar_attention(out, q, q_rot, k, v, *cache, step.block_table, step.seq_lens, step.cu_q,
+                                step.ring_slots, nd, num_reqs, max(new), scale, sink, recent, torch.float16,
+                                decode_splits(nd, hkv, num_sms), part_out, part_lse, own, True, dense_path,
+                                logit_correction=0.5, **mean)
+            oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, *cache,
+                        *clips, sink, recent, torch.float16, nd, **mean)
+            continue
+        if nd:
+            oscar_write_decode(k[:nd], v[:nd], q[:nd], q_rot[:nd], rot_t, step.slot_mapping[:nd], step.seq_lens[:nd],
+                               step.ring_slots[:nd], *cache, *clips, sink, recent, torch.float16, **mean)
+            gluon_decode.oscar_decode(
+                out[:nd], q_rot[:nd], *cache, step.block_table, step.seq_lens, step.ring_slots, nd, scale, sink,
+                recent, torch.float16, gluon_decode.decode_splits(nd, hkv, num_sms), part_out, part_lse,
+                logit_correction=0.5, ring_cost=gluon_decode.decode_ring_cost(nd), q=q[:nd] if km else None,
+                key_mean=operands)
+        if nd < num_reqs:
+            for dense_path in (None, dense):
+                oscar_prefill_batch(out, q, q_rot, k, v, *cache, step.block_table, step.seq_lens, step.cu_q,
+                                    step.ring_slots, nd, num_reqs, max(new), scale, sink, recent, torch.float16, own,
+                                    True, dense_path, 0.5, **mean)
+            oscar_write(k[nd:n], v[nd:n], rot, step.slot_mapping[nd:n], step.cu_q[nd:] - nd, step.seq_lens[nd:],
+                        step.ring_slots[nd:], num_reqs - nd, *cache, *clips, sink, recent, torch.float16, **mean)
     assert variants.counts() == compiled, f"compiled while serving: {compiled} -> {variants.counts()}"
