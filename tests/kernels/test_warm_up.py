@@ -26,6 +26,7 @@ from kernel_cases import (
     CLIP_K, CLIP_V, DEVICE, ON_GPU, KeyMeanCase, dense_twin, prepare, random_rotation, random_rows,
 )
 from oscar_vllm.core.quant import clip_index
+from paged_sim import PagedCache
 
 KERNELS = (_oscar_attention_kernel, _merge_splits_kernel, _oscar_dense_kv_kernel, _oscar_write_kernel)
 NUM_SMS = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else 132  # an H100 SXM's, on the CPU
@@ -339,4 +340,50 @@ def test_serving_each_decode_path_after_warm_up_compiles_nothing(gluon, key_mean
                                     True, dense_path, 0.5, **mean)
             oscar_write(k[nd:n], v[nd:n], rot, step.slot_mapping[nd:n], step.cu_q[nd:] - nd, step.seq_lens[nd:],
                         step.ring_slots[nd:], num_reqs - nd, *cache, *clips, sink, recent, torch.float16, **mean)
+    assert variants.counts() == compiled, f"compiled while serving: {compiled} -> {variants.counts()}"
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU record of compile keys (its launches share rings: a GPU would race)")
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+def test_every_decode_batch_size_after_warm_up_compiles_nothing(gluon, monkeypatch):
+    """Decode batches of every size from 1 to vLLM's default max_num_seqs (1,024) on the Qwen3-8B
+    shape, written and read as the backend launches them, take only variants the warm-up compiled:
+    each size's launch bucket, split count and ring weight among them. The record runs no kernel,
+    so the requests share four rings and their blocks."""
+    from csrc_triton.oscar_write import decode_rotation, oscar_write_decode
+
+    d, hkv, g, sink, recent, dtype, max_seqs = 128, 8, 4, 64, 256, torch.bfloat16, 1024
+    pc = PagedCache(4, 130, hkv, d, sink, recent, DEVICE, **({"entries_per_page": 8} if gluon else {}))
+    rot = random_rotation(d).to(DEVICE)
+    variants = CompiledVariants(WARMED_UP, monkeypatch)
+    warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, hkv * g, dtype, sink, recent,
+                    torch.float16, max_seqs, 8192, NUM_SMS, merge_self=True, dense=True, gluon=gluon)
+    compiled = variants.counts()
+    q = random_rows((max_seqs, hkv * g, d), dtype, 1)
+    k, v = random_rows((max_seqs, hkv, d), dtype, 2), random_rows((max_seqs, hkv, d), dtype, 3)
+    which = torch.arange(max_seqs, device=DEVICE) % 4
+    block_table, ring_slots = pc.block_table[which], pc.ring_slots.to(DEVICE)[which]
+    seq_lens = torch.full((max_seqs,), 129, dtype=torch.int32, device=DEVICE)
+    slots = block_table[:, 2].long() * pc.block_size
+    cu_q = torch.arange(max_seqs + 1, dtype=torch.int32, device=DEVICE)
+    split_count = gluon_decode.decode_splits if gluon else decode_splits
+    rows = (gluon_decode.decode_split_rows if gluon else decode_split_rows)(max_seqs, hkv, NUM_SMS)
+    part_out = torch.empty(rows * hkv * g * d, dtype=torch.float32, device=DEVICE)
+    part_lse = torch.empty(rows * hkv * g, dtype=torch.float32, device=DEVICE)
+    cache = (pc.cache, pc.windows, pc.window_pages, pc.window_pos)
+    clips, rot_t = (clip_index(CLIP_K, d), clip_index(CLIP_V, d)), decode_rotation(rot)
+    for n in range(1, max_seqs + 1):
+        out, q_rot = torch.empty_like(q[:n]), torch.empty_like(q[:n])
+        if gluon:
+            oscar_write_decode(k[:n], v[:n], q[:n], q_rot, rot_t, slots[:n], seq_lens[:n], ring_slots[:n], *cache,
+                               *clips, sink, recent, torch.float16)
+            gluon_decode.oscar_decode(out, q_rot, *cache, block_table[:n], seq_lens[:n], ring_slots[:n], n, d ** -0.5,
+                                      sink, recent, torch.float16, split_count(n, hkv, NUM_SMS), part_out,
+                                      part_lse, logit_correction=0.5, ring_cost=gluon_decode.decode_ring_cost(n))
+        else:
+            oscar_attention(out, q[:n], q[:n], k[:n], v[:n], *cache, block_table[:n], seq_lens[:n], cu_q[:n + 1],
+                            ring_slots[:n], n, n, 1, d ** -0.5, sink, recent, torch.float16,
+                            split_count(n, hkv, NUM_SMS), part_out, part_lse, logit_correction=0.5)
+            oscar_write(k[:n], v[:n], rot, slots[:n], cu_q[:n + 1], seq_lens[:n], ring_slots[:n], n, *cache, *clips,
+                        sink, recent, torch.float16, n)
     assert variants.counts() == compiled, f"compiled while serving: {compiled} -> {variants.counts()}"
