@@ -269,122 +269,155 @@ def test_warm_up_in_threads_compiles_what_one_thread_does(gluon, tmp_path, monke
         assert torch.equal(b.view(torch.uint8), a.view(torch.uint8))
 
 
-@pytest.mark.parametrize("key_mean", [False, True], ids=["plain", "key_mean"])
-@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
-def test_serving_each_decode_path_after_warm_up_compiles_nothing(gluon, key_mean, monkeypatch):
-    """A layer's kernels as the backend launches them (``OscarAttentionImpl.forward`` on the Triton
-    kernels, ``_forward_write_first`` on the Gluon ones: the decode write and decode, then the
-    prefills over their slices of the batch; the dense path), with and without a key mean (its
-    KEY_MEAN variants): decodes of many batch sizes, prefills over a prefix, mixed batches. The
-    warm-up compiled all of them."""
-    from csrc_triton.oscar_attention import oscar_prefill_batch
-    from csrc_triton.oscar_write import decode_rotation, oscar_write_decode
+class LayerLaunches:
+    """A layer's kernel launches for a batch as the backend makes them: ``OscarAttentionImpl.forward``
+    on the Triton kernels (attention, then the write), ``_forward_write_first`` on the Gluon ones
+    (the decode write and decode, then the prefills over their slices of the batch); prefills with
+    and without the dense path. Qwen3-8B's shape, with or without a key mean."""
 
-    d, hkv, g, sink, recent, dtype = 128, 8, 4, 64, 256, torch.bfloat16
-    km = KeyMeanCase(hkv, d, 16384) if key_mean else None
-    batches = [([5000 if n < 16 else 300] * n, [1] * n) for n in (1, 2, 16, 33, 48)]
-    batches += [([900, 3000, 16], [1, 300, 2049]), ([4095, 64, 1], [1, 1, 17])]
-    pcs = [prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=i, key_mean=km,
-                   entries_per_page=8 if gluon else None) for i, (prefix, new) in enumerate(batches)]
-    max_seqs, num_sms = 64, NUM_SMS
-    rot = random_rotation(d).to(DEVICE)
-    rot_t = decode_rotation(rot)
-    pc0 = pcs[0][0]
-    mean = dict(key_mean=km.mean, cos_sin=km.table) if km else {}
-    basis = dict(mean_basis=key_mean_basis(km.mean, rot), cos_sin=km.table) if km else {}
-    operands = km.operands() if km and gluon else None
-    variants = CompiledVariants(WARMED_UP, monkeypatch)
-    warm_up_kernels(pc0.cache, pc0.windows, pc0.window_pages, pc0.window_pos, rot, hkv * g, dtype, sink, recent,
-                    torch.float16, max_seqs, 8192, num_sms, merge_self=True, dense=True, gluon=gluon,
-                    key_mean=mean or None, decode_key_mean=operands, dense_mean_basis=basis.get("mean_basis"))
-    compiled = variants.counts()
-    # The Gluon decode's splits fill whole waves: its scratch has more rows than the Triton one's.
-    rows = (gluon_decode.decode_split_rows if gluon else decode_split_rows)(max_seqs, hkv, num_sms)
-    part_out = torch.empty(rows * hkv * g * d, dtype=torch.float32, device=DEVICE)
-    part_lse = torch.empty(rows * hkv * g, dtype=torch.float32, device=DEVICE)
-    clips, scale = (clip_index(CLIP_K, d), clip_index(CLIP_V, d)), d ** -0.5
+    d, hkv, g, sink, recent, dtype, max_seqs, max_tokens = 128, 8, 4, 64, 256, torch.bfloat16, 64, 8192
 
-    def own(q_p, k_p, v_p, cu, max_q, out_p):
-        return torch.zeros(q_p.shape[1], q_p.shape[0], dtype=torch.float32, device=DEVICE)
+    def __init__(self, gluon: bool, km: KeyMeanCase | None = None, max_seqs: int | None = None):
+        from csrc_triton.oscar_write import decode_rotation
 
-    for (prefix, new), (pc, step, q, q_rot, k, v) in zip(batches, pcs):
-        nd = next((i for i, n in enumerate(new) if n > 1), len(new))
-        num_reqs, t = len(new), int(step.cu_q[-1])
+        self.gluon, self.km, self.max_seqs = gluon, km, max_seqs or self.max_seqs
+        self.rot = random_rotation(self.d).to(DEVICE)
+        self.rot_t = decode_rotation(self.rot)
+        self.mean = dict(key_mean=km.mean, cos_sin=km.table) if km else {}
+        self.basis = dict(mean_basis=key_mean_basis(km.mean, self.rot), cos_sin=km.table) if km else {}
+        self.operands = km.operands() if km and gluon else None
+        # The Gluon decode's splits fill whole waves: its scratch has more rows than the Triton one's.
+        rows = (gluon_decode.decode_split_rows if gluon else decode_split_rows)(self.max_seqs, self.hkv, NUM_SMS)
+        hq = self.hkv * self.g
+        self.part_out = torch.empty(rows * hq * self.d, dtype=torch.float32, device=DEVICE)
+        self.part_lse = torch.empty(rows * hq, dtype=torch.float32, device=DEVICE)
+        self.clips, self.scale = (clip_index(CLIP_K, self.d), clip_index(CLIP_V, self.d)), self.d ** -0.5
+
+    def warm_up(self, pc) -> None:
+        warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, self.rot, self.hkv * self.g, self.dtype,
+                        self.sink, self.recent, torch.float16, self.max_seqs, self.max_tokens, NUM_SMS,
+                        merge_self=True, dense=True, gluon=self.gluon, key_mean=self.mean or None,
+                        decode_key_mean=self.operands, dense_mean_basis=self.basis.get("mean_basis"))
+
+    def dense(self, k_prefill, rows: int, max_seq_len: int, shapes=()) -> DensePrefill:
+        buf = [torch.empty(rows, self.hkv, self.d, dtype=self.dtype, device=DEVICE) for _ in range(2)]
+        return DensePrefill((k_prefill.float() @ self.rot).to(self.dtype), *buf, max_seq_len,
+                            lambda *args: None, shapes, **self.basis)
+
+    def serve(self, pc, step, q, q_rot, k, v, nd: int, dense: DensePrefill | None = None) -> None:
+        from csrc_triton.oscar_attention import oscar_prefill_batch
+        from csrc_triton.oscar_write import oscar_write_decode
+
+        num_reqs, t = len(step.seq_lens), int(step.cu_q[-1])
         cache = (pc.cache, pc.windows, pc.window_pages, pc.window_pos)
-        dense = None
-        if nd < num_reqs:  # the dense path, which the backend takes where it knows the shapes
-            buf = [torch.empty(sum(prefix) + sum(new), hkv, d, dtype=dtype, device=DEVICE) for _ in range(2)]
-            dense = DensePrefill((k[nd:].float() @ rot).to(dtype), *buf, max(p + n for p, n in zip(prefix, new)),
-                                 dense_twin(scale), **basis)
+        common = (self.sink, self.recent, torch.float16)
         out = torch.empty_like(q)
-        if not gluon:
-            for dense_path in (None, dense):
+
+        def own(q_p, k_p, v_p, cu, max_q, out_p):
+            return torch.zeros(q_p.shape[1], q_p.shape[0], dtype=torch.float32, device=DEVICE)
+
+        if not self.gluon:
+            for dense_path in (None, dense) if nd < num_reqs else (None,):
                 oscar_attention(out, q, q_rot, k, v, *cache, step.block_table, step.seq_lens, step.cu_q,
-                                step.ring_slots, nd, num_reqs, max(new), scale, sink, recent, torch.float16,
-                                decode_splits(nd, hkv, num_sms), part_out, part_lse, own, True, dense_path,
-                                logit_correction=0.5, **mean)
-            oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, *cache,
-                        *clips, sink, recent, torch.float16, nd, **mean)
-            continue
+                                step.ring_slots, nd, num_reqs, step.max_query_len, self.scale, *common,
+                                decode_splits(nd, self.hkv, NUM_SMS), self.part_out, self.part_lse, own, True,
+                                dense_path, logit_correction=0.5, **self.mean)
+            oscar_write(k, v, self.rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, *cache,
+                        *self.clips, *common, nd, **self.mean)
+            return
         if nd:
-            oscar_write_decode(k[:nd], v[:nd], q[:nd], q_rot[:nd], rot_t, step.slot_mapping[:nd], step.seq_lens[:nd],
-                               step.ring_slots[:nd], *cache, *clips, sink, recent, torch.float16, **mean)
+            oscar_write_decode(k[:nd], v[:nd], q[:nd], q_rot[:nd], self.rot_t, step.slot_mapping[:nd],
+                               step.seq_lens[:nd], step.ring_slots[:nd], *cache, *self.clips, *common, **self.mean)
             gluon_decode.oscar_decode(
-                out[:nd], q_rot[:nd], *cache, step.block_table, step.seq_lens, step.ring_slots, nd, scale, sink,
-                recent, torch.float16, gluon_decode.decode_splits(nd, hkv, num_sms), part_out, part_lse,
-                logit_correction=0.5, ring_cost=gluon_decode.decode_ring_cost(nd), q=q[:nd] if km else None,
-                key_mean=operands)
+                out[:nd], q_rot[:nd], *cache, step.block_table, step.seq_lens, step.ring_slots, nd, self.scale,
+                *common, gluon_decode.decode_splits(nd, self.hkv, NUM_SMS), self.part_out, self.part_lse,
+                logit_correction=0.5, ring_cost=gluon_decode.decode_ring_cost(nd), q=q[:nd] if self.km else None,
+                key_mean=self.operands)
         if nd < num_reqs:
             for dense_path in (None, dense):
                 oscar_prefill_batch(out, q, q_rot, k, v, *cache, step.block_table, step.seq_lens, step.cu_q,
-                                    step.ring_slots, nd, num_reqs, max(new), scale, sink, recent, torch.float16, own,
-                                    True, dense_path, 0.5, **mean)
-            oscar_write(k[nd:t], v[nd:t], rot, step.slot_mapping[nd:t], step.cu_q[nd:] - nd, step.seq_lens[nd:],
-                        step.ring_slots[nd:], num_reqs - nd, *cache, *clips, sink, recent, torch.float16, **mean)
+                                    step.ring_slots, nd, num_reqs, step.max_query_len, self.scale, *common, own, True,
+                                    dense_path, 0.5, **self.mean)
+            oscar_write(k[nd:t], v[nd:t], self.rot, step.slot_mapping[nd:t], step.cu_q[nd:] - nd, step.seq_lens[nd:],
+                        step.ring_slots[nd:], num_reqs - nd, *cache, *self.clips, *common, **self.mean)
+
+
+@pytest.mark.parametrize("key_mean", [False, True], ids=["plain", "key_mean"])
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+def test_serving_each_decode_path_after_warm_up_compiles_nothing(gluon, key_mean, monkeypatch):
+    """``LayerLaunches`` on each decode path, with and without a key mean (its KEY_MEAN variants):
+    decodes of many batch sizes, prefills over a prefix, mixed batches. The warm-up compiled all
+    of them."""
+    layer = LayerLaunches(gluon, KeyMeanCase(8, 128, 16384) if key_mean else None)
+    batches = [([5000 if n < 16 else 300] * n, [1] * n) for n in (1, 2, 16, 33, 48)]
+    batches += [([900, 3000, 16], [1, 300, 2049]), ([4095, 64, 1], [1, 1, 17])]
+    pcs = [prepare(layer.d, layer.hkv, layer.g, layer.sink, layer.recent, prefix, new, layer.dtype, seed=i,
+                   key_mean=layer.km, entries_per_page=8 if gluon else None) for i, (prefix, new) in enumerate(batches)]
+    variants = CompiledVariants(WARMED_UP, monkeypatch)
+    layer.warm_up(pcs[0][0])
+    compiled = variants.counts()
+    for (prefix, new), (pc, step, q, q_rot, k, v) in zip(batches, pcs):
+        nd = next((i for i, n in enumerate(new) if n > 1), len(new))
+        dense = layer.dense(k[nd:], sum(prefix) + sum(new), max(p + n for p, n in zip(prefix, new)))
+        layer.serve(pc, step, q, q_rot, k, v, nd, dense)
+    assert variants.counts() == compiled, f"compiled while serving: {compiled} -> {variants.counts()}"
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU record of compile keys (its launches read no cache it wrote)")
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+def test_every_prefill_chunk_size_after_warm_up_compiles_nothing(gluon, monkeypatch):
+    """Chunks of every size class up to vLLM's 8,192 batched tokens (the write's launch buckets,
+    Triton's ==1 and %16 classes, block and window edges), three prefills a batch with and without
+    decodes before them, the dense path in groups of requests as the backend cuts it (buffers for
+    the longest sequence: each group reads its own slice of the metadata, at any int32 offset)."""
+    layer = LayerLaunches(gluon)
+    prefix = [700, 64, 5000]
+    pc = PagedCache(8, max(prefix) + 8192 + 1, layer.hkv, layer.d, layer.sink, layer.recent, DEVICE,
+                    **({"entries_per_page": 8} if gluon else {}))
+    variants = CompiledVariants(WARMED_UP, monkeypatch)
+    layer.warm_up(pc)
+    compiled = variants.counts()
+    chunks = [(c, 3) for c in (1, 2, 15, 16, 17, 63, 64, 65, 255, 256, 257, 320, 321, 1000, 2047, 2048, 2049, 2700)]
+    chunks += [(8192, 1), (8187, 1)]
+    for chunk, prefills in chunks:
+        for nd in (0, 5):
+            if nd + chunk * prefills > layer.max_tokens:
+                continue
+            pc.done = [300] * nd + prefix[:prefills] + [0] * (8 - nd - prefills)
+            step = pc.schedule({**{r: 1 for r in range(nd)}, **{nd + r: chunk for r in range(prefills)}})
+            t = int(step.cu_q[-1])
+            q = torch.empty(t, layer.hkv * layer.g, layer.d, dtype=layer.dtype, device=DEVICE)
+            k, v = (torch.empty(t, layer.hkv, layer.d, dtype=layer.dtype, device=DEVICE) for _ in range(2))
+            shapes = tuple((chunk, p + chunk) for p in prefix[:prefills])
+            dense = layer.dense(k[nd:], max(s for _, s in shapes), max(s for _, s in shapes), shapes)
+            layer.serve(pc, step, q, q.clone(), k, v, nd, dense)
     assert variants.counts() == compiled, f"compiled while serving: {compiled} -> {variants.counts()}"
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU record of compile keys (its launches share rings: a GPU would race)")
 @pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
 def test_every_decode_batch_size_after_warm_up_compiles_nothing(gluon, monkeypatch):
-    """Decode batches of every size from 1 to vLLM's default max_num_seqs (1,024) on the Qwen3-8B
-    shape, written and read as the backend launches them, take only variants the warm-up compiled:
-    each size's launch bucket, split count and ring weight among them. The record runs no kernel,
-    so the requests share four rings and their blocks."""
-    from csrc_triton.oscar_write import decode_rotation, oscar_write_decode
+    """Decode batches of every size from 1 to vLLM's default max_num_seqs (1,024), through
+    ``LayerLaunches``, take only variants the warm-up compiled: each size's launch bucket, split
+    count and ring weight among them. The record runs no kernel, so the requests share four rings
+    and their blocks."""
+    from types import SimpleNamespace
 
-    d, hkv, g, sink, recent, dtype, max_seqs = 128, 8, 4, 64, 256, torch.bfloat16, 1024
-    pc = PagedCache(4, 130, hkv, d, sink, recent, DEVICE, **({"entries_per_page": 8} if gluon else {}))
-    rot = random_rotation(d).to(DEVICE)
+    layer = LayerLaunches(gluon, max_seqs=1024)
+    n_max = layer.max_seqs
+    pc = PagedCache(4, 130, layer.hkv, layer.d, layer.sink, layer.recent, DEVICE,
+                    **({"entries_per_page": 8} if gluon else {}))
     variants = CompiledVariants(WARMED_UP, monkeypatch)
-    warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, hkv * g, dtype, sink, recent,
-                    torch.float16, max_seqs, 8192, NUM_SMS, merge_self=True, dense=True, gluon=gluon)
+    layer.warm_up(pc)
     compiled = variants.counts()
-    q = random_rows((max_seqs, hkv * g, d), dtype, 1)
-    k, v = random_rows((max_seqs, hkv, d), dtype, 2), random_rows((max_seqs, hkv, d), dtype, 3)
-    which = torch.arange(max_seqs, device=DEVICE) % 4
-    block_table, ring_slots = pc.block_table[which], pc.ring_slots.to(DEVICE)[which]
-    seq_lens = torch.full((max_seqs,), 129, dtype=torch.int32, device=DEVICE)
-    slots = block_table[:, 2].long() * pc.block_size
-    cu_q = torch.arange(max_seqs + 1, dtype=torch.int32, device=DEVICE)
-    split_count = gluon_decode.decode_splits if gluon else decode_splits
-    rows = (gluon_decode.decode_split_rows if gluon else decode_split_rows)(max_seqs, hkv, NUM_SMS)
-    part_out = torch.empty(rows * hkv * g * d, dtype=torch.float32, device=DEVICE)
-    part_lse = torch.empty(rows * hkv * g, dtype=torch.float32, device=DEVICE)
-    cache = (pc.cache, pc.windows, pc.window_pages, pc.window_pos)
-    clips, rot_t = (clip_index(CLIP_K, d), clip_index(CLIP_V, d)), decode_rotation(rot)
-    for n in range(1, max_seqs + 1):
-        out, q_rot = torch.empty_like(q[:n]), torch.empty_like(q[:n])
-        if gluon:
-            oscar_write_decode(k[:n], v[:n], q[:n], q_rot, rot_t, slots[:n], seq_lens[:n], ring_slots[:n], *cache,
-                               *clips, sink, recent, torch.float16)
-            gluon_decode.oscar_decode(out, q_rot, *cache, block_table[:n], seq_lens[:n], ring_slots[:n], n, d ** -0.5,
-                                      sink, recent, torch.float16, split_count(n, hkv, NUM_SMS), part_out,
-                                      part_lse, logit_correction=0.5, ring_cost=gluon_decode.decode_ring_cost(n))
-        else:
-            oscar_attention(out, q[:n], q[:n], k[:n], v[:n], *cache, block_table[:n], seq_lens[:n], cu_q[:n + 1],
-                            ring_slots[:n], n, n, 1, d ** -0.5, sink, recent, torch.float16,
-                            split_count(n, hkv, NUM_SMS), part_out, part_lse, logit_correction=0.5)
-            oscar_write(k[:n], v[:n], rot, slots[:n], cu_q[:n + 1], seq_lens[:n], ring_slots[:n], n, *cache, *clips,
-                        sink, recent, torch.float16, n)
+    q = torch.empty(n_max, layer.hkv * layer.g, layer.d, dtype=layer.dtype, device=DEVICE)
+    k, v = (torch.empty(n_max, layer.hkv, layer.d, dtype=layer.dtype, device=DEVICE) for _ in range(2))
+    which = torch.arange(n_max, device=DEVICE) % 4
+    block_table = pc.block_table[which]
+    batch = dict(block_table=block_table, seq_lens=torch.full((n_max,), 129, dtype=torch.int32, device=DEVICE),
+                 slot_mapping=block_table[:, 2].long() * pc.block_size, ring_slots=pc.ring_slots.to(DEVICE)[which])
+    cu_q = torch.arange(n_max + 1, dtype=torch.int32, device=DEVICE)
+    for n in range(1, n_max + 1):
+        step = SimpleNamespace(cu_q=cu_q[:n + 1], max_query_len=1, **{key: x[:n] for key, x in batch.items()})
+        layer.serve(pc, step, q[:n], q[:n], k[:n], v[:n], n)
     assert variants.counts() == compiled, f"compiled while serving: {compiled} -> {variants.counts()}"
