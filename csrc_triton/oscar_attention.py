@@ -47,6 +47,7 @@ from csrc_triton.paged_layout import (
     launch_bucket,
     logit_coef,
     param_view,
+    split_scratch,
     window_args,
     window_index,
     v_token,
@@ -673,8 +674,8 @@ def oscar_decode_attention(
     hq, hkv, d, consts, params = _common(q, k, cache, param_dtype, use_asm)
     num_warps, num_stages = launch or launch_bucket(DECODE_LAUNCH, num_reqs)[:2]
     if num_splits > 1:
-        part_out = part_out.view(-1)[: t * hq * num_splits * d].view(t, hq, num_splits, d)
-        part_lse = part_lse.view(-1)[: t * hq * num_splits].view(t, hq, num_splits)
+        part_out, part_lse = split_scratch(part_out, part_lse, t * hq * num_splits, d)
+        part_out, part_lse = part_out.view(t, hq, num_splits, d), part_lse.view(t, hq, num_splits)
     block_m = max(16, triton.next_power_of_2(hq // hkv))
     split = num_splits > 1
     _oscar_attention_kernel[(num_reqs, hkv, num_splits)](

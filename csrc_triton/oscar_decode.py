@@ -46,6 +46,7 @@ from csrc_triton.paged_layout import (
     launch_bucket,
     logit_coef,
     param_view,
+    split_scratch,
     window_args,
 )
 
@@ -910,15 +911,7 @@ def oscar_decode(
         prefetch = table.prefetch
     split = num_splits > 1
     if split:
-        rows = num_reqs * hq * num_splits
-        if part_out is None or part_lse is None or part_out.numel() < rows * d or part_lse.numel() < rows:
-            # A slice of short scratch would hand the kernel fewer rows than it writes.
-            raise ValueError(f"{num_reqs} requests of {hq} heads in {num_splits} splits need part_out of "
-                             f">= {rows * d} and part_lse of >= {rows} fp32 elements (decode_split_rows), got "
-                             f"{None if part_out is None else part_out.numel()} and "
-                             f"{None if part_lse is None else part_lse.numel()}")
-        part_out = part_out.view(-1)[: rows * d]
-        part_lse = part_lse.view(-1)[: rows]
+        part_out, part_lse = split_scratch(part_out, part_lse, num_reqs * hq * num_splits, d)
     _oscar_decode_kernel[(num_reqs, hkv, num_splits)](
         out, part_out if split else out, part_lse if split else out, q_rot, cache, param_view(cache, param_dtype),
         win["window_k_ptr"], win["window_v_ptr"], window_pages, window_pos, block_table, seq_lens, ring_slots,

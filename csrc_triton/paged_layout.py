@@ -144,6 +144,18 @@ def launch_bucket(table: dict, n: int):
     return table[max([k for k in keys if k <= n] or keys[:1])]
 
 
+def split_scratch(part_out: torch.Tensor | None, part_lse: torch.Tensor | None, rows: int,
+                  head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``rows`` partial outputs (``rows * head_dim`` fp32) and log-sum-exps of a split
+    decode's scratch, flat; scratch too short for them is refused (a slice of it would hand the
+    kernel fewer rows than it writes: ``decode_split_rows`` sizes it, each kernel's own)."""
+    if part_out is None or part_lse is None or part_out.numel() < rows * head_dim or part_lse.numel() < rows:
+        have = [None if x is None else x.numel() for x in (part_out, part_lse)]
+        raise ValueError(f"a split decode of {rows} rows needs part_out of >= {rows * head_dim} and part_lse of "
+                         f">= {rows} fp32 elements (decode_split_rows), got {have[0]} and {have[1]}")
+    return part_out.view(-1)[: rows * head_dim], part_lse.view(-1)[:rows]
+
+
 def logit_coef(logit_correction: float, scale: float) -> float:
     """What the attention kernels take for the logit correction λ
     (``oscar_vllm.core.mixed_cache.LayerCacheSpec.logit_correction``): an INT2 key's logit, in

@@ -276,33 +276,41 @@ def test_logit_correction_reaches_the_kernel_as_a_runtime_float(monkeypatch, lam
                             logit_correction=bad)
 
 
-def test_split_scratch_too_short_for_the_batch_is_refused(monkeypatch):
+@pytest.mark.parametrize("path", ["gluon", "triton"])
+def test_split_scratch_too_short_for_the_batch_is_refused(monkeypatch, path):
     """A split launch writes ``num_reqs * Hq * num_splits`` partial rows: scratch sized for fewer
     (Triton's decode_split_rows where the Gluon kernel's splits fill whole waves: a test did) is
-    refused before any launch, where a slice of it would have handed the kernel short buffers."""
+    refused before any launch by either decode, where a slice of it would have handed the kernel
+    short buffers (``paged_layout.split_scratch``). Launches recorded on the CPU."""
+    from csrc_triton import oscar_attention as oa
     from csrc_triton import oscar_decode as od
 
+    module, kernel = (od, "_oscar_decode_kernel") if path == "gluon" else (oa, "_oscar_attention_kernel")
     launches = []
 
     class Recorder:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append(grid)
 
-    monkeypatch.setattr(od, "_oscar_decode_kernel", Recorder())
-    monkeypatch.setattr(od, "merge_splits", lambda *a: None)
+    monkeypatch.setattr(module, kernel, Recorder())
+    monkeypatch.setattr(module, "merge_splits", lambda *a: None)
     d, hkv, g, sink, recent, n, splits = 64, 2, 2, 8, 16, 3, 4
-    pc, step, _, q_rot, _, _ = prepare(d, hkv, g, sink, recent, [100] * n, [1] * n, torch.bfloat16,
+    pc, step, q, q_rot, k, v = prepare(d, hkv, g, sink, recent, [100] * n, [1] * n, torch.bfloat16,
                                        entries_per_page=8)
     rows = n * hkv * g * splits
 
     def decode(out_rows, lse_rows):
-        od.oscar_decode(torch.empty_like(q_rot), q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                        step.block_table, step.seq_lens, step.ring_slots, n, 1 / math.sqrt(d), sink, recent,
-                        num_splits=splits, part_out=torch.empty(out_rows * d, device=DEVICE),
-                        part_lse=torch.empty(lse_rows, device=DEVICE))
+        scratch = dict(part_out=torch.empty(out_rows * d, device=DEVICE), part_lse=torch.empty(lse_rows, device=DEVICE))
+        cache = (pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table, step.seq_lens)
+        if path == "gluon":
+            od.oscar_decode(torch.empty_like(q_rot), q_rot, *cache, step.ring_slots, n, 1 / math.sqrt(d), sink,
+                            recent, num_splits=splits, **scratch)
+        else:
+            oa.oscar_decode_attention(torch.empty_like(q), q, q_rot, k, v, *cache, step.cu_q, step.ring_slots, n,
+                                      1 / math.sqrt(d), sink, recent, num_splits=splits, **scratch)
 
     for short in ((rows - 1, rows), (rows, rows - 1)):
-        with pytest.raises(ValueError, match=f"need part_out of >= {rows * d} and part_lse of >= {rows}"):
+        with pytest.raises(ValueError, match=f"needs part_out of >= {rows * d} and part_lse of >= {rows} "):
             decode(*short)
     assert launches == []
     decode(rows, rows)
