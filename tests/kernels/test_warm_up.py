@@ -273,21 +273,24 @@ class LayerLaunches:
     """A layer's kernel launches for a batch as the backend makes them: ``OscarAttentionImpl.forward``
     on the Triton kernels (attention, then the write), ``_forward_write_first`` on the Gluon ones
     (the decode write and decode, then the prefills over their slices of the batch); prefills with
-    and without the dense path. Qwen3-8B's shape, with or without a key mean."""
+    and without the dense path. Qwen3-8B's shape, with or without a key mean; ``fixed_splits``: the
+    ``decode_splits`` setting (0: a count per batch size)."""
 
     d, hkv, g, sink, recent, dtype, max_seqs, max_tokens = 128, 8, 4, 64, 256, torch.bfloat16, 64, 8192
 
-    def __init__(self, gluon: bool, km: KeyMeanCase | None = None, max_seqs: int | None = None):
+    def __init__(self, gluon: bool, km: KeyMeanCase | None = None, max_seqs: int | None = None,
+                 fixed_splits: int = 0):
         from csrc_triton.oscar_write import decode_rotation
 
-        self.gluon, self.km, self.max_seqs = gluon, km, max_seqs or self.max_seqs
+        self.gluon, self.km, self.max_seqs, self.fixed_splits = gluon, km, max_seqs or self.max_seqs, fixed_splits
         self.rot = random_rotation(self.d).to(DEVICE)
         self.rot_t = decode_rotation(self.rot)
         self.mean = dict(key_mean=km.mean, cos_sin=km.table) if km else {}
         self.basis = dict(mean_basis=key_mean_basis(km.mean, self.rot), cos_sin=km.table) if km else {}
         self.operands = km.operands() if km and gluon else None
         # The Gluon decode's splits fill whole waves: its scratch has more rows than the Triton one's.
-        rows = (gluon_decode.decode_split_rows if gluon else decode_split_rows)(self.max_seqs, self.hkv, NUM_SMS)
+        rows = self.max_seqs * fixed_splits or (gluon_decode.decode_split_rows if gluon else decode_split_rows)(
+            self.max_seqs, self.hkv, NUM_SMS)
         hq = self.hkv * self.g
         self.part_out = torch.empty(rows * hq * self.d, dtype=torch.float32, device=DEVICE)
         self.part_lse = torch.empty(rows * hq, dtype=torch.float32, device=DEVICE)
@@ -297,7 +300,12 @@ class LayerLaunches:
         warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, self.rot, self.hkv * self.g, self.dtype,
                         self.sink, self.recent, torch.float16, self.max_seqs, self.max_tokens, NUM_SMS,
                         merge_self=True, dense=True, gluon=self.gluon, key_mean=self.mean or None,
-                        decode_key_mean=self.operands, dense_mean_basis=self.basis.get("mean_basis"))
+                        decode_key_mean=self.operands, dense_mean_basis=self.basis.get("mean_basis"),
+                        fixed_splits=self.fixed_splits)
+
+    def splits(self, nd: int) -> int:  # the builder's count (OscarAttentionMetadataBuilder)
+        kernel = gluon_decode.decode_splits if self.gluon else decode_splits
+        return self.fixed_splits or kernel(nd, self.hkv, NUM_SMS)
 
     def dense(self, k_prefill, rows: int, max_seq_len: int, shapes=()) -> DensePrefill:
         buf = [torch.empty(rows, self.hkv, self.d, dtype=self.dtype, device=DEVICE) for _ in range(2)]
@@ -320,7 +328,7 @@ class LayerLaunches:
             for dense_path in (None, dense) if nd < num_reqs else (None,):
                 oscar_attention(out, q, q_rot, k, v, *cache, step.block_table, step.seq_lens, step.cu_q,
                                 step.ring_slots, nd, num_reqs, step.max_query_len, self.scale, *common,
-                                decode_splits(nd, self.hkv, NUM_SMS), self.part_out, self.part_lse, own, True,
+                                self.splits(nd), self.part_out, self.part_lse, own, True,
                                 dense_path, logit_correction=0.5, **self.mean)
             oscar_write(k, v, self.rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, *cache,
                         *self.clips, *common, nd, **self.mean)
@@ -330,8 +338,8 @@ class LayerLaunches:
                                step.seq_lens[:nd], step.ring_slots[:nd], *cache, *self.clips, *common, **self.mean)
             gluon_decode.oscar_decode(
                 out[:nd], q_rot[:nd], *cache, step.block_table, step.seq_lens, step.ring_slots, nd, self.scale,
-                *common, gluon_decode.decode_splits(nd, self.hkv, NUM_SMS), self.part_out, self.part_lse,
-                logit_correction=0.5, ring_cost=gluon_decode.decode_ring_cost(nd), q=q[:nd] if self.km else None,
+                *common, self.splits(nd), self.part_out, self.part_lse, logit_correction=0.5,
+                ring_cost=gluon_decode.decode_ring_cost(nd, self.fixed_splits), q=q[:nd] if self.km else None,
                 key_mean=self.operands)
         if nd < num_reqs:
             for dense_path in (None, dense):
@@ -395,15 +403,17 @@ def test_every_prefill_chunk_size_after_warm_up_compiles_nothing(gluon, monkeypa
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU record of compile keys (its launches share rings: a GPU would race)")
+@pytest.mark.parametrize("fixed_splits", [0, 16], ids=["per-batch-splits", "fixed-splits"])
 @pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
-def test_every_decode_batch_size_after_warm_up_compiles_nothing(gluon, monkeypatch):
+def test_every_decode_batch_size_after_warm_up_compiles_nothing(gluon, fixed_splits, monkeypatch):
     """Decode batches of every size from 1 to vLLM's default max_num_seqs (1,024), through
     ``LayerLaunches``, take only variants the warm-up compiled: each size's launch bucket, split
-    count and ring weight among them. The record runs no kernel, so the requests share four rings
-    and their blocks."""
+    count and ring weight among them, or with ``decode_splits`` fixed (batch-invariant serving) its
+    one count and ring weight. The record runs no kernel, so the requests share four rings and
+    their blocks."""
     from types import SimpleNamespace
 
-    layer = LayerLaunches(gluon, max_seqs=1024)
+    layer = LayerLaunches(gluon, max_seqs=1024, fixed_splits=fixed_splits)
     n_max = layer.max_seqs
     pc = PagedCache(4, 130, layer.hkv, layer.d, layer.sink, layer.recent, DEVICE,
                     **({"entries_per_page": 8} if gluon else {}))
