@@ -241,6 +241,19 @@ def test_references_correct_logits_as_the_mixed_cache_reference(lam, key_mean):
         assert (decode(logit_correction=lam) - want).abs().max() > 100 * 1e-4
 
 
+def record_launches(monkeypatch, module, kernel: str) -> list[tuple]:
+    """``module.kernel`` replaced by a recorder: each launch appends ``(grid, args, kwargs)`` and runs
+    nothing (Gluon has no interpreter: on the CPU a wrapper's launch is checked this way)."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(module, kernel, Recorder())
+    return launches
+
+
 @pytest.mark.parametrize("lam", [0.0, 1.0], ids=lambda x: f"lambda{x:g}")
 def test_logit_correction_reaches_the_kernel_as_a_runtime_float(monkeypatch, lam):
     """Gluon has no interpreter: on the CPU the launch ``oscar_decode`` makes is recorded. λ
@@ -252,19 +265,13 @@ def test_logit_correction_reaches_the_kernel_as_a_runtime_float(monkeypatch, lam
     kernel = od._oscar_decode_kernel
     names = [p.name for p in kernel.params]
     assert "logit_coef" in names and "logit_coef" not in [p.name for p in kernel.params if p.is_constexpr]
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((args, kwargs))
-
-    monkeypatch.setattr(od, "_oscar_decode_kernel", Recorder())
+    launches = record_launches(monkeypatch, od, "_oscar_decode_kernel")
     d, hkv, g, sink, recent, prefix = 64, 2, 2, 8, 16, [100, 37]
     pc, step, q, q_rot, _, _ = prepare(d, hkv, g, sink, recent, prefix, [1, 1], torch.bfloat16, entries_per_page=8)
     scale = 1 / math.sqrt(d)
     od.oscar_decode(torch.empty_like(q_rot), q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
                     step.block_table, step.seq_lens, step.ring_slots, 2, scale, sink, recent, logit_correction=lam)
-    (args, kwargs), = launches
+    (_, args, kwargs), = launches
     assert "logit_coef" not in kwargs
     coef = args[names.index("logit_coef")]
     assert isinstance(coef, float) and coef == logit_coef(lam, scale)
@@ -286,13 +293,7 @@ def test_split_scratch_too_short_for_the_batch_is_refused(monkeypatch, path):
     from csrc_triton import oscar_decode as od
 
     module, kernel = (od, "_oscar_decode_kernel") if path == "gluon" else (oa, "_oscar_attention_kernel")
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(grid)
-
-    monkeypatch.setattr(module, kernel, Recorder())
+    launches = record_launches(monkeypatch, module, kernel)
     monkeypatch.setattr(module, "merge_splits", lambda *a: None)
     d, hkv, g, sink, recent, n, splits = 64, 2, 2, 8, 16, 3, 4
     pc, step, q, q_rot, k, v = prepare(d, hkv, g, sink, recent, [100] * n, [1] * n, torch.bfloat16,
@@ -314,7 +315,7 @@ def test_split_scratch_too_short_for_the_batch_is_refused(monkeypatch, path):
             decode(*short)
     assert launches == []
     decode(rows, rows)
-    assert launches == [(n, hkv, splits)]
+    assert [grid for grid, _, _ in launches] == [(n, hkv, splits)]
 
 
 def test_key_mean_launches_without_the_register_cap(monkeypatch):
@@ -323,13 +324,7 @@ def test_key_mean_launches_without_the_register_cap(monkeypatch):
     cap (``test_gluon_decode_key_mean_adds_three_products_a_block``). Recorded on the CPU."""
     from csrc_triton import oscar_decode as od
 
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(kwargs)
-
-    monkeypatch.setattr(od, "_oscar_decode_kernel", Recorder())
+    launches = record_launches(monkeypatch, od, "_oscar_decode_kernel")
     d, hkv, g, sink, recent = 64, 2, 2, 8, 16
     n = 8
     assert od.decode_launch(n).maxnreg == 168
@@ -340,7 +335,7 @@ def test_key_mean_launches_without_the_register_cap(monkeypatch):
         od.oscar_decode(torch.empty_like(q_rot), q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
                         step.block_table, step.seq_lens, step.ring_slots, n, 1 / math.sqrt(d), sink, recent,
                         q=q, key_mean=mean)
-    plain, with_mean = launches
+    plain, with_mean = (kwargs for _, _, kwargs in launches)
     assert plain["maxnreg"] == 168 and plain["KEY_MEAN"] is False
     assert "maxnreg" not in with_mean and with_mean["KEY_MEAN"] is True
 
