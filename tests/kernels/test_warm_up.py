@@ -23,7 +23,7 @@ from csrc_triton.oscar_write import WRITE_LAUNCH, _oscar_write_decode_kernel, _o
 from csrc_triton.paged_layout import launch_bucket
 from csrc_triton.warm_up import decode_variants, gluon_decode_variants, launch_all, warm_up_kernels
 from kernel_cases import (
-    CLIP_K, CLIP_V, DEVICE, ON_GPU, KeyMeanCase, dense_twin, prepare, random_rotation, random_rows,
+    CLIP_K, CLIP_V, DEVICE, ON_GPU, KeyMeanCase, prepare, random_rotation,
 )
 from oscar_vllm.core.quant import clip_index
 from paged_sim import PagedCache
@@ -169,65 +169,6 @@ def test_the_record_keys_a_launch_as_triton_does(monkeypatch):
     assert variants.counts() == {_name(_oscar_dense_kv_kernel): 2}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_serving_after_warm_up_compiles_nothing(dtype, monkeypatch):
-    d, hkv, g, sink, recent = 128, 8, 4, 64, 256
-    # Batches of the shapes a server meets: decodes of many sizes (1, 16, 33: Triton's ==1 and
-    # %16 size classes), prefills over a prefix with and without the dense path, mixed batches;
-    # served with the logit correction on, warmed up without (a runtime float, no variant).
-    batches = [([5000 if n < 16 else 300] * n, [1] * n) for n in (1, 2, 16, 33, 48)]
-    batches += [([0, 700], [1000, 37]), ([900, 3000, 16], [1, 300, 2049]), ([4095, 64, 1], [1, 1, 17])]
-    pcs = [prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=i) for i, (prefix, new) in enumerate(batches)]
-    max_seqs, num_sms = 64, NUM_SMS
-    rot = random_rotation(d).to(DEVICE)
-    pc0 = pcs[0][0]
-    variants = CompiledVariants(KERNELS, monkeypatch)
-    warm_up_kernels(pc0.cache, pc0.windows, pc0.window_pages, pc0.window_pos, rot, hkv * g, dtype, sink, recent,
-                    torch.float16, max_seqs, 8192, num_sms, merge_self=dtype != torch.float32, dense=True,
-                    decode_read=dtype != torch.float32)
-    compiled = variants.counts()
-    rows = decode_split_rows(max_seqs, hkv, num_sms)
-    part_out = torch.empty(rows * hkv * g * d, dtype=torch.float32, device=DEVICE)
-    part_lse = torch.empty(rows * hkv * g, dtype=torch.float32, device=DEVICE)
-    scale = d ** -0.5
-    for (prefix, new), (pc, step, q, q_rot, k, v) in zip(batches, pcs):
-        num_decodes = next((i for i, n in enumerate(new) if n > 1), len(new))
-        num_reqs = len(new)
-        for use_dense in (False, True):
-            dense = None
-            if use_dense:
-                buf = [torch.empty(sum(prefix) + sum(new), hkv, d, dtype=dtype, device=DEVICE) for _ in range(2)]
-                dense = DensePrefill((k[num_decodes:].float() @ rot).to(dtype), *buf, max(p + n for p, n in zip(
-                    prefix, new)), dense_twin(scale))
-            out = torch.empty_like(q)
-            own = None
-            if dtype != torch.float32:
-                def own(q_p, k_p, v_p, cu, max_q, out_p):
-                    return torch.zeros(q_p.shape[1], q_p.shape[0], dtype=torch.float32, device=DEVICE)
-            oscar_attention(out, q, q_rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
-                            step.seq_lens, step.cu_q, step.ring_slots, num_decodes, num_reqs, max(new), scale, sink,
-                            recent, torch.float16, decode_splits(num_decodes, hkv, num_sms), part_out, part_lse,
-                            own, True, dense, logit_correction=1.0)
-        if dtype != torch.float32 and num_decodes < num_reqs:  # the decode read's fills (prefill_read="decode")
-            pre = slice(num_decodes, num_reqs)
-            cu = step.cu_q[num_decodes:] - step.cu_q[num_decodes]
-            seq, q_len = step.seq_lens[pre], cu[1:] - cu[:-1]
-            buf = [torch.empty(2 * (sum(prefix) + sum(new)), hkv, d, dtype=dtype, device=DEVICE) for _ in range(2)]
-            args = (pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table[pre], seq)
-            fills = [(cu, dict(first_pos=(seq - torch.minimum(seq, q_len + recent - 1)).to(torch.int32))),
-                     (torch.zeros_like(cu), dict(drop_last=recent, ring_recent=False))]
-            for cu_q, kw in fills:
-                oscar_dense_kv(*buf, k[num_decodes:], v[num_decodes:], *args, cu_q, cu, step.ring_slots[pre],
-                               num_reqs - num_decodes, max(p + n for p, n in zip(prefix, new)), sink, recent,
-                               torch.float16, **kw)
-        t = int(step.cu_q[-1])
-        oscar_write(random_rows((t, hkv, d), dtype, 1), random_rows((t, hkv, d), dtype, 2), rot,
-                    step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, pc.cache, pc.windows,
-                    pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent,
-                    torch.float16, num_decodes)
-    assert variants.counts() == compiled, f"compiled while serving: {compiled} -> {variants.counts()} ({WRITE_LAUNCH=})"
-
-
 def test_launch_all_runs_every_launch_once_in_order_on_one_thread():
     ran = []
     launch_all([lambda i=i: ran.append(i) for i in range(5)], threads=1)
@@ -250,7 +191,7 @@ def test_warm_up_in_threads_compiles_what_one_thread_does(gluon, tmp_path, monke
                                 entries_per_page=8 if gluon else None)
     rot = random_rotation(d).to(DEVICE)
     before = [t.clone() for t in (pc.cache, pc.windows, pc.window_pages, pc.window_pos)]
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    num_sms = NUM_SMS
     compiled = {}
     for threads in (1, 6):
         monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / f"threads{threads}"))
@@ -274,15 +215,19 @@ class LayerLaunches:
     on the Triton kernels (attention, then the write), ``_forward_write_first`` on the Gluon ones
     (the decode write and decode, then the prefills over their slices of the batch); prefills with
     and without the dense path. Qwen3-8B's shape, with or without a key mean; ``fixed_splits``: the
-    ``decode_splits`` setting (0: a count per batch size)."""
+    ``decode_splits`` setting (0: a count per batch size); ``merge_self``: prefills merge
+    FlashAttention's pass over their own keys (16-bit models); ``decode_read``: the warm-up
+    compiles the fills of ``prefill_read`` "decode"."""
 
-    d, hkv, g, sink, recent, dtype, max_seqs, max_tokens = 128, 8, 4, 64, 256, torch.bfloat16, 64, 8192
+    d, hkv, g, sink, recent, max_seqs, max_tokens = 128, 8, 4, 64, 256, 64, 8192
 
     def __init__(self, gluon: bool, km: KeyMeanCase | None = None, max_seqs: int | None = None,
-                 fixed_splits: int = 0):
+                 fixed_splits: int = 0, dtype: torch.dtype = torch.bfloat16, merge_self: bool = True,
+                 decode_read: bool = False):
         from csrc_triton.oscar_write import decode_rotation
 
         self.gluon, self.km, self.max_seqs, self.fixed_splits = gluon, km, max_seqs or self.max_seqs, fixed_splits
+        self.dtype, self.merge_self, self.decode_read = dtype, merge_self, decode_read
         self.rot = random_rotation(self.d).to(DEVICE)
         self.rot_t = decode_rotation(self.rot)
         self.mean = dict(key_mean=km.mean, cos_sin=km.table) if km else {}
@@ -299,7 +244,8 @@ class LayerLaunches:
     def warm_up(self, pc) -> None:
         warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, self.rot, self.hkv * self.g, self.dtype,
                         self.sink, self.recent, torch.float16, self.max_seqs, self.max_tokens, NUM_SMS,
-                        merge_self=True, dense=True, gluon=self.gluon, key_mean=self.mean or None,
+                        merge_self=self.merge_self, dense=True, gluon=self.gluon, decode_read=self.decode_read,
+                        key_mean=self.mean or None,
                         decode_key_mean=self.operands, dense_mean_basis=self.basis.get("mean_basis"),
                         fixed_splits=self.fixed_splits)
 
@@ -321,9 +267,10 @@ class LayerLaunches:
         common = (self.sink, self.recent, torch.float16)
         out = torch.empty_like(q)
 
-        def own(q_p, k_p, v_p, cu, max_q, out_p):
+        def own_keys(q_p, k_p, v_p, cu, max_q, out_p):
             return torch.zeros(q_p.shape[1], q_p.shape[0], dtype=torch.float32, device=DEVICE)
 
+        own = own_keys if self.merge_self else None
         if not self.gluon:
             for dense_path in (None, dense) if nd < num_reqs else (None,):
                 oscar_attention(out, q, q_rot, k, v, *cache, step.block_table, step.seq_lens, step.cu_q,
@@ -348,6 +295,40 @@ class LayerLaunches:
                                     dense_path, 0.5, **self.mean)
             oscar_write(k[nd:t], v[nd:t], self.rot, step.slot_mapping[nd:t], step.cu_q[nd:] - nd, step.seq_lens[nd:],
                         step.ring_slots[nd:], num_reqs - nd, *cache, *self.clips, *common, **self.mean)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_serving_after_warm_up_compiles_nothing(dtype, monkeypatch):
+    """``LayerLaunches`` on the Triton kernels in bf16 and fp32 (fp32: no FlashAttention, so no
+    own-keys pass to merge) and, in bf16, the decode read's dense fills (``prefill_read``
+    "decode"): decodes of many sizes (1, 16, 33: Triton's ==1 and %16 size classes), prefills over
+    a prefix with and without the dense path, mixed batches; served with the logit correction on,
+    warmed up without (a runtime float, no variant)."""
+    layer = LayerLaunches(False, dtype=dtype, merge_self=dtype != torch.float32, decode_read=dtype != torch.float32)
+    batches = [([5000 if n < 16 else 300] * n, [1] * n) for n in (1, 2, 16, 33, 48)]
+    batches += [([0, 700], [1000, 37]), ([900, 3000, 16], [1, 300, 2049]), ([4095, 64, 1], [1, 1, 17])]
+    pcs = [prepare(layer.d, layer.hkv, layer.g, layer.sink, layer.recent, prefix, new, dtype, seed=i)
+           for i, (prefix, new) in enumerate(batches)]
+    variants = CompiledVariants(KERNELS, monkeypatch)
+    layer.warm_up(pcs[0][0])
+    compiled = variants.counts()
+    for (prefix, new), (pc, step, q, q_rot, k, v) in zip(batches, pcs):
+        nd, num_reqs = next((i for i, n in enumerate(new) if n > 1), len(new)), len(new)
+        max_seq = max(p + n for p, n in zip(prefix, new))
+        layer.serve(pc, step, q, q_rot, k, v, nd, layer.dense(k[nd:], sum(prefix) + sum(new), max_seq))
+        if layer.decode_read and nd < num_reqs:  # the decode read's fills
+            pre = slice(nd, num_reqs)
+            cu = step.cu_q[nd:] - step.cu_q[nd]
+            seq, q_len = step.seq_lens[pre], cu[1:] - cu[:-1]
+            buf = [torch.empty(2 * (sum(prefix) + sum(new)), layer.hkv, layer.d, dtype=dtype, device=DEVICE)
+                   for _ in range(2)]
+            args = (pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table[pre], seq)
+            fills = [(cu, dict(first_pos=(seq - torch.minimum(seq, q_len + layer.recent - 1)).to(torch.int32))),
+                     (torch.zeros_like(cu), dict(drop_last=layer.recent, ring_recent=False))]
+            for cu_q, kw in fills:
+                oscar_dense_kv(*buf, k[nd:], v[nd:], *args, cu_q, cu, step.ring_slots[pre], num_reqs - nd, max_seq,
+                               layer.sink, layer.recent, torch.float16, **kw)
+    assert variants.counts() == compiled, f"compiled while serving: {compiled} -> {variants.counts()} ({WRITE_LAUNCH=})"
 
 
 @pytest.mark.parametrize("key_mean", [False, True], ids=["plain", "key_mean"])
