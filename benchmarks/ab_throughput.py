@@ -258,19 +258,35 @@ H200_GIB = 139.8
 ACTIVATION_GIB = 1.8
 
 
+def first_visible_gpu(cuda_visible_devices: str | None) -> int | str:
+    """The engine's device as NVML names it: CUDA_VISIBLE_DEVICES' first entry, an index or a
+    ``GPU-``/``MIG-`` UUID (NVML counts every GPU, so an index is the machine's, as CUDA's is
+    when the variable lists indices); GPU 0 when the variable is unset or empty."""
+    first = (cuda_visible_devices or "").split(",")[0].strip()
+    if not first:
+        return 0
+    if first.isdigit():
+        return int(first)
+    if first.startswith(("GPU-", "MIG-")):
+        return first
+    raise SystemExit(f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}: its first entry is neither an index nor a "
+                     "GPU-/MIG- UUID; give --gpu-mem-gib or --bf16-kv-tokens")
+
+
 def gpu_memory_gib() -> float | None:
     """The first visible GPU's memory (NVML, as the engine's device; the parent creates no CUDA
     context), or None where NVML finds none (a dry run on a machine without a GPU)."""
     import pynvml
 
+    device = first_visible_gpu(os.environ.get("CUDA_VISIBLE_DEVICES"))
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError:
         return None
     try:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-        index = int(visible) if visible.isdigit() else 0
-        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).total / 2**30
+        handle = (pynvml.nvmlDeviceGetHandleByIndex(device) if isinstance(device, int)
+                  else pynvml.nvmlDeviceGetHandleByUUID(device))
+        return pynvml.nvmlDeviceGetMemoryInfo(handle).total / 2**30
     except pynvml.NVMLError:
         return None
     finally:
