@@ -12,8 +12,10 @@
 #           (OSCAR_DECODE_BASELINE: a copy of that csrc_triton/oscar_decode.py, e.g. from git show)
 #   ab      benchmarks/ab_throughput.py: OSCAR against vLLM's KV caches, one engine each
 #   profile where a decode step's time goes inside vLLM, OSCAR and FLASH_ATTN (profile_decode.py)
-#   ncu     Nsight Compute at batch 1 (Qwen3-8B shape): the decode write against reshape_and_cache_flash,
-#           decode attention and its merge against FA3 at 1 x 1K (speed of light, warp states, occupancy)
+#   ncu     Nsight Compute (Qwen3-8B shape): the decode write and reshape_and_cache_flash at 1 and 256
+#           tokens, decode attention and its merge at 1 x 1K (FA3's too) and where issue 18 found it under
+#           60% of the copy rate (OSCAR_NCU_DECODE, BATCHxCONTEXT); ncu.txt, and ncu.md its table
+#           (benchmarks/kernels/ncu_summary.py: medians, bytes, occupancy, what bounds each kernel)
 #   suite   the whole test suite on the GPU
 #   key_mean  keys less their mean (OSCAR_KEY_MEAN=on): its kernel tests, SmolLM2 perplexity in vLLM
 #           (FLASH_ATTN, OSCAR, OSCAR with the mean, eager), the Gluon decode kernel with and without the
@@ -114,17 +116,33 @@ for stage in $stages; do
         python3 benchmarks/profile_decode.py --backend FLASH_ATTN ${OSCAR_PROFILE_ARGS:-}; } 2>&1 |
         grep -v EngineCore | tee "$out/profile.log" || status=1 ;;
     ncu)
-      # One ncu per kernel family: its -c limit counts every matching launch, warm-ups included.
+      # One ncu per kernel family and size: its -c limit counts every matching launch, warm-ups
+      # included. The decode sizes: batch 1 at 1K (FA3's too) and the four that issue 18 found under
+      # 60% of the copy rate, beside 64 x 32K, which reaches it; the write at 1 and 256 tokens.
+      # ncu_summary.py reads all of it into one table (ncu.md).
       (
-        ncu="${NCU:-/usr/local/cuda/bin/ncu} --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats"
-        cd benchmarks/kernels &&
-          $ncu -k 'regex:oscar_write_decode|reshape_and_cache' -c 4 \
-            python3 oscar_write.py --out /tmp/oscar-ncu --shapes qwen3-8b --tokens 1 &&
-          for kernels in '_oscar_decode_kernel|_merge_splits' '[Ff]lash'; do
-            $ncu -k "regex:$kernels" -c 6 \
-              python3 oscar_decode.py decode --shapes qwen3-8b --batches 1 --contexts 1024 --out /tmp/oscar-ncu || exit 1
+        ncu="${NCU:-/usr/local/cuda/bin/ncu} --section SpeedOfLight --section WarpStateStats --section Occupancy
+          --section LaunchStats --section MemoryWorkloadAnalysis --section SchedulerStats"
+        failed=0
+        cd benchmarks/kernels || exit 1
+        for tokens in ${OSCAR_NCU_WRITE_TOKENS:-1 256}; do
+          for kernel in oscar_write_decode reshape_and_cache; do
+            echo "=== write, tokens $tokens ==="
+            $ncu -k "regex:$kernel" -c 3 python3 oscar_write.py --out /tmp/oscar-ncu --shapes qwen3-8b \
+              --tokens "$tokens" || failed=1
           done
-      ) > "$out/ncu.txt" 2>&1 || status=1 ;;
+        done
+        for size in ${OSCAR_NCU_DECODE:-1x1024 8x32768 32x8192 8x131072 64x8192 64x32768}; do
+          echo "=== decode, batch ${size%x*} x ${size#*x} ==="
+          $ncu -k 'regex:_oscar_decode_kernel|_merge_splits' -c 4 python3 oscar_decode.py decode --out /tmp/oscar-ncu \
+            --shapes qwen3-8b --batches "${size%x*}" --contexts "${size#*x}" || failed=1
+        done
+        echo "=== decode, batch 1 x 1024 ==="
+        $ncu -k 'regex:[Ff]lash' -c 3 python3 oscar_decode.py decode --out /tmp/oscar-ncu --shapes qwen3-8b \
+          --batches 1 --contexts 1024 || failed=1
+        exit $failed
+      ) > "$out/ncu.txt" 2>&1 || status=1
+      python3 benchmarks/kernels/ncu_summary.py "$out/ncu.txt" --out "$out/ncu.md" || status=1 ;;
     against)
       (cd benchmarks/kernels &&
        python3 oscar_decode.py against --baseline "$(realpath "${OSCAR_DECODE_BASELINE:?a copy of an earlier oscar_decode.py}")" \
