@@ -279,6 +279,7 @@ class Row:
     key_channel_block: int = 0  # > 0: keys rounded per channel over blocks of this many positions (ChannelBlockKeys)
     key_rotation: bool = True  # False: keys cached in the model's own basis (values keep theirs)
     key_clip_ratio: float | None = None  # one key clip ratio for every layer instead of the rotations' (1 or 0: none)
+    key_clip_shift: int = 0  # each key row clipped at this many more sorted entries than its fitted ratio says
     value_mean: bool = False  # values rounded less their calibrated mean (ValuesLessMean)
 
     @property
@@ -295,6 +296,9 @@ class Row:
                 quant_k, quant_v = RowQuantizer("int4"), RowQuantizer("int4")
             else:
                 ck = rot.clip_ratio("key", i) if self.key_clip_ratio is None else self.key_clip_ratio
+                if self.key_clip_shift:
+                    ck = ([r - self.key_clip_shift / head_dim for r in ck] if isinstance(ck, list)
+                          else ck - self.key_clip_shift / head_dim)
                 cv = rot.clip_ratio("value", i)
                 quant_k = (ChannelBlockKeys(self.key_channel_block) if self.key_channel_block else
                            RowQuantizer("int2", tuple(ck) if isinstance(ck, list) else ck, head_dim // self.key_groups))
@@ -426,6 +430,13 @@ ROWS = [
         key_mean="before-rope", key_mean_pairs=16),
     Row("uncorrected-key-mean-16pairs-sink128-recent320", "uncorrected-key-mean-16pairs with a sink of 128 and a "
         "recent window of 320", calibration=None, sink=128, recent=320, key_mean="before-rope", key_mean_pairs=16),
+    Row("half-clip-more1", "the shipped default (λ = 0.5) with every key row clipped at one more of its sorted "
+        "entries than its layer's fitted ratio (a calibration choice: page and kernels unchanged)", calibration=None,
+        logit_correction=0.5, key_clip_shift=1),
+    Row("half-clip-more2", "half-clip-more1 at two more entries", calibration=None, logit_correction=0.5,
+        key_clip_shift=2),
+    Row("half-clip-more4", "half-clip-more1 at four more entries", calibration=None, logit_correction=0.5,
+        key_clip_shift=4),
     Row("half-key-mean-recent-grows", "half-key-mean, with the recent window max(256, position/8)", calibration=None,
         recent_fraction=1 / 8, logit_correction=0.5, key_mean="before-rope"),
     Row("half-key-mean-recent-grows16", "half-key-mean, with the recent window max(256, position/16): 512 at 8K",

@@ -11,6 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import quality_study as study  # noqa: E402
+from oscar_vllm.core.quant import clip_index  # noqa: E402
 
 
 def test_page_bits_of_the_int2_page_and_its_variants():
@@ -93,3 +94,24 @@ def test_values_less_their_mean_take_it_in_the_value_rotations_basis():
     torch.testing.assert_close(spec.value_quant(held), held, rtol=0, atol=1e-6)
     assert (spec.value_quant.quant(held) - held).abs().max() > 0.1, "rounded whole, the same rows are not exact"
     assert (study.ValuesLessMean(spec.value_quant.quant, mean)(held) - held).abs().max() > 0.1, "nor in the wrong basis"
+
+
+def test_clip_shift_rows_clip_each_key_row_at_more_sorted_entries_than_its_layers_ratio():
+    """``half-clip-moreN``: each layer's fitted key ratio (a sorted-|x| index) moved N entries down,
+    per KV head where the file has a ratio a head; values and INT4 layers keep theirs."""
+    key, value = study.hadamard_rotation_sets([0, 1, 2], 64)
+    rot = study.OscarRotations(key, value, [57.5 / 64, [56.5 / 64, 58.5 / 64], 0.9], [55.5 / 64] * 3)
+    specs = study.ROWS_BY_NAME["half-clip-more2"].specs(rot, {2}, 3)
+    assert clip_index(specs[0].key_quant.clip_ratio, 64) == 55
+    assert [clip_index(r, 64) for r in specs[1].key_quant.clip_ratio] == [54, 56]
+    assert specs[2].key_quant.kind == "int4"
+    assert clip_index(specs[0].value_quant.clip_ratio, 64) == 55
+    assert specs[0].logit_correction == 0.5
+    x = torch.randn(9, 2, 64, generator=torch.Generator().manual_seed(0))
+    clipped = specs[0].key_quant(x)
+    top = x.abs().sort(-1).values
+    # Nothing beyond the 56th smallest |x| survives (but the fp16 rounding of the stored range).
+    assert (clipped.abs().amax(-1) <= top[..., 55] * (1 + 2**-9)).all()
+    shipped = study.ROWS_BY_NAME["debiased-half"].specs(rot, set(), 3)
+    assert clip_index(shipped[0].key_quant.clip_ratio, 64) == 57
+    assert (shipped[0].key_quant(x).abs().amax(-1) > top[..., 56]).all()
