@@ -258,10 +258,11 @@ H200_GIB = 139.8
 ACTIVATION_GIB = 1.8
 
 
-def first_visible_gpu(cuda_visible_devices: str | None) -> int | str:
+def first_visible_gpu(cuda_visible_devices: str | None) -> int | str | None:
     """The engine's device as NVML names it: CUDA_VISIBLE_DEVICES' first entry, an index or a
-    ``GPU-``/``MIG-`` UUID (NVML counts every GPU, so an index is the machine's, as CUDA's is
-    when the variable lists indices); GPU 0 when the variable is unset or empty."""
+    ``GPU-``/``MIG-`` UUID; GPU 0 when the variable is unset or empty; None when its first entry is
+    neither (``-1``, the usual way to hide every GPU: CUDA then sees none). NVML numbers GPUs in
+    PCI order, CUDA by default fastest first; on a machine of one GPU model their memory is the same."""
     first = (cuda_visible_devices or "").split(",")[0].strip()
     if not first:
         return 0
@@ -269,8 +270,7 @@ def first_visible_gpu(cuda_visible_devices: str | None) -> int | str:
         return int(first)
     if first.startswith(("GPU-", "MIG-")):
         return first
-    raise SystemExit(f"CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}: its first entry is neither an index nor a "
-                     "GPU-/MIG- UUID; give --gpu-mem-gib or --bf16-kv-tokens")
+    return None
 
 
 def gpu_memory_gib() -> float | None:
@@ -279,6 +279,8 @@ def gpu_memory_gib() -> float | None:
     import pynvml
 
     device = first_visible_gpu(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if device is None:
+        return None
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError:

@@ -325,15 +325,16 @@ def test_the_estimate_takes_the_gpus_memory_or_the_given(ab):
 def test_the_planned_gpu_is_the_first_visible_one(ab):
     """NVML counts every GPU of the machine: the plan sizes the run from the first device
     CUDA_VISIBLE_DEVICES names, by index or by UUID (schedulers often give UUIDs), never GPU 0
-    in its place; an entry NVML cannot name stops the plan with the flags that do."""
+    in its place; a first entry that is neither hides every GPU from CUDA, so none is planned for
+    (the plan then says no GPU was found)."""
     assert ab.first_visible_gpu(None) == 0 and ab.first_visible_gpu("") == 0
     assert ab.first_visible_gpu("3,1") == 3 and ab.first_visible_gpu(" 2 ") == 2
     uuid = "GPU-5f6a0c1e-2b3d-4e5f-8a9b-0c1d2e3f4a5b"
     assert ab.first_visible_gpu(f"{uuid},GPU-other") == uuid
     mig = "MIG-0b1c2d3e-aaaa-bbbb-cccc-0123456789ab"
     assert ab.first_visible_gpu(mig) == mig
-    with pytest.raises(SystemExit, match="neither an index nor a GPU-/MIG- UUID"):
-        ab.first_visible_gpu("nvidia0")
+    assert ab.first_visible_gpu("-1") is None and ab.first_visible_gpu("-1,0") is None
+    assert ab.first_visible_gpu("nvidia0") is None
 
 
 def test_parse_args_presets_and_order(ab):
