@@ -114,6 +114,13 @@ def hadamard_key_mean_rotations(cfg: dict, folder: Path) -> Path:
     return save_rotations(OscarRotations(key, value, model="synthetic key means for timing", key_means=means), folder)
 
 
+def oscar_key_mean(environ) -> str:
+    """The ``key_mean`` setting an OSCAR engine started with ``environ`` serves with."""
+    from oscar_vllm.core.settings import OscarSettings
+
+    return OscarSettings.from_sources({}, environ).key_mean
+
+
 def oscar_environment(environ=os.environ) -> dict[str, str]:
     """The OSCAR settings this run's environment sets (``OSCAR_HIT_RING`` and the like), which
     every OSCAR engine it starts reads: a report names them, as it names the engine arguments."""
@@ -1375,7 +1382,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rotations", default="hadamard",
                    help="OSCAR rotation path (default: hadamard; speed does not depend on the rotation values); "
                    f"{HADAMARD_KEY_MEANS}: Hadamard rotations with seeded key means written into --out, to time "
-                   "OSCAR_KEY_MEAN=on (which the run's environment must set)")
+                   "OSCAR as served with calibrated rotations, which have key means")
     p.add_argument("--engine-args", default="{}", help="JSON of vLLM engine arguments for every configuration")
     g = p.add_argument_group("sizes (before --budget-s scales them)")
     g.add_argument("--num-prompts", type=int, default=32, help="prefill and decode: requests")
@@ -1456,9 +1463,8 @@ def main() -> None:
     if not args.scenarios and not args.max_num_seqs_sweep:
         parser().error("nothing to run: no --scenarios and no --max-num-seqs-sweep")
     cfg = model_config(args.model)
-    if args.rotations == HADAMARD_KEY_MEANS and oscar_environment().get("OSCAR_KEY_MEAN") not in ("on", "auto"):
-        parser().error(f"--rotations {HADAMARD_KEY_MEANS} times the key means: set OSCAR_KEY_MEAN=on as well "
-                       "(else OSCAR serves without them)")
+    if args.rotations == HADAMARD_KEY_MEANS and oscar_key_mean(os.environ) == "off":
+        parser().error(f"--rotations {HADAMARD_KEY_MEANS} times the key means: OSCAR_KEY_MEAN=off serves without them")
     plan = parent_plan(args, cfg)
     if args.dry_run:
         print(plan_text(plan))

@@ -47,7 +47,7 @@ from oscar_vllm.calibration.calibrate import capture_stats
 from oscar_vllm.calibration.fit import LayerStats, build_rotation_sets, fit_clip_ratios
 from oscar_vllm.calibration.evaluate import environment
 from oscar_vllm.calibration.models import LoadedModel, MixedCacheHook, attention_hooks, load_model, rope_tables
-from oscar_vllm.core.key_mean import KeyMean, pre_rope_mean, strongest_pairs
+from oscar_vllm.core.key_mean import KeyMean, block_average, pre_rope_mean, strongest_pairs
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
 from oscar_vllm.core.quant import SCALE_EPS
 from oscar_vllm.core.rotation import apply_rotation
@@ -276,6 +276,7 @@ class Row:
     clip_less_mean: bool = False  # the key clip ratios fitted again on the keys less the mean
     key_mean_pairs: int = 0  # > 0: the mean on each KV head's strongest RoPE pairs only
     key_mean_pairs_shared: bool = False  # the same strongest pairs for every KV head of a layer
+    key_mean_block: int = 0  # > 0: one mean per block of this many positions (key_mean.block_average)
     key_channel_block: int = 0  # > 0: keys rounded per channel over blocks of this many positions (ChannelBlockKeys)
     key_rotation: bool = True  # False: keys cached in the model's own basis (values keep theirs)
     key_clip_ratio: float | None = None  # one key clip ratio for every layer instead of the rotations' (1 or 0: none)
@@ -437,6 +438,18 @@ ROWS = [
         key_clip_shift=2),
     Row("half-clip-more4", "half-clip-more1 at four more entries", calibration=None, logit_correction=0.5,
         key_clip_shift=4),
+    Row("uncorrected-key-mean-block64-16pairs", "keys less their mean averaged over each 64-position block "
+        "(one vector a block: a read adds one logit per block and query head), on the 16 RoPE pairs of most "
+        "energy of that average, no logit correction", calibration=None, key_mean="before-rope",
+        key_mean_pairs=16, key_mean_block=64),
+    Row("uncorrected-key-mean-block64", "uncorrected-key-mean-block64-16pairs on every RoPE pair", calibration=None,
+        key_mean="before-rope", key_mean_block=64),
+    Row("uncorrected-key-mean-block16-16pairs", "uncorrected-key-mean-block64-16pairs with a mean per 16 positions",
+        calibration=None, key_mean="before-rope", key_mean_pairs=16, key_mean_block=16),
+    Row("uncorrected-key-mean-block64-16pairs-recent320", "uncorrected-key-mean-block64-16pairs with a recent "
+        "window of 320", calibration=None, recent=320, key_mean="before-rope", key_mean_pairs=16, key_mean_block=64),
+    Row("quarter-key-mean-block64-16pairs", "uncorrected-key-mean-block64-16pairs with the correction at λ = 0.25",
+        calibration=None, logit_correction=0.25, key_mean="before-rope", key_mean_pairs=16, key_mean_block=64),
     Row("half-key-mean-recent-grows", "half-key-mean, with the recent window max(256, position/8)", calibration=None,
         recent_fraction=1 / 8, logit_correction=0.5, key_mean="before-rope"),
     Row("half-key-mean-recent-grows16", "half-key-mean, with the recent window max(256, position/16): 512 at 8K",
@@ -715,9 +728,12 @@ def main() -> None:
                 rot = calibrate.clip_less_mean(rot, row.calibration or AUSTEN, means["before-rope"], row.sink)
             # After RoPE the mean is one vector at every position: a table that turns nothing
             turn = (cos, sin) if row.key_mean == "before-rope" else (torch.ones_like(cos), torch.zeros_like(sin))
-            key_means = {i: KeyMean(strongest_pairs(m, row.key_mean_pairs, row.key_mean_pairs_shared)
-                                    if row.key_mean_pairs else m, *turn)
-                         for i, m in means[row.key_mean].items()}
+            block = row.key_mean_block
+            key_means = {}
+            for i, m in means[row.key_mean].items():
+                m = block_average(m, *turn, block) if block else m
+                m = strongest_pairs(m, row.key_mean_pairs, row.key_mean_pairs_shared) if row.key_mean_pairs else m
+                key_means[i] = KeyMean(m, *turn, block=block)
         value_means = calibrate.value_means(row.calibration or AUSTEN, row.sink) if row.value_mean else None
         configs[row.name] = (row.specs(rot, set(ranked[:row.int4_layers]), n, key_means, value_means), row.sink,
                              row.recent_at(positions))

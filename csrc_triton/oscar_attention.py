@@ -198,8 +198,9 @@ def _attend_int2_block(
     sink or the ``RECENT`` keys before ``ctx`` (the window as the step found it, the same for
     every query of a prefill chunk; a partial last block is masked); without, the block is
     full and INT2 only, and the loop carries no masks at all. ``KEY_MEAN``: the INT2 keys were
-    rounded less their mean turned to their positions, which each row's ``q_mean`` ``[rows, D]``
-    (``key_mean_coefficients``) times the RoPE table's row of the key's position adds back.
+    rounded less their block's mean, the mean turned to the block's first position, which each
+    row's ``q_mean`` ``[rows, D]`` (``key_mean_coefficients``) times that RoPE table row adds back:
+    one logit a row for the whole block.
     """
     Q: tl.constexpr = D // 4
     REGION: tl.constexpr = BLOCK_SIZE * (D // 2 + 8)
@@ -228,11 +229,8 @@ def _attend_int2_block(
     # The min term, and the logit correction (exactly nothing at λ = 0); ring keys replace both.
     s = s * k_scale[None, :] + q_sum[:, None] * k_min[None, :] - q_corr[:, None] * k_var[None, :]
     if KEY_MEAN:
-        table = tl.load(cos_sin_ptr + kp.to(tl.int64)[None, :] * stride_cs + tl.arange(0, D)[:, None],
-                        mask=(kp < ctx)[None, :], other=0.0).to(tl.float32)  # [D, BS]
-        # Three TF32 products (or fp32 FMAs): one TF32 product left 1.7% of the output's scale at
-        # 64 x 1K, bf16 (H200), where the mean's term dwarfs the rest of the logit.
-        s += tl.dot(q_mean, table, input_precision="ieee" if PRECISION == "ieee" else "tf32x3") * qk_scale
+        first_row = tl.load(cos_sin_ptr + blk * BLOCK_SIZE * stride_cs + tl.arange(0, D))  # < 2^31: P·D
+        s += (tl.sum(q_mean * first_row.to(tl.float32)[None, :], axis=1) * qk_scale)[:, None]
     if WINDOW:
         k_ok = kp < ctx
         # Zeroed past ctx, where the bytes are whatever the allocator left (NaN would poison p·s_v).
@@ -735,8 +733,8 @@ def oscar_prefill_attention(
     hq, hkv, d, consts, params = _common(q, k, cache, param_dtype, use_asm)
     block_m, num_warps, num_stages = launch or (PREFILL_LAUNCH if d >= 128 else SMALL_HEAD_PREFILL_LAUNCH)
     if key_mean is not None and d >= 128 and launch is None:
-        # The mean's fp32 operands take shared memory (sm_90 compile, 232,448 B on the H200): at head_dim
-        # 128, 291,072 B at 128 rows and 196,864 at 64; at 256, 131,072 at 32 rows in one stage.
+        # Each row's mean coefficients, fp32 [rows, d], are held for the whole loop: at head_dim 128
+        # and 128 rows they spill 496 B a thread, at 64 rows 136 (sm_90 compile, compile_check.py).
         block_m, num_stages = (64, 2) if d == 128 else (32, 1)
     g = hq // hkv
     if q.dtype == torch.float32:

@@ -112,11 +112,10 @@ UNIT_0 = gl.constexpr(2.0 ** -24)
 UNIT_1 = gl.constexpr(2.0 ** -22)
 UNIT_2 = gl.constexpr(2.0 ** -20)
 UNIT_3 = gl.constexpr(2.0 ** -18)
-# key_mean "on": the RoPE pairs of each KV head's mean the kernel adds back (the study's 16
-# strongest do what all do: docs/quality.md), as a [64 keys, 2·MEAN_PAIRS] x [2·MEAN_PAIRS, N]
-# product a block.
+# key_mean: the RoPE pairs of each KV head's block mean the kernel adds back (KEY_MEAN_PAIRS: the
+# study's 16 strongest do what all do, docs/quality.md). A block's keys were all written less one
+# vector, so they all gain one logit a query head: MEAN_PAIRS products a block, not a key.
 MEAN_PAIRS = gl.constexpr(KEY_MEAN_PAIRS)
-MEAN_FEATURES = gl.constexpr(64 * 2 * KEY_MEAN_PAIRS)  # fp16 elements of one term of a KV head's offset features
 
 
 @gluon.constexpr_function
@@ -305,35 +304,13 @@ def _load_v_params(params_ptr, bt_ptr, blk, h, stride_cb, Q: gl.constexpr):
 
 @gluon.constexpr_function
 def _mean_pairs_layout(N):
-    """``[MEAN_PAIRS, N]`` per pair and head: the B fragment of the mean's product
-    (``[2·MEAN_PAIRS, N]``, cosine features then sine features) less its register bit of the two."""
-    regs = [[1, 0], [8, 0]] + ([[0, 8]] if N == 16 else [])
-    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+    """``[MEAN_PAIRS, N]`` per pair and query head, laid out so that a sum over the pairs leaves each
+    head's number where the scores keep their column (``SliceLayout(0, ACC)``: head bit 0 in a
+    register, bits 1 and 2 in lane bits 0 and 1, bit 3 in a register at N = 16); the pairs over lane
+    bits 2-4 and a register, so the sum is two adds and three shuffles."""
+    regs = [[0, 1], [8, 0]] + ([[0, 8]] if N == 16 else [])
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
                                       warp_bases=[], block_bases=[], shape=[16, N])
-
-
-@gluon.constexpr_function
-def _lane_major_layout():
-    """``[32, 64]``: lane ``l`` holds row ``l`` (64 fp16, eight 16-byte loads)."""
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [0, 32]],
-                                      lane_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]], warp_bases=[],
-                                      block_bases=[], shape=[32, 64])
-
-
-@gluon.jit
-def _mean_features(feat_ptr):
-    """One fp16 term of a KV head's offset features as the A fragment ``[64 keys, 2·MEAN_PAIRS]``:
-    stored lane-major (``key_mean_operands``), each lane's 64 values one contiguous run; the
-    permute relabels (lane, register) bits as (row, column) bits of the fragment (free)."""
-    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    A_M: gl.constexpr = gl.DotOperandLayout(0, ACC, 2)
-    FLAT: gl.constexpr = _lane_major_layout()
-    lane = gl.arange(0, 32, layout=gl.SliceLayout(1, FLAT))
-    reg = gl.arange(0, 64, layout=gl.SliceLayout(0, FLAT))
-    x = gl.reshape(gl.load(feat_ptr + lane[:, None] * 64 + reg[None, :]), [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
-    # axes: lane bits (row 4, row 2, row 1, col 4, col 2), register bits (row 32, row 16, col 16, col 8, row 8, col 1)
-    x = gl.reshape(gl.permute(x, [5, 6, 9, 0, 1, 2, 7, 8, 3, 4, 10]), [64, 2 * MEAN_PAIRS])
-    return gl.convert_layout(x, A_M, assert_trivial=True)
 
 
 @gluon.jit
@@ -353,58 +330,28 @@ def _mean_coefficients(q_base, stride_qh, mean_ptr, pairs_ptr, h, qk_scale, G: g
     return (q1 * m1 + q2 * m2) * qk_scale, (q2 * m1 - q1 * m2) * qk_scale, col
 
 
-@gluon.constexpr_function
-def _holds_mean_features(N, D):
-    """Whether a program holds its KV head's offset features in registers from the prologue (two
-    ``[64, 2·MEAN_PAIRS]`` fp16 fragments, 64 registers a thread) rather than loading them for
-    every block: where its loop leaves the room. At 16 query rows and head_dim 128 holding them
-    spilled far more than their loads cost (``compile_check.py gluon_decode --key-mean --g 16``)."""
-    return N == 8 or D == 64
-
-
 @gluon.jit
-def _add_mean_scores(s, blk, mean_a, mean_b, mean_col, cos_sin_ptr, stride_cs, features, features_lo,
-                     N: gl.constexpr, D: gl.constexpr):
-    """``s += q·RoPE_p(μ)`` for the keys of block ``blk``: ``cos((64b + t)θ)`` is
-    ``cos(64bθ)·cos(tθ) - sin(64bθ)·sin(tθ)``, so the block's first row folds into the
-    coefficients (``[2·MEAN_PAIRS, N]``: cosine features, then sine features) and the offsets'
-    features are one fixed ``[64, 2·MEAN_PAIRS]`` table a KV head (``key_mean_operands``): its two
-    fragments (``features``, ``features_lo``) where the program holds them (``_holds_mean_features``;
-    loaded for every block they tripled the loop's loads), else loaded here from ``features``, the
-    head's pointer. Both as fp16 high and low terms: three products, within fp32 rounding of the
-    exact sum."""
+def _block_mean_scores(blk, mean_a, mean_b, mean_col, cos_sin_ptr, stride_cs, D: gl.constexpr):
+    """``[N]``: what every key of block ``blk`` gains, ``q·RoPE_{64b}(μ)`` (log2 logits), from the
+    RoPE table's row of the block's first position, in the scores' column layout."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    B_M: gl.constexpr = gl.DotOperandLayout(1, ACC, 2)
     row = cos_sin_ptr + (blk * TILE).to(gl.int64) * stride_cs + mean_col
-    tc = gl.load(row)[:, None]
-    ts = gl.load(row + D // 2)[:, None]
-    c = gl.join(mean_a * tc + mean_b * ts, mean_b * tc - mean_a * ts)
-    c = gl.convert_layout(gl.reshape(gl.permute(c, [2, 0, 1]), [2 * MEAN_PAIRS, N]), B_M)
-    c_hi = c.to(gl.float16)
-    c_lo = (c - c_hi.to(gl.float32)).to(gl.float16)
-    if _holds_mean_features(N, D):
-        f_hi = features
-        f_lo = features_lo
-    else:
-        f_hi = _mean_features(features)
-        f_lo = _mean_features(features + MEAN_FEATURES)
-    s = mma_v2(f_lo, c_hi, s)
-    s = mma_v2(f_hi, c_lo, s)
-    return mma_v2(f_hi, c_hi, s)
+    f = gl.sum(mean_a * gl.load(row)[:, None] + mean_b * gl.load(row + D // 2)[:, None], axis=0)
+    return gl.convert_layout(f, gl.SliceLayout(0, ACC), assert_trivial=True)
 
 
 @gluon.jit
 def _attend_int2_block(
     m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr,
     k_codes, v_codes, k_scale, k_min, v_scale, v_min, use, qk_scale, blk, mean,
-    Q: gl.constexpr, N: gl.constexpr, MASKED: gl.constexpr, KEY_MEAN: gl.constexpr,
+    Q: gl.constexpr, N: gl.constexpr, MASKED: gl.constexpr, CORRECT: gl.constexpr, KEY_MEAN: gl.constexpr,
 ):
     """One INT2 block: scores from the codes, probabilities into the quarter accumulators (in
     INT2 units). ``MASKED``: only rows ``use`` count (the block meets the window or ``seq_len``).
-    ``q_corr`` ``[N]``: ``coef·‖q‖²`` of each head over ``(qk_scale·2^24)²``, the logit correction
-    per unit of the squared scale as the scores apply it. ``KEY_MEAN``: the keys were rounded less
-    their mean, added back to the scores here (``mean``: ``_add_mean_scores``' arguments but the
-    block's)."""
+    ``CORRECT``: the logit correction, ``q_corr`` ``[N]`` being ``coef·‖q‖²`` of each head over
+    ``(qk_scale·2^24)²``, its amount per unit of the squared scale as the scores apply it.
+    ``KEY_MEAN``: the keys were rounded less their block's mean, whose logit is added back here
+    (``mean``: ``_block_mean_scores``' arguments but the block's)."""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
     A_V: gl.constexpr = gl.DotOperandLayout(0, ACC, 2)
@@ -426,13 +373,17 @@ def _attend_int2_block(
         s = mma_v2(gl.convert_layout(c1, A_K, assert_trivial=True), qs1, s)
         s = mma_v2(gl.convert_layout(c2, A_K, assert_trivial=True), qs2, s)
         s = mma_v2(gl.convert_layout(c3, A_K, assert_trivial=True), qs3, s)
-    # Scale and min with the softmax scale folded in (and 2^24 for the codes' unit); first the
-    # logit correction, coef·‖q‖²·s_k², as the scale times (scale · q_corr): one FMA a score and
-    # no other per-key vector held (exactly nothing at λ = 0).
+    # Scale and min with the softmax scale folded in (and 2^24 for the codes' unit): two FMAs a
+    # score, the block mean's logit riding in the second. The logit correction, coef·‖q‖²·s_k², as
+    # the scale times (scale · q_corr): one FMA a score more, and no other per-key vector held.
     k_scale = k_scale * (qk_scale * 16777216.0)
-    s = (s - k_scale[:, None] * q_corr[None, :]) * k_scale[:, None] + (k_min * qk_scale)[:, None] * q_sum[None, :]
+    if CORRECT:
+        s = s - k_scale[:, None] * q_corr[None, :]
     if KEY_MEAN:
-        s = _add_mean_scores(s, blk, mean[0], mean[1], mean[2], mean[3], mean[4], mean[5], mean[6], N, 4 * Q)
+        offset = _block_mean_scores(blk, mean[0], mean[1], mean[2], mean[3], mean[4], 4 * Q)[None, :]
+    else:
+        offset = 0.0
+    s = s * k_scale[:, None] + ((k_min * qk_scale)[:, None] * q_sum[None, :] + offset)
     if MASKED:
         s = gl.where(use[:, None], s, float("-inf"))
         # Unwritten or window rows may hold anything: zero what multiplies their zero probability.
@@ -467,7 +418,8 @@ def _held_rows(window_pos_ptr, ring, blk, seq_len, last, SINK: gl.constexpr, REC
 def _attend_window_block(
     m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr, blk, seq_len, last, ring, h, qk_scale,
     codes_ptr, params_ptr, bt_ptr, window_pos_ptr, stride_cb, mean,
-    Q: gl.constexpr, N: gl.constexpr, SINK: gl.constexpr, RECENT: gl.constexpr, KEY_MEAN: gl.constexpr,
+    Q: gl.constexpr, N: gl.constexpr, SINK: gl.constexpr, RECENT: gl.constexpr, CORRECT: gl.constexpr,
+    KEY_MEAN: gl.constexpr,
 ):
     """An INT2 block that meets the sink, the recent window or ``seq_len``: its keys the ring
     holds for the window are left to the ring tiles (a block the ring covers is not read)."""
@@ -476,7 +428,7 @@ def _attend_window_block(
         kc, vc, ks, km, vs, vm = _load_int2_block(codes_ptr, params_ptr, bt_ptr, blk, h, stride_cb, Q, N)
         m_i, l_i, a_min, o0, o1, o2, o3 = _attend_int2_block(
             m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr, kc, vc, ks, km, vs, vm, use,
-            qk_scale, blk, mean, Q, N, True, KEY_MEAN)
+            qk_scale, blk, mean, Q, N, True, CORRECT, KEY_MEAN)
     return m_i, l_i, a_min, o0, o1, o2, o3
 
 
@@ -649,10 +601,9 @@ def _oscar_decode_kernel(
     stride_page,  # elements from one window page to the next
     q_ptr,  # [R, HQ, D] the queries before the key rotation (KEY_MEAN)
     stride_mt, stride_mh,  # q_ptr's strides
-    key_mean_ptr,  # fp32 [HKV, D] each KV head's mean key before RoPE, zero outside its pairs (KEY_MEAN)
+    key_mean_ptr,  # fp32 [HKV, D] each KV head's block mean before RoPE, zero outside its pairs (KEY_MEAN)
     mean_pairs_ptr,  # int32 [HKV, MEAN_PAIRS] those pairs (dims j and j + D/2)
-    mean_features_ptr,  # fp16 [HKV, 2, MEAN_FEATURES] offset features, high and low terms (key_mean_operands)
-    cos_sin_ptr,  # fp32 [P, D] the RoPE table the keys were written with (paged_layout.block_rope_table)
+    cos_sin_ptr,  # fp32 [P, D] the RoPE table the keys were written with: row 64b turns block b's mean
     stride_cs,
     HKV: gl.constexpr,
     G: gl.constexpr,  # query heads per KV head
@@ -663,7 +614,8 @@ def _oscar_decode_kernel(
     SPLIT: gl.constexpr,
     PREFETCH: gl.constexpr,  # the INT2 block this many steps ahead goes into L2 (< 2: none; the next is in registers)
     RING_COST: gl.constexpr,  # INT2 blocks a ring tile counts as when splits share the keys (DECODE_LAUNCH)
-    KEY_MEAN: gl.constexpr,  # the INT2 keys were written less their mean before RoPE (key_mean "on")
+    CORRECT: gl.constexpr,  # logit_coef != 0: INT2 logits take the logit correction
+    KEY_MEAN: gl.constexpr,  # the INT2 keys were written less their block's mean (key_mean)
 ):
     Q: gl.constexpr = D // 4
     HQ: gl.constexpr = HKV * G
@@ -709,14 +661,9 @@ def _oscar_decode_kernel(
     if KEY_MEAN:
         mean_a, mean_b, mean_col = _mean_coefficients(q_ptr + r.to(gl.int64) * stride_mt + (h * G) * stride_mh,
                                                       stride_mh, key_mean_ptr, mean_pairs_ptr, h, qk_scale, G, N, D)
-        feat = mean_features_ptr + h * (2 * MEAN_FEATURES)
-        if _holds_mean_features(N, D):
-            mean = (mean_a, mean_b, mean_col, cos_sin_ptr, stride_cs, _mean_features(feat),
-                    _mean_features(feat + MEAN_FEATURES))
-        else:
-            mean = (mean_a, mean_b, mean_col, cos_sin_ptr, stride_cs, feat, 0)
+        mean = (mean_a, mean_b, mean_col, cos_sin_ptr, stride_cs)
     else:
-        mean = (0, 0, 0, cos_sin_ptr, stride_cs, 0, 0)
+        mean = (0, 0, 0, cos_sin_ptr, stride_cs)
 
     m_i = gl.full([N], float("-inf"), gl.float32, layout=COLS)
     l_i = gl.zeros([N], gl.float32, layout=COLS)
@@ -744,7 +691,8 @@ def _oscar_decode_kernel(
     for blk in range(b_lo, gl.minimum(b_hi, SINK_BLOCKS)):
         m_i, l_i, a_min, o0, o1, o2, o3 = _attend_window_block(
             m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr, blk, seq_len, last, ring, h,
-            qk_scale, codes_ptr, params_ptr, bt_ptr, window_pos_ptr, stride_cb, mean, Q, N, SINK, RECENT, KEY_MEAN)
+            qk_scale, codes_ptr, params_ptr, bt_ptr, window_pos_ptr, stride_cb, mean, Q, N, SINK, RECENT, CORRECT,
+            KEY_MEAN)
     p_lo = gl.maximum(b_lo, SINK_BLOCKS)
     p_hi = gl.minimum(b_hi, recent_start)
     if p_lo < p_hi:
@@ -763,12 +711,13 @@ def _oscar_decode_kernel(
                                                         gl.minimum(blk + 1, p_hi - 1), h, stride_cb, Q, N)
             m_i, l_i, a_min, o0, o1, o2, o3 = _attend_int2_block(
                 m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr, kc, vc, ks, km, vs, vm, None,
-                qk_scale, blk, mean, Q, N, False, KEY_MEAN)
+                qk_scale, blk, mean, Q, N, False, CORRECT, KEY_MEAN)
             kc, vc, ks, km = kc2, vc2, ks2, km2
     for blk in range(gl.maximum(b_lo, recent_start), b_hi):
         m_i, l_i, a_min, o0, o1, o2, o3 = _attend_window_block(
             m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr, blk, seq_len, last, ring, h,
-            qk_scale, codes_ptr, params_ptr, bt_ptr, window_pos_ptr, stride_cb, mean, Q, N, SINK, RECENT, KEY_MEAN)
+            qk_scale, codes_ptr, params_ptr, bt_ptr, window_pos_ptr, stride_cb, mean, Q, N, SINK, RECENT, CORRECT,
+            KEY_MEAN)
 
     # Back from INT2 units; the min term adds the same amount to every dim of a head.
     d = gl.arange(0, Q, layout=gl.SliceLayout(1, ACC))
@@ -881,7 +830,7 @@ def oscar_decode(
     ``prefetch``: the INT2 block that many steps ahead is prefetched into L2 (< 2: none; None:
     ``DECODE_LAUNCH``'s). ``ring_cost``: INT2 blocks a ring tile counts as in the split partition
     (None: ``DECODE_LAUNCH``'s; 1 counts every tile alike). ``key_mean``: the INT2 keys were written
-    less their mean before RoPE (``key_mean_operands``), which needs the queries before the key
+    less their block's mean (``key_mean_operands``), which needs the queries before the key
     rotation, ``q`` (``q_rot``'s shape).
     """
     if num_reqs == 0:
@@ -900,13 +849,10 @@ def oscar_decode(
     n_pad = 8 if g <= 8 else 16
     if key_mean is not None and (q is None or q.shape[1:] != q_rot.shape[1:]):
         raise ValueError("the decode kernel adds a key mean from the queries before the key rotation: pass q")
-    mean = key_mean or dict(key_mean=out, mean_pairs=out, mean_features=out, cos_sin=out)
+    mean = key_mean or dict(key_mean=out, mean_pairs=out, cos_sin=out)
     table = decode_launch(num_reqs)
     if maxnreg == -1:
-        # The key mean's offset features held for the whole loop (_holds_mean_features) take 64
-        # registers a thread: under the 168 cap they spilled inside it, uncapped not
-        # (compile_check.py gluon_decode --key-mean). Uncapped, 8 programs an SM fit, not 12.
-        maxnreg = table.maxnreg if n_pad == 8 and key_mean is None else None
+        maxnreg = table.maxnreg if n_pad == 8 else None
     if prefetch is None:
         prefetch = table.prefetch
     split = num_splits > 1
@@ -919,9 +865,9 @@ def oscar_decode(
         q_rot.stride(0), q_rot.stride(1), out.stride(0), out.stride(1), block_table.stride(0), cache.stride(0),
         win["stride_wp"], win["stride_page"],
         q_rot if q is None else q, *(q_rot if q is None else q).stride()[:2],
-        mean["key_mean"], mean["mean_pairs"], mean["mean_features"], mean["cos_sin"], mean["cos_sin"].stride(0),
+        mean["key_mean"], mean["mean_pairs"], mean["cos_sin"], mean["cos_sin"].stride(0),
         HKV=hkv, G=g, N=n_pad, D=d, SINK=sink, RECENT=recent, SPLIT=split, PREFETCH=prefetch,
-        RING_COST=ring_cost or table.ring_cost, KEY_MEAN=key_mean is not None, num_warps=1,
+        RING_COST=ring_cost or table.ring_cost, CORRECT=coef != 0.0, KEY_MEAN=key_mean is not None, num_warps=1,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
     if split:
@@ -931,41 +877,20 @@ def oscar_decode(
 
 def key_mean_operands(key_mean: torch.Tensor, cos_sin: torch.Tensor) -> dict:
     """What ``oscar_decode`` takes to add a layer's key mean back: ``key_mean`` fp32 ``[Hkv, d]``
-    (before RoPE, zero outside each head's ``MEAN_PAIRS`` pairs of most energy: what the kernel
-    adds), ``cos_sin`` fp32 ``[P, d]`` the RoPE table the keys were written with, as
-    ``paged_layout.block_rope_table`` gives it. Adds ``mean_pairs`` int32 ``[Hkv, MEAN_PAIRS]``
-    (those pairs, ascending) and ``mean_features`` fp16 ``[Hkv, 2, MEAN_FEATURES]``: each head's
-    ``[64, 2·MEAN_PAIRS]`` table of ``cos(tθ)``, then ``sin(tθ)``, of its pairs at offsets ``t`` of a
-    block (rows in the score rows' order, key ``κ`` holding token ``8(κ mod 8) + κ div 8``), as a high
-    and a low fp16 term, each lane's fragment one contiguous run (``_mean_features``)."""
+    (the block mean before RoPE, ``oscar_vllm.core.key_mean.block_average``, zero outside each
+    head's ``MEAN_PAIRS`` pairs of most energy: what the kernel adds), ``cos_sin`` fp32 ``[P, d]``
+    the RoPE table the keys were written with. Adds ``mean_pairs`` int32 ``[Hkv, MEAN_PAIRS]``:
+    each head's pairs, ascending."""
     hkv, d = key_mean.shape
     half = d // 2
     pairs_n = int(MEAN_PAIRS.value)
     if key_mean.dtype != torch.float32 or cos_sin.dtype != torch.float32 or cos_sin.shape[1] != d:
         raise ValueError(f"a key mean fp32 [Hkv, {d}] and an fp32 RoPE table [P, {d}] are needed, got "
                          f"{key_mean.dtype} {tuple(key_mean.shape)} and {cos_sin.dtype} {tuple(cos_sin.shape)}")
-    if cos_sin.shape[0] < TILE.value:
-        raise ValueError(f"the RoPE table covers {cos_sin.shape[0]} positions, a block {TILE.value}")
     energy = key_mean[:, :half].square() + key_mean[:, half:].square()
     pairs = energy.topk(min(pairs_n, half), dim=-1).indices.sort(dim=-1).values
     kept = torch.zeros_like(energy, dtype=torch.bool).scatter_(-1, pairs, True)
     if bool((energy[~kept] > 0).any()):
         raise ValueError(f"the decode kernel adds {pairs_n} RoPE pairs of each head's key mean; this mean has more "
                          "(keep each head's strongest: oscar_vllm.core.key_mean.strongest_pairs)")
-    table = cos_sin[:TILE.value].float().cpu()
-    scale = table[0, :half]
-    cols = pairs.cpu()
-    feats = torch.cat([torch.gather(table[:, :half].expand(hkv, -1, -1), 2, cols[:, None].expand(-1, 64, -1)),
-                       torch.gather(table[:, half:].expand(hkv, -1, -1), 2, cols[:, None].expand(-1, 64, -1))], dim=-1)
-    feats = feats / torch.cat([scale[cols], scale[cols]], dim=-1)[:, None]  # [Hkv, 64 tokens, 2·pairs]
-    key = torch.arange(64)
-    feats = feats[:, 8 * (key % 8) + key // 8]  # score rows' order
-    hi = feats.half()
-    lo = (feats - hi.float()).half()
-    # [64, 32] fragment bits (row 32..1, col 16..1) -> lane bits (row 4, 2, 1, col 4, 2), then
-    # register bits (row 32, 16, col 16, 8, row 8, col 1): _mean_features undoes it.
-    order = [3, 4, 5, 8, 9, 0, 1, 6, 7, 2, 10]
-    terms = [t.reshape(hkv, *[2] * 11).permute(0, *[i + 1 for i in order]).reshape(hkv, -1) for t in (hi, lo)]
-    device = key_mean.device
-    return dict(key_mean=key_mean, mean_pairs=pairs.to(device=device, dtype=torch.int32).contiguous(),
-                mean_features=torch.stack(terms, dim=1).contiguous().to(device), cos_sin=cos_sin)
+    return dict(key_mean=key_mean, mean_pairs=pairs.to(dtype=torch.int32).contiguous(), cos_sin=cos_sin)

@@ -19,13 +19,12 @@ A prefill that reads as decode does (``prefill_read="decode"``) fills two such b
 the write, every position but the last ``drop_last`` from the INT2 pages, the ring only for the
 sink (``ring_recent=False``, with a ``cu_q`` of empty chunks: every position counts as cached).
 
-With a key mean (``key_mean`` "on": the INT2 keys were rounded less ``RoPE_p(μ)``, rotated), each
-INT2 row gets it back: ``RoPE_p(μ) @ R_K`` is linear in position ``p``'s row of the RoPE table,
-so it is that row times a ``[d, d]`` matrix per KV head (:func:`key_mean_basis`), one small
-product per block on the tensor cores (TF32x3, near fp32) beside the memory-bound copy. Only the
-table columns of the pairs the mean has (the backend serves 16 a head) reach it, so the product
-takes those: ``[64, K] x [K, d]`` with ``K`` twice the pairs, a quarter of ``[64, d] x [d, d]`` at
-head_dim 128. The ring's rows and the chunk's own keys are whole keys and take none.
+With a key mean (``key_mean``: the INT2 keys of block ``b`` were rounded less ``RoPE_{64b}(μ)``,
+rotated), each INT2 row gets it back: ``RoPE_p(μ) @ R_K`` is linear in position ``p``'s row of the
+RoPE table, so it is that row times a ``[d, d]`` matrix per KV head (:func:`key_mean_basis`), kept
+to the ``K`` table columns of the pairs the mean has (twice the 16 the backend serves a head). One
+vector a block and KV head, ``[K] x [K, d]`` in fp32, added to the block's INT2 rows. The ring's
+rows and the chunk's own keys are whole keys and take none.
 
 No logit correction on this path: the INT2 kernels lower an INT2 key's logit by
 ``λ/2·scale²·‖q‖²·s_k²/12`` (``paged_layout.logit_coef``), a bias that depends on both the query
@@ -104,7 +103,7 @@ def _oscar_dense_kv_kernel(
     OUT_BF16: tl.constexpr,
     HAS_FIRST: tl.constexpr,
     RING_RECENT: tl.constexpr,  # the ring's recent entries replace INT2 copies (else the sink's only)
-    KEY_MEAN: tl.constexpr,  # INT2 keys are read plus RoPE_p(mean) @ R_K
+    KEY_MEAN: tl.constexpr,  # INT2 keys of block b are read plus RoPE_64b(mean) @ R_K
     MEAN_K: tl.constexpr,  # rows of the mean's basis: twice the pairs it has, a power of two >= 16
 ):
     Q: tl.constexpr = D // 4
@@ -153,14 +152,14 @@ def _oscar_dense_kv_kernel(
         if KEY_MEAN:
             c = tl.arange(0, MEAN_K)
             cols = tl.load(mean_cols_ptr + h * MEAN_K + c)
-            turn = tl.load(cos_sin_ptr + pos.to(tl.int64)[:, None] * stride_cs + cols[None, :], mask=cached[:, None],
-                           other=0.0)  # [BS, MEAN_K] each row's RoPE table row, the mean's columns
+            # the block's first position's RoPE table row, the mean's columns
+            turn = tl.load(cos_sin_ptr + (blk * BLOCK_SIZE).to(tl.int64) * stride_cs + cols)
         for i in tl.static_range(4):
             # c·scale is exact in fp32 (2-bit times 16-bit), so this rounds once, as the reference.
             k = ((k_codes >> (2 * i)) & 3).to(tl.float32) * k_scale + k_min
             if KEY_MEAN:
                 basis = tl.load(mean_basis_ptr + (c[:, None] * HKV + h) * D + i * Q + j[None, :])  # [MEAN_K, Q]
-                k += tl.dot(turn, basis, input_precision="tf32x3")
+                k += tl.sum(turn[:, None] * basis, axis=0)[None, :]
             v = ((v_codes >> (2 * i)) & 3).to(tl.float32) * v_scale + v_min
             k = tl.where(use_ring, tl.load(window_k_ptr + k_off + i * Q, mask=use_ring, other=0.0).to(tl.float32), k)
             v = tl.where(use_ring, tl.load(window_v_ptr + v_off + i * Q * WIN_E, mask=use_ring, other=0.0).to(tl.float32),

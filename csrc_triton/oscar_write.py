@@ -15,9 +15,9 @@ sequence after this step.
 A program owns ``BLOCK_T`` tokens of one KV head (``WRITE_LAUNCH``), so the key rotation
 ``[d, d]`` is read once per tile and applied as one fp32 matrix product. Values arrive already
 rotated (the value rotation is folded into the model's weights). With a key mean
-(``oscar_vllm.core.key_mean``) ``oscar_write`` rounds each key less the mean as RoPE turns it at
-the key's position, read from the model's own RoPE table; the ring keeps the key as it is (the
-Gluon decode write takes no mean). Reference:
+(``oscar_vllm.core.key_mean``) both writes round each key less its block's mean (one vector for the
+64 positions of a cache block: the mean turned to the block's first position, by the model's own
+RoPE table); the ring keeps the key as it is. Reference:
 :func:`oscar_vllm.reference.oscar_write.oscar_write_reference`.
 """
 import torch
@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from csrc_triton.paged_layout import (
     BLOCK_SIZE,
+    KEY_MEAN_BLOCK,
     check_int2_cache,
     check_key_mean,
     find_requests,
@@ -208,8 +209,9 @@ def _rotate_keys(key_ptr, rot_k_ptr, key_mean_ptr, cos_sin_ptr, t64, live, r_ok,
                  stride_cs, ROT_HEAD_STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
                  KEY_MEAN: tl.constexpr):
     """``[BLOCK_T, D]`` fp32: the tile's keys times R, over row slices of R small enough for shared
-    memory at head_dim 256; with ``KEY_MEAN``, the keys less their mean as RoPE turns it at ``pos``
-    (rotate-half: dim j pairs with j ± D/2 at frequency j mod D/2)."""
+    memory at head_dim 256; with ``KEY_MEAN``, the keys less their block's mean, turned by RoPE to
+    the first position of the block of ``pos`` (rotate-half: dim j pairs with j ± D/2 at frequency
+    j mod D/2)."""
     KC: tl.constexpr = D if D <= 128 else 128
     HALF: tl.constexpr = D // 2
     kc = tl.arange(0, KC)
@@ -221,7 +223,7 @@ def _rotate_keys(key_ptr, rot_k_ptr, key_mean_ptr, cos_sin_ptr, t64, live, r_ok,
         if KEY_MEAN:
             j = c * KC + kc
             freq = j % HALF
-            row = cos_sin_ptr + pos.to(tl.int64)[:, None] * stride_cs
+            row = cos_sin_ptr + (pos - pos % KEY_MEAN_BLOCK).to(tl.int64)[:, None] * stride_cs
             cos = tl.load(row + freq[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
             sin = tl.load(row + HALF + freq[None, :], mask=r_ok[:, None], other=0.0).to(tl.float32)
             mean = tl.load(key_mean_ptr + h * D + j)
@@ -418,15 +420,15 @@ def _times_rotation(x, r_hi, r_lo, acc):
 
 @gluon.jit
 def _turned_mean(key_mean_ptr, cos_sin_ptr, stride_cs, h, pos, ok, dim, D: gl.constexpr):
-    """fp32 ``[R, D]``: KV head ``h``'s mean key before RoPE turned to each row's position ``pos``
-    ``[R]`` (rows not ``ok``: zero) by the table's rows, in the rotate-half form (dim ``i`` pairs
-    with ``i ± D/2``); ``dim`` ``[D]`` indexes the columns."""
+    """fp32 ``[R, D]``: KV head ``h``'s block mean before RoPE turned to the first position of the
+    block of each row's position ``pos`` ``[R]`` (rows not ``ok``: zero) by the table's rows, in the
+    rotate-half form (dim ``i`` pairs with ``i ± D/2``); ``dim`` ``[D]`` indexes the columns."""
     HALF: gl.constexpr = D // 2
     pair = dim % HALF
     mu = gl.load(key_mean_ptr + h * D + dim)
     other = gl.load(key_mean_ptr + h * D + (dim + HALF) % D)
     rot_half = gl.where(dim < HALF, -other, other)
-    row = cos_sin_ptr + pos.to(gl.int64)[:, None] * stride_cs + pair[None, :]
+    row = cos_sin_ptr + (pos - pos % KEY_MEAN_BLOCK).to(gl.int64)[:, None] * stride_cs + pair[None, :]
     cos = gl.load(row, mask=ok[:, None], other=0.0)
     sin = gl.load(row + HALF, mask=ok[:, None], other=0.0)
     return mu[None, :] * cos + rot_half[None, :] * sin

@@ -39,7 +39,10 @@ import triton.language as tl
 BLOCK_SIZE = 64  # tokens per kernel block: one block is one attention tile
 PARAM_BYTES = 8  # K scale, K min, V scale, V min, 16 bits each
 WINDOW_ENTRIES = 8  # ring entries per page at the default sink (what the decode kernel reads per page)
-KEY_MEAN_PAIRS = 16  # RoPE pairs of a KV head's key mean the decode kernel adds back (key_mean "on")
+KEY_MEAN_PAIRS = 16  # RoPE pairs of a KV head's key mean the kernels add back (key_mean)
+# Keys are written less one mean vector per cache block: the KV head's block mean (key_mean.block_average)
+# turned to the block's first position, so a read adds one logit per block and query.
+KEY_MEAN_BLOCK = tl.constexpr(BLOCK_SIZE)
 
 
 def int2_slot_bytes(head_dim: int) -> int:
@@ -208,33 +211,6 @@ def check_rope_table(cos_sin: torch.Tensor, head_dim: int) -> None:
     if cos_sin.dim() != 2 or cos_sin.shape[1] != head_dim or cos_sin.stride(1) != 1:
         raise ValueError(f"the RoPE table must be [positions, {head_dim}] with unit stride along a row, got "
                          f"{tuple(cos_sin.shape)} strides {cos_sin.stride()}")
-
-
-def block_rope_table(table: torch.Tensor, tolerance: float = 0.05) -> torch.Tensor:
-    """fp32 ``[P, d]``: a RoPE table (each position's ``d/2`` cosines, then its sines, each pair
-    times a scale of its own, as YaRN has it) as the kernels turn key means: position
-    ``64·b + t`` from rows ``64·b`` and ``t`` by angle addition, which is what the decode kernel
-    computes from those two rows (``oscar_decode``: one row a block and a fixed table of 64
-    offsets instead of a row a key). It equals the model's table to within the table's own
-    rounding; a table that is not ``scale·cos/sin(p·θ)`` of one angle a pair (several tables
-    end to end, as long-context RoPE variants keep) differs by more than ``tolerance`` of a
-    pair's scale and is refused."""
-    t = table.detach().double().cpu()
-    half = t.shape[1] // 2
-    cos, sin = t[:, :half], t[:, half:]
-    scale = cos[0]
-    if not bool((scale.abs() > 0).all()):
-        raise ValueError("the RoPE table's first row must hold each pair's scale (cos 0 times it): a zero was found")
-    pos = torch.arange(t.shape[0])
-    base, off = pos - pos % BLOCK_SIZE, pos % BLOCK_SIZE
-    c, s = cos[off] / scale, sin[off] / scale
-    out = torch.cat([cos[base] * c - sin[base] * s, sin[base] * c + cos[base] * s], dim=-1)
-    err = float(((out - t).abs() / torch.cat([scale, scale]).abs()).max()) if t.shape[0] else 0.0
-    if err > tolerance:
-        raise ValueError(f"the RoPE table is not one angle a pair turned by position (a row differs by {err:.3g} of "
-                         f"its pair's scale from its block's first row turned by its offset): key means cannot "
-                         "take it")
-    return out.float().to(table.device)
 
 
 @triton.jit

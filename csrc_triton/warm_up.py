@@ -85,6 +85,7 @@ def warm_up_kernels(
     decode_read: bool = False,
     fixed_splits: int = 0,
     threads: int = 1,
+    logit_correction: float = 0.0,
     key_mean: dict[str, torch.Tensor] | None = None,
     decode_key_mean: dict[str, torch.Tensor] | None = None,
     dense_mean_basis: KeyMeanBasis | None = None,
@@ -99,6 +100,7 @@ def warm_up_kernels(
     ``fixed_splits`` > 0: every decode batch splits its requests that many ways (``decode_splits``).
     ``max_num_seqs`` and ``max_num_tokens`` bound the batches (requests, tokens per step).
     ``threads`` > 1: launch (so compile) that many variants at a time (``launch_all``).
+    ``logit_correction``: the layer's λ (the Gluon decode compiles a variant with and without it).
     ``key_mean``: the layer's ``{"key_mean": mean, "cos_sin": table}``, the keyword arguments its Triton
     kernels take (their ``KEY_MEAN`` variants, the Gluon ones' with ``gluon``); ``decode_key_mean``:
     the layer's ``oscar_decode`` operands of it (``key_mean_operands``), which the Gluon decode takes;
@@ -140,7 +142,8 @@ def warm_up_kernels(
         block_table, seq_lens, _, ring_slots = batch(n, 1)
         gluon_decode.oscar_decode(q.clone(), q, cache, windows, window_pages, window_pos, block_table, seq_lens,
                                   ring_slots, n, 1.0, sink, recent, param_dtype, splits, *split_parts(n, splits),
-                                  ring_cost=ring_cost, q=q if mean else None, key_mean=decode_key_mean if mean else None)
+                                  logit_correction=logit_correction, ring_cost=ring_cost, q=q if mean else None,
+                                  key_mean=decode_key_mean if mean else None)
 
     def triton_decode_attention(n: int, splits: int) -> None:
         q = rows(n, num_heads)

@@ -7,7 +7,7 @@ import os
 import torch
 
 from oscar_vllm.reference.oscar_attention import causal_attention_reference
-from csrc_triton.paged_layout import BLOCK_SIZE, KEY_MEAN_PAIRS, block_rope_table
+from csrc_triton.paged_layout import BLOCK_SIZE, KEY_MEAN_PAIRS
 from oscar_vllm.core.key_mean import KeyMean, served_pairs
 from oscar_vllm.reference.oscar_write import oscar_write_reference, token_positions
 from paged_sim import PagedCache
@@ -84,14 +84,16 @@ def vllm_rope_table(positions: int, d: int, base: float = 10_000.0) -> torch.Ten
 
 
 class KeyMeanCase:
-    """A key mean for a case as the backend serves one: fp32 ``mean`` ``[Hkv, d]`` on each head's
-    ``KEY_MEAN_PAIRS`` strongest pairs and ``table`` ``[P, d]`` (``block_rope_table``) on the
-    kernels' device, the twins' ``KeyMean`` of the same numbers, and the decode kernel's operands."""
+    """A key mean for a case as the backend serves one: fp32 ``mean`` ``[Hkv, d]`` (a block mean)
+    on each head's ``KEY_MEAN_PAIRS`` strongest pairs and ``table`` ``[P, d]`` (vLLM's layout) on
+    the kernels' device, the twins' ``KeyMean`` of the same numbers (one vector a cache block), and
+    the decode kernel's operands."""
 
     def __init__(self, hkv: int, d: int, positions: int, seed: int = 99):
         self.mean = served_pairs(3 * random_rows((hkv, d), torch.float32, seed), KEY_MEAN_PAIRS)
-        self.table = block_rope_table(vllm_rope_table(max(positions, BLOCK_SIZE), d)).to(DEVICE)
-        self.twin = KeyMean.from_cos_sin_cache(self.mean.cpu(), self.table.cpu())
+        self.table = vllm_rope_table(max(positions, BLOCK_SIZE), d).to(DEVICE)
+        self.twin = KeyMean.from_cos_sin_cache(self.mean.cpu(), self.table.cpu(), block=BLOCK_SIZE)
+        self.model = KeyMean.from_cos_sin_cache(self.mean.cpu(), self.table.cpu())
 
     def operands(self) -> dict:
         """What ``oscar_decode`` takes as ``key_mean``."""
@@ -100,8 +102,9 @@ class KeyMeanCase:
         return key_mean_operands(self.mean, self.table)
 
     def keys_at(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Keys ``k`` ``[N, Hkv, d]`` at ``positions`` with the mean added, as a model's would have it."""
-        return (k.float() + self.twin.turned(positions).to(k.device)).to(k.dtype)
+        """Keys ``k`` ``[N, Hkv, d]`` at ``positions`` with the mean turned to each position added, as
+        a model's would have it (the cache takes off its block's mean, not this)."""
+        return (k.float() + self.model.turned(positions).to(k.device)).to(k.dtype)
 
 
 def prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=0, entries_per_page=None,

@@ -87,7 +87,8 @@ def gluon_decode_consts(args) -> dict:
     launch = oscar_decode.decode_launch(8 if args.maxnreg else 1)
     return dict(HKV=8, G=args.g, N=8 if args.g <= 8 else 16, D=args.d, SINK=64, RECENT=256, SPLIT=True,
                 PREFETCH=launch.prefetch if args.prefetch is None else args.prefetch,
-                RING_COST=launch.ring_cost if args.ring_cost is None else args.ring_cost, KEY_MEAN=args.key_mean)
+                RING_COST=launch.ring_cost if args.ring_cost is None else args.ring_cost, CORRECT=args.correct,
+                KEY_MEAN=args.key_mean)
 
 
 def write_decode_consts(args) -> dict:
@@ -137,6 +138,7 @@ def main() -> None:
     p.add_argument("--no-asm", action="store_true")
     p.add_argument("--bf16-params", action="store_true", help="write: bf16 scales and mins")
     p.add_argument("--key-mean", action="store_true", help="the KEY_MEAN variant")
+    p.add_argument("--correct", action="store_true", help="gluon_decode: the logit correction's variant (CORRECT)")
     p.add_argument("--query-rows", type=int,
                    help="write_decode: query rows a program (default: DECODE_WRITE_LAUNCH's at one token)")
     p.add_argument("--maxnreg", type=int, help="registers a thread may use (gluon_decode: as DECODE_LAUNCH has it)")

@@ -42,23 +42,25 @@ def gluon_data(ctx: list[int], hkv: int, hq: int, d: int, copies: int, seed: int
 
 def key_mean_for(hkv: int, d: int, positions: int) -> dict:
     """``oscar_decode``'s key-mean operands for a random mean (16 pairs a head) and a RoPE table."""
-    from csrc_triton.paged_layout import KEY_MEAN_PAIRS, block_rope_table
+    from csrc_triton.paged_layout import KEY_MEAN_PAIRS
     from oscar_vllm.core.key_mean import strongest_pairs
 
     angles = torch.arange(positions, dtype=torch.float64)[:, None] * 1e6 ** (-torch.arange(0, d, 2) / d)[None]
-    table = block_rope_table(torch.cat([angles.cos(), angles.sin()], dim=-1)).cuda()
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1).float().cuda()
     mean = strongest_pairs(3 * torch.randn(hkv, d, device="cuda"), KEY_MEAN_PAIRS)
     return od.key_mean_operands(mean, table)
 
 
 def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None = -1, splits: int = 0,
                 prefetch: int | None = None, max_splits: int | None = None,
-                ring_cost: int | None = None, module=od, key_mean: dict | None = None) -> tuple[list, int]:
+                ring_cost: int | None = None, module=od, key_mean: dict | None = None,
+                logit_correction: float = 0.0) -> tuple[list, int]:
     """The kernel's launches over ``data``; ``splits`` > 0 fixes the split count (the
     ``decode_splits`` setting, or a sweep's), else the wrapper's choice for the batch size
     (``max_splits`` instead of ``MAX_DECODE_SPLITS`` as its cap). ``maxnreg``, ``prefetch`` and ``ring_cost``: the
     wrapper's choice unless given. ``module``: the decode module whose wrapper launches (``against``:
-    an earlier version of it). ``key_mean``: the ``key_mean`` "on" variant with these operands."""
+    an earlier version of it). ``key_mean``: the ``key_mean`` variant with these operands;
+    ``logit_correction``: λ (its variant past 0)."""
     b, q, _ = data[0]
     n, hq, d = q.shape
     hkv = b.cache.shape[1]
@@ -72,7 +74,7 @@ def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None 
     calls = [lambda b=b, q=q, out=out: module.oscar_decode(
         out, q, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table, b.seq_lens, b.ring_slots, n,
         d ** -0.5, SINK, RECENT, num_splits=splits, part_out=part_out, part_lse=part_lse,
-        **launch, **({} if key_mean is None else {"q": q})) for b, q, out in data]
+        logit_correction=logit_correction, **launch, **({} if key_mean is None else {"q": q})) for b, q, out in data]
     return calls, splits
 
 
@@ -100,9 +102,18 @@ def decode(args, bw: float, env: dict) -> list[dict]:
                     row["oscar_fixed_ms"] = time_calls(calls)
                     row["fixed_vs_chosen"] = row["oscar_fixed_ms"] / row["oscar_ms"]
                 if args.key_mean:
-                    calls, _ = gluon_calls(data, key_mean=key_mean_for(s.num_kv_heads, s.head_dim, ctx + 1))
+                    # The previous default (keys as they are, λ = 0.5) against the served one (keys
+                    # less their block's mean, λ = 0), at the table's register cap and at others.
+                    calls, _ = gluon_calls(data, logit_correction=0.5)
+                    row["oscar_corrected_ms"] = time_calls(calls)
+                    mean = key_mean_for(s.num_kv_heads, s.head_dim, ctx + 1)
+                    calls, _ = gluon_calls(data, key_mean=mean)
                     row["oscar_mean_ms"] = time_calls(calls)
-                    row["mean_vs_plain"] = row["oscar_mean_ms"] / row["oscar_ms"]
+                    row["mean_vs_corrected"] = row["oscar_mean_ms"] / row["oscar_corrected_ms"]
+                    for cap in args.mean_maxnreg:
+                        calls, _ = gluon_calls(data, key_mean=mean, maxnreg=cap)
+                        row[f"oscar_mean_{cap}_ms"] = time_calls(calls)
+                        row[f"mean_{cap}_vs_corrected"] = row[f"oscar_mean_{cap}_ms"] / row["oscar_corrected_ms"]
                 del calls, data
             calls, _ = decode_calls(decode_data(lens, s.num_kv_heads, s.num_heads, s.head_dim, copies_for(osc_bytes)))
             row["oscar_triton_ms"] = time_calls(calls)
@@ -137,9 +148,12 @@ def decode(args, bw: float, env: dict) -> list[dict]:
             "oscar_GBps", "oscar_pct_copy", "fa3_GBps", "fa3_pct_copy"]
     notes = []
     if args.key_mean:
-        cols[5:5] = ["oscar_mean_ms", "mean_vs_plain"]
-        notes.append("oscar_mean_ms: the Gluon kernel adding a key mean back (key_mean \"on\": 16 RoPE pairs a KV "
-                     "head) against oscar_ms, without")
+        caps = [c for cap in args.mean_maxnreg for c in (f"oscar_mean_{cap}_ms", f"mean_{cap}_vs_corrected")]
+        cols[5:5] = ["oscar_corrected_ms", "oscar_mean_ms", "mean_vs_corrected", *caps]
+        notes.append("oscar_corrected_ms: the Gluon kernel with the logit correction (λ 0.5), keys as they are (the "
+                     "default before key means); oscar_mean_ms: keys less their block's mean (16 RoPE pairs a KV "
+                     "head), λ 0, the default with key means; oscar_mean_N_ms: the same capped at N registers; "
+                     "oscar_ms: neither")
     if args.fixed_splits:
         cols[5:5] = ["oscar_fixed_ms", "fixed_vs_chosen"]
         notes.append(f"oscar_fixed_ms: the Gluon kernel with decode_splits={args.fixed_splits} (every batch split so, "
@@ -277,7 +291,10 @@ def main() -> None:
     p.add_argument("--ring-cost", nargs="+", type=int, default=[None],
                    help="sweep: INT2 blocks a ring tile counts as in the split partition (default: DECODE_LAUNCH's)")
     p.add_argument("--baseline", help="against: an earlier csrc_triton/oscar_decode.py to time beside this tree's")
-    p.add_argument("--key-mean", action="store_true", help="decode: time the key_mean \"on\" variant too")
+    p.add_argument("--key-mean", action="store_true",
+                   help="decode: time the default with key means (and the one without: λ 0.5) too")
+    p.add_argument("--mean-maxnreg", nargs="*", type=int, default=[],
+                   help="decode --key-mean: also time the key-mean variant at these register caps")
     p.add_argument("--fixed-splits", type=int, default=0,
                    help="also time the Gluon kernel at this fixed split count (the decode_splits setting)")
     args = p.parse_args()

@@ -27,19 +27,29 @@ def decode_variants(max_num_seqs: int, num_sms: int) -> list[tuple[int | None, d
     the constants as ``compile_check`` specializes them."""
     compiles = {}
     for maxnreg, prefetch, ring_cost, splits in gluon_decode_variants(max_num_seqs, 8, num_sms):
-        shape = SimpleNamespace(maxnreg=maxnreg, g=4, d=128, prefetch=prefetch, ring_cost=ring_cost, key_mean=False)
+        shape = SimpleNamespace(maxnreg=maxnreg, g=4, d=128, prefetch=prefetch, ring_cost=ring_cost, key_mean=False,
+                                correct=True)
         consts = {**gluon_decode_consts(shape), "SPLIT": splits > 1}
         compiles.setdefault((maxnreg, *consts.values()), (maxnreg, consts))
     return list(compiles.values())
 
 
 def compile_all(variants: list[tuple[int | None, dict]], threads: int) -> float:
-    """Seconds to compile ``variants`` ``threads`` at a time into a new, empty Triton cache."""
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"oscar-warm-up-{threads}-")
-    start = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda v: compile_kernel(oscar_decode._oscar_decode_kernel, v[1], 1, 1, v[0]), variants))
-    return time.perf_counter() - start
+    """Seconds to compile ``variants`` ``threads`` at a time into a new, empty Triton cache, which is
+    removed after (and the caller's ``TRITON_CACHE_DIR`` put back)."""
+    before = os.environ.get("TRITON_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix=f"oscar-warm-up-{threads}-") as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        try:
+            start = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda v: compile_kernel(oscar_decode._oscar_decode_kernel, v[1], 1, 1, v[0]), variants))
+            return time.perf_counter() - start
+        finally:
+            if before is None:
+                os.environ.pop("TRITON_CACHE_DIR")
+            else:
+                os.environ["TRITON_CACHE_DIR"] = before
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ from oscar_vllm.calibration.models import (
     rope_tables,
 )
 from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
-from oscar_vllm.core.key_mean import KeyMean, served_pairs
+from oscar_vllm.core.key_mean import SERVED_BLOCK, SERVED_PAIRS, KeyMean, block_average, served_pairs
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
 from oscar_vllm.core.quant import REFERENCE_CLIP_RATIO_K, REFERENCE_CLIP_RATIO_V
 from oscar_vllm.core.rotation_io import OscarRotations, hadamard_rotation_sets, load_rotations
@@ -76,6 +76,7 @@ class Method:
     logit_correction: float = 0.0  # see LayerCacheSpec: quantized keys' logits less λ/2 their rounding variance
     key_mean: bool = False  # keys rounded less the rotation file's mean before RoPE (core.key_mean)
     key_mean_pairs: int = 0  # > 0: each KV head's mean on its that many strongest RoPE pairs (as served: 16)
+    key_mean_block: int = 0  # > 0: one mean per block of this many positions, block_average (as served: 64)
 
     def describe(self) -> dict:
         return {
@@ -100,6 +101,10 @@ METHODS = [
     Method("oscar-int2-fit", "oscar", "int2", clip="fitted"),
     Method("oscar-int2-perhead", "oscar-perhead", "int2"),
     Method("oscar-int2-softmax", "oscar-softmax", "int2"),
+    # What the backend serves by default where the rotations have key means (key_mean "auto"): keys
+    # rounded less their block's mean (16 RoPE pairs a head), no logit correction.
+    Method("oscar-int2-fit-key-mean", "oscar", "int2", clip="fitted", key_mean=True, key_mean_pairs=SERVED_PAIRS,
+           key_mean_block=SERVED_BLOCK),
 ]
 # Not in the default table (the README's main job): quantized logits corrected for their rounding
 # variance (docs/quality.md); the backend serves OscarSettings.logit_correction_for's λ (0.5, 0 with key means).
@@ -109,7 +114,8 @@ EXTRA_METHODS = [
     Method("oscar-int2-debiased-half", "oscar", "int2", logit_correction=0.5),
     Method("oscar-int2-fit-debiased-half-key-mean", "oscar", "int2", clip="fitted", logit_correction=0.5,
            key_mean=True),
-    # What key_mean "on" serves (the mean on each head's 16 strongest pairs): at its default λ, 0, and at 0.25.
+    # The mean turned to each key's own position (a product a key in a read), on each head's 16
+    # strongest pairs: at λ 0 and 0.25 (docs/quality.md).
     Method("oscar-int2-fit-key-mean16", "oscar", "int2", clip="fitted", key_mean=True, key_mean_pairs=16),
     Method("oscar-int2-fit-debiased-quarter-key-mean16", "oscar", "int2", clip="fitted", logit_correction=0.25,
            key_mean=True, key_mean_pairs=16),
@@ -142,30 +148,43 @@ def layer_specs(method: Method, rotations: dict[str, OscarRotations], layer_ids:
             RowQuantizer(method.quant, ck, None, method.scale_dtype),
             RowQuantizer(method.quant, cv, None, method.scale_dtype),
             method.logit_correction,
-            KeyMean(served_pairs(rot.key_means[i], method.key_mean_pairs), *rope) if method.key_mean else None,
+            method_key_mean(method, rot.key_means[i], rope) if method.key_mean else None,
         )
     return specs
 
 
+def method_key_mean(method: Method, mean: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> KeyMean:
+    """A layer's key mean as ``method`` reads it: per block (``block_average``) or per position, on
+    each head's ``key_mean_pairs`` strongest pairs (0: all)."""
+    block = method.key_mean_block
+    served = served_pairs(block_average(mean, *rope, block) if block else mean, method.key_mean_pairs)
+    return KeyMean(served, *rope, block=block)
+
+
 def served_method(rotations: OscarRotations, dense_prefill: bool = False) -> Method:
     """The method the backend serves ``rotations`` with by default: the file's fitted clip ratios
-    where it has them, else the reference's; FP16 scales; the default logit correction, which
-    every INT2 read takes but a 16-bit model's prompt chunks over a cached prefix
-    (``dense_prefill``: they run on FlashAttention, which takes no correction; docs/kernels.md)."""
+    where it has them, else the reference's; FP16 scales; keys less their block's mean where the
+    file has key means (``key_mean`` "auto"); the default logit correction, which every INT2 read
+    takes but a 16-bit model's prompt chunks over a cached prefix (``dense_prefill``: they run on
+    FlashAttention, which takes no correction; docs/kernels.md)."""
     clip = "fitted" if rotations.clip_ratios_k else "reference"
-    correction = 0.0 if dense_prefill else OscarSettings().logit_correction_for(key_mean=False)
+    key_mean = rotations.key_means is not None and OscarSettings().key_mean != "off"
+    correction = 0.0 if dense_prefill else OscarSettings().logit_correction_for(key_mean=key_mean)
+    block = SERVED_BLOCK if key_mean else 0
     for m in METHODS + EXTRA_METHODS:
-        if (m.rotation, m.quant, m.clip, m.windows, m.scale_dtype, m.logit_correction) == (
-                "oscar", "int2", clip, True, torch.float16, correction):
+        if (m.rotation, m.quant, m.clip, m.windows, m.scale_dtype, m.logit_correction, m.key_mean,
+                m.key_mean_block) == ("oscar", "int2", clip, True, torch.float16, correction, key_mean, block):
             return m
-    raise LookupError(f"no method in METHODS_BY_NAME serves clip {clip!r} with logit correction {correction}")
+    raise LookupError(f"no method in METHODS_BY_NAME serves clip {clip!r} with logit correction {correction}"
+                      f"{' and key means' if key_mean else ''}")
 
 
-def served_specs(rotations: OscarRotations, num_layers: int,
-                 dense_prefill: bool = False) -> tuple[Method, dict[int, LayerCacheSpec]]:
-    """The reference cache as the backend serves ``rotations`` (``served_method``)."""
+def served_specs(rotations: OscarRotations, num_layers: int, dense_prefill: bool = False,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[Method, dict[int, LayerCacheSpec]]:
+    """The reference cache as the backend serves ``rotations`` (``served_method``); ``rope``: the
+    model's RoPE table, which a served key mean is turned with."""
     method = served_method(rotations, dense_prefill)
-    return method, layer_specs(method, {"oscar": rotations}, list(range(num_layers)))
+    return method, layer_specs(method, {"oscar": rotations}, list(range(num_layers)), rope)
 
 
 def add_served_arguments(parser: argparse.ArgumentParser, out: str, device: bool = True) -> None:
@@ -183,7 +202,9 @@ def load_served(args: argparse.Namespace,
     """SmolLM2 and the reference cache as the backend serves ``args.rotations``
     (``add_served_arguments``'s options; on the CPU without ``--device``; ``served_method``)."""
     loaded = load_model(None, None, getattr(args, "device", "cpu"), DTYPES[args.dtype])
-    method, specs = served_specs(load_rotations(args.rotations, loaded.shape), loaded.shape.num_layers, dense_prefill)
+    rope = rope_tables(loaded, loaded.model.config.max_position_embeddings)
+    method, specs = served_specs(load_rotations(args.rotations, loaded.shape), loaded.shape.num_layers, dense_prefill,
+                                 rope)
     return loaded, method, specs
 
 

@@ -30,10 +30,10 @@ PREFILL_READS = ("chunk", "decode")
 # ring an earlier request of the same prefix left, where one is still in the pool (the hit then
 # ends where vLLM's does), else computed again (oscar_vllm.serving.window_pages).
 HIT_RINGS = ("recompute", "reuse")
-# Whether the INT2 pages hold keys less their mean before RoPE ("on": the rotation file's means,
-# oscar-calibrate writes them; docs/quality.md) or the keys as they are ("off"); "auto": "on" where
-# the rotations have means, the model's RoPE takes them and prefill_read is "chunk", else "off".
-# Off by default: it costs 3-7% of a decode step and 7% of prefill (docs/kernels.md, H100, 2026-12-05).
+# Whether the INT2 pages hold keys less their block's mean ("on": the rotation file's means before
+# RoPE, oscar-calibrate writes them; docs/quality.md) or the keys as they are ("off"); "auto", the
+# default: "on" where the rotations have means, the model's RoPE takes them and prefill_read is
+# "chunk", else "off" (said once at startup). A read adds one logit per block and query.
 KEY_MEANS = ("off", "on", "auto")
 HOW_TO_GET_ROTATIONS = (
     "give a rotation folder with --additional-config '{\"oscar\": {\"rotation_path\": DIR}}' "
@@ -76,7 +76,7 @@ class OscarSettings:
     # prefill_read "decode"; docs/backend.md).
     decode_splits: int = 0
     hit_ring: str = "recompute"
-    key_mean: str = "off"
+    key_mean: str = "auto"
     # Threads that compile the kernels' serving variants at startup (csrc_triton.warm_up.launch_all).
     # An OSCAR engine's warm-up (17 variants, Qwen3-8B shape, empty Triton cache) took 43.9 s in one
     # thread and 25.9 s in 4 on the H200 machine, inside a 69 s engine init (tests/gpu/run.sh warmup,

@@ -49,7 +49,7 @@ from csrc_triton.paged_layout import (
 )
 from csrc_triton.warm_up import warm_up_kernels
 from oscar_vllm.core.fold import RotationFoldError
-from oscar_vllm.core.key_mean import served_pairs
+from oscar_vllm.core.key_mean import served_block_mean
 from oscar_vllm.core.quant import PARAM_DTYPES, clip_index
 from oscar_vllm.core.settings import BACKEND_NAME, OscarSettings, OscarSettingsError
 from oscar_vllm.reference.oscar_write import window_index
@@ -427,15 +427,18 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         self.clip_idx_v = clip_index(clip_ratio_v, self.head_size)
 
     def set_key_mean(self, mean: torch.Tensor, cos_sin: torch.Tensor) -> None:
-        """Keys are written less ``mean`` ``[Hkv, d]`` (before RoPE, this shard's KV heads) on each
-        head's ``KEY_MEAN_PAIRS`` strongest RoPE pairs (what the decode kernel adds back; the
-        study's 16 do what all do), turned by ``cos_sin`` fp32 ``[P, d]`` (``block_rope_table``), and
-        read plus it (``key_mean`` "on"): by the decode and INT2 kernels, and by the dense prefill's
-        fill through its basis under this layer's rotation (``key_mean_basis``; after ``set_layer``)."""
+        """Keys are written less their block's mean and read plus it (``key_mean``): ``mean``
+        ``[Hkv, d]`` is the layer's mean key before RoPE (this shard's KV heads), ``cos_sin`` fp32
+        ``[P, d]`` the RoPE table the model turns its keys with (vLLM's, ``d/2`` cosines then
+        sines). The kernels serve its average over a cache block's positions on each head's
+        ``KEY_MEAN_PAIRS`` strongest RoPE pairs (``served_block_mean``; the study's 16 do what all
+        do), turned to each block's first position: the decode and INT2 kernels add its logit,
+        the dense prefill's fill its rows through a basis under this layer's rotation
+        (``key_mean_basis``; after ``set_layer``)."""
         if self.decode_read:
             raise OscarSettingsError("key_mean 'on' needs prefill_read 'chunk'")
         device = self.window_pos.device
-        mean = served_pairs(mean.to(device=device, dtype=torch.float32), KEY_MEAN_PAIRS)
+        mean = served_block_mean(mean.float(), cos_sin, BLOCK_SIZE, KEY_MEAN_PAIRS).to(device)
         self.logit_correction = self.settings.logit_correction_for(key_mean=True)
         self.key_mean = dict(key_mean=mean.contiguous(),
                              cos_sin=cos_sin.to(device=device, dtype=torch.float32).contiguous())
@@ -465,7 +468,7 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
             sched.max_num_batched_tokens, torch.cuda.get_device_properties(kv_cache.device).multi_processor_count,
             merge_self=self.own_keys_attention is not None, dense=self.dense_kv is not None, gluon=self.gluon_decode,
             decode_read=self.decode_read, fixed_splits=self.settings.decode_splits,
-            threads=self.settings.warm_up_threads,
+            threads=self.settings.warm_up_threads, logit_correction=self.logit_correction,
             key_mean=self.key_mean, decode_key_mean=self.decode_key_mean, dense_mean_basis=self.dense_mean_basis,
         )
 

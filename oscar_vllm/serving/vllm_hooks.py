@@ -314,7 +314,16 @@ def rope_tables_for_key_means(settings: OscarSettings, have_means: bool, blocks:
     ``key_mean`` "on" (a model whose RoPE cannot take them is refused), or "auto" where the
     rotations have means (``have_means``), ``prefill_read`` is "chunk" and every layer's RoPE takes
     them; else None (the keys as they are)."""
-    if settings.key_mean == "off" or (settings.key_mean == "auto" and (not have_means or settings.prefill_read != "chunk")):
+    if settings.key_mean == "off":
+        return None
+    if settings.key_mean == "auto" and not have_means:
+        logger.warning("OSCAR: the rotations %s have no key means (published RotationZoo files have none), so the "
+                       "INT2 keys are rounded as they are, at about a point more perplexity (docs/quality.md); "
+                       "`oscar-calibrate --model-path MODEL --output-dir DIR` writes rotations with them",
+                       settings.rotation_path)
+        return None
+    if settings.key_mean == "auto" and settings.prefill_read != "chunk":
+        logger.info("OSCAR: key_mean 'auto' serves the keys as they are with prefill_read %r", settings.prefill_read)
         return None
     shared: dict[int, torch.Tensor] = {}
     try:
@@ -328,14 +337,12 @@ def rope_tables_for_key_means(settings: OscarSettings, have_means: bool, blocks:
 
 def rope_table_of(block: torch.nn.Module, layer_id: int, head_size: int,
                   cache: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-    """fp32 ``[P, d]``: the RoPE table a self-attention block turns its keys with, as the kernels
-    turn key means (``block_rope_table``: each position from its block's first row), from vLLM's
-    own fp32 computation of its ``cos_sin_cache`` (each position's d/2 cosines, then its sines:
-    the buffer itself is in the model's dtype), where it is the rotate-half form over the whole
-    head that key means take; else an error naming the layer. ``cache``: tables already built, by
-    rotary embedding (vLLM shares one among the layers that have the same)."""
-    from csrc_triton.paged_layout import block_rope_table
-
+    """fp32 ``[P, d]``: the RoPE table a self-attention block turns its keys with, from vLLM's own
+    fp32 computation of its ``cos_sin_cache`` (each position's d/2 cosines, then its sines: the
+    buffer itself is in the model's dtype), where it is the rotate-half form over the whole head
+    that key means take; else an error naming the layer. The kernels read its rows at blocks'
+    first positions and the block mean its first block's rows (``served_block_mean``). ``cache``:
+    tables already built, by rotary embedding (vLLM shares one among the layers that have the same)."""
     rotary = getattr(block, "rotary_emb", None)
     table = getattr(rotary, "cos_sin_cache", None)
     if (table is None or not getattr(rotary, "is_neox_style", False) or getattr(rotary, "rotary_dim", None) != head_size
@@ -348,14 +355,13 @@ def rope_table_of(block: torch.nn.Module, layer_id: int, head_size: int,
     exact = rotary._compute_cos_sin_cache() if hasattr(rotary, "_compute_cos_sin_cache") else table
     if exact.shape != table.shape:
         exact = table
-    try:
-        turned = block_rope_table(exact.float()).to(table.device)
-    except ValueError as e:
-        raise OscarSettingsError(f"key_mean 'on': layer {layer_id}'s {type(rotary).__name__}: {e} (serve this model "
-                                 "with key_mean 'off')") from None
+    exact = exact.float().to(table.device).contiguous()
+    if not bool((exact[0, : head_size // 2].abs() > 0).all()):
+        raise OscarSettingsError(f"key_mean 'on': layer {layer_id}'s {type(rotary).__name__} table has a zero in its "
+                                 "first row, where each pair's scale must be (serve this model with key_mean 'off')")
     if cache is not None:
-        cache[id(rotary)] = turned
-    return turned
+        cache[id(rotary)] = exact
+    return exact
 
 
 def give_dense_prefill_buffers(impls: list, vllm_config) -> int:

@@ -838,10 +838,13 @@ def test_hadamard_key_mean_rotations_load_as_the_backend_reads_them(ab, tmp_path
     assert all(torch.equal(rot.key_means[i], again.key_means[i]) for i in range(36))
 
 
-def test_hadamard_key_means_without_the_setting_is_refused(tmp_path):
-    """Means that OSCAR would not read (``key_mean`` off) would time the run without them."""
+def test_hadamard_key_means_with_key_mean_off_are_refused(tmp_path, ab):
+    """Means that OSCAR would not read (``key_mean`` off) would time the run without them; the
+    default (``auto``) and ``on`` read them."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OSCAR_")}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--rotations", "hadamard-key-means", "--scenarios", "decode",
-                           "--configs", "OSCAR", "--out", str(tmp_path / "ab")], capture_output=True, text=True, env=env)
-    assert proc.returncode == 2 and "OSCAR_KEY_MEAN=on" in proc.stderr
+                           "--configs", "OSCAR", "--out", str(tmp_path / "ab")], capture_output=True, text=True,
+                          env={**env, "OSCAR_KEY_MEAN": "off"})
+    assert proc.returncode == 2 and "OSCAR_KEY_MEAN=off serves without them" in proc.stderr
     assert not (tmp_path / "ab").exists(), "refused before anything is written"
+    assert ab.oscar_key_mean(env) == "auto" and ab.oscar_key_mean({"OSCAR_KEY_MEAN": "on"}) == "on"

@@ -213,26 +213,41 @@ def test_error_measure_is_the_mean_squared_logit_error():
 
 
 def test_the_reference_cache_as_served_uses_the_serving_defaults():
-    """Benchmarks that read 'OSCAR as served' in the reference cache take the backend's default
-    logit correction (but where FlashAttention reads the INT2 keys) and the rotation file's clip."""
+    """Benchmarks that read 'OSCAR as served' in the reference cache take the backend's defaults:
+    keys less their block's mean where the rotation file has means (its 16 strongest pairs, one
+    vector a cache block) and the logit correction that goes with it (none), the plain keys and
+    the default λ where it has none (but where FlashAttention reads the INT2 keys), and the rotation
+    file's clip."""
     import dataclasses
     from pathlib import Path
 
     from oscar_vllm.calibration.evaluate import served_method, served_specs
+    from oscar_vllm.core.key_mean import SERVED_BLOCK, SERVED_PAIRS, block_average, strongest_pairs
     from oscar_vllm.core.rotation_io import load_rotations
     from oscar_vllm.core.settings import OscarSettings
 
     committed = load_rotations(Path(__file__).resolve().parents[2] / "results" / "smollm2_rotations")
+    with_mean = served_method(committed)
+    assert (with_mean.clip, with_mean.logit_correction, with_mean.scale_dtype) == ("fitted", 0.0, torch.float16)
+    assert (with_mean.key_mean, with_mean.key_mean_pairs, with_mean.key_mean_block) == (True, SERVED_PAIRS,
+                                                                                         SERVED_BLOCK)
+    no_means = dataclasses.replace(committed, key_means=None)
     correction = OscarSettings().logit_correction_for(key_mean=False)
-    fitted = served_method(committed)
-    assert (fitted.clip, fitted.logit_correction, fitted.scale_dtype) == ("fitted", correction, torch.float16)
-    plain = served_method(dataclasses.replace(committed, clip_ratios_k=None, clip_ratios_v=None))
+    fitted = served_method(no_means)
+    assert (fitted.clip, fitted.logit_correction, fitted.key_mean) == ("fitted", correction, False)
+    plain = served_method(dataclasses.replace(no_means, clip_ratios_k=None, clip_ratios_v=None))
     assert (plain.clip, plain.logit_correction) == ("reference", correction)
-    assert served_method(committed, dense_prefill=True).logit_correction == 0  # FlashAttention's prompt chunks
-    method, specs = served_specs(committed, 30)
+    assert served_method(no_means, dense_prefill=True).logit_correction == 0  # FlashAttention's prompt chunks
+    method, specs = served_specs(no_means, 30)
     assert method == fitted and len(specs) == 30
-    assert all(s.logit_correction == correction for s in specs.values())
+    assert all(s.logit_correction == correction and s.key_mean is None for s in specs.values())
     assert specs[3].key_quant.clip_ratio == committed.clip_ratio("key", 3)
+    cos, sin = (torch.rand(300, 64) for _ in range(2))
+    cos[0] = 1.0
+    method, specs = served_specs(committed, 30, rope=(cos, sin))
+    assert method == with_mean and specs[3].key_mean.block == SERVED_BLOCK
+    want = strongest_pairs(block_average(committed.key_means[3], cos, sin, SERVED_BLOCK), SERVED_PAIRS)
+    torch.testing.assert_close(specs[3].key_mean.mean, want)
 
 
 def pre_rope_keys(model, layer_idx, ids):

@@ -6,7 +6,10 @@ import math
 import pytest
 import torch
 
-from oscar_vllm.core.key_mean import KeyMean, pre_rope_mean, rope, served_pairs, strongest_pairs, unrope
+from oscar_vllm.core.key_mean import (
+    SERVED_BLOCK, SERVED_PAIRS, KeyMean, block_average, pre_rope_mean, rope, served_block_mean, served_pairs,
+    strongest_pairs, unrope,
+)
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
 
 D, HKV = 64, 2
@@ -150,3 +153,55 @@ def test_shared_strongest_pairs_are_the_same_for_every_head():
     assert own[0].nonzero().flatten().tolist() == [0] and own[1].nonzero().flatten().tolist() == [2, 6]
     shared = strongest_pairs(mean, 1, shared=True)  # pair 2 holds 12.5 over both heads, pair 0 9
     assert shared[0].abs().sum() == 0 and shared[1].nonzero().flatten().tolist() == [2, 6]
+
+
+def test_a_block_mean_is_one_vector_a_block_turned_to_its_first_position():
+    cos, sin = rope_table(300)
+    mean = torch.randn(HKV, D)
+    blocked = KeyMean(mean, cos, sin, block=64)
+    at = blocked.at(300)
+    for p0 in range(0, 300, 64):
+        torch.testing.assert_close(at[p0:p0 + 64], at[p0].expand_as(at[p0:p0 + 64]))
+        torch.testing.assert_close(at[p0], KeyMean(mean, cos, sin).turned(torch.tensor([p0]))[0])
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.3], ids=["plain", "yarn-scaled"])
+def test_the_block_average_is_the_mean_averaged_over_each_blocks_positions(scale):
+    """Turned to a block's first position, the block average is the mean's average over the block's
+    positions, for every block (RoPE composes), and no other vector a block shares is nearer to its
+    keys' means. A table whose pairs carry a scale (YaRN's) is divided by it once."""
+    cos, sin = rope_table(640, base=1000.0)
+    cos, sin = cos * scale, sin * scale
+    mean = torch.randn(HKV, D, dtype=torch.float64)
+    exact = KeyMean(mean, cos.double(), sin.double()).at(640).double()  # [P, Hkv, d]
+    average = block_average(mean, cos.double(), sin.double(), 64)
+    blocked = KeyMean(average, cos.double(), sin.double(), block=64).at(640).double()
+    for p0 in (0, 64, 576):
+        want = exact[p0:p0 + 64].mean(0)
+        torch.testing.assert_close(blocked[p0], want, atol=1e-5 * scale, rtol=1e-5)
+        left = (exact[p0:p0 + 64] - blocked[p0]).square().sum()
+        for shift in (0.05, -0.05):
+            assert (exact[p0:p0 + 64] - blocked[p0] * (1 + shift)).square().sum() > left
+    # a pair that turns a whole circle over a block keeps nothing of its mean; a slow one nearly all
+    theta = 1000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    kept = average[..., : D // 2].square() + average[..., D // 2:].square()
+    energy = mean[..., : D // 2].square() + mean[..., D // 2:].square()
+    assert bool((kept[:, theta > 0.5] < 0.01 * energy[:, theta > 0.5]).all())
+    assert bool((kept[:, theta < 0.002] > 0.99 * energy[:, theta < 0.002]).all())
+    with pytest.raises(ValueError, match="block of 700 positions, the RoPE table covers 640"):
+        block_average(mean, cos, sin, 700)
+
+
+def test_served_block_mean_takes_vllms_table_and_keeps_each_heads_strongest_pairs():
+    cos, sin = rope_table(128)
+    mean = torch.randn(HKV, D)
+    vllm_cache = torch.cat([cos[:, : D // 2], sin[:, : D // 2]], dim=-1)
+    served = served_block_mean(mean, vllm_cache, 64, 4)
+    torch.testing.assert_close(served, strongest_pairs(block_average(mean, cos, sin, 64), 4))
+    assert ((served[:, : D // 2] != 0) | (served[:, D // 2:] != 0)).sum(-1).tolist() == [4] * HKV
+
+
+def test_what_the_reference_serves_is_what_the_kernels_add():
+    from csrc_triton.paged_layout import BLOCK_SIZE, KEY_MEAN_BLOCK, KEY_MEAN_PAIRS
+
+    assert (SERVED_PAIRS, SERVED_BLOCK) == (KEY_MEAN_PAIRS, BLOCK_SIZE) == (KEY_MEAN_PAIRS, KEY_MEAN_BLOCK.value)

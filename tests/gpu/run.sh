@@ -17,15 +17,18 @@
 #           60% of the copy rate (OSCAR_NCU_DECODE, BATCHxCONTEXT); ncu.txt, and ncu.md its table
 #           (benchmarks/kernels/ncu_summary.py: medians, bytes, occupancy, what bounds each kernel)
 #   suite   the whole test suite on the GPU
-#   key_mean  keys less their mean (OSCAR_KEY_MEAN=on): its kernel tests, SmolLM2 perplexity in vLLM
-#           (FLASH_ATTN, OSCAR, OSCAR with the mean, eager), the Gluon decode kernel with and without the
-#           mean (Qwen3-8B shape), then perplexity with the mean under CUDA graphs (its default λ: 0) and
-#           decode batches of 3 and 31 that full CUDA graphs pad
-#   key_mean_ab  the key mean's end-to-end price (Qwen3-8B shape, vLLM's defaults): OSCAR (decode after
-#           caching, prefix hit, prefill, batch-1 latency at 1K-128K), then OSCAR with OSCAR_KEY_MEAN=on
-#           and seeded means on the first run's sizes (OSCAR_AB_ARGS to both; within OSCAR_KEY_MEAN_AB_S,
-#           585 s: a 10-minute GPU call, which FLASH_ATTN beside them would not fit; the `ab` stage
-#           compares OSCAR with vLLM's caches)
+#   key_mean  keys less their block's mean (the default with rotations that have means): its kernel
+#           tests, the Gluon decode kernel as served (mean, λ 0; also at OSCAR_MEAN_MAXNREG registers)
+#           against the default before (no mean, λ 0.5), Qwen3-8B shape; decode batches of 3 and 31 that
+#           full CUDA graphs pad
+#   key_mean_ab  the key mean's end-to-end price (Qwen3-8B shape, vLLM's defaults): OSCAR as served
+#           before (OSCAR_KEY_MEAN=off: decode after caching, prefix hit, prefill, batch-1 latency at
+#           1K-128K), then OSCAR as served now (seeded means) on the first run's sizes (OSCAR_AB_ARGS to
+#           both; within OSCAR_KEY_MEAN_AB_S, 585 s: a 10-minute GPU call, which FLASH_ATTN beside them
+#           would not fit; the `ab` stage compares OSCAR with vLLM's caches)
+#   quality_vllm  quality inside vLLM (benchmarks/quality_vllm.py, SmolLM2): BF16, fp8, int4_per_token_head,
+#           OSCAR and OSCAR before key means; perplexity of prose and of code, greedy continuations at
+#           2K-7K, passkeys; then the decode-time curve at 1K-8K in the reference cache
 #   ppl     SmolLM2 perplexity through OSCAR (fp32 eager, bf16 with CUDA graphs) only
 #   e2e     vLLM end to end: SmolLM2 perplexity through OSCAR vs the reference simulation,
 #           greedy text, CUDA graphs, the Qwen3-8B shape (generation, KV capacity)
@@ -157,29 +160,42 @@ for stage in $stages; do
           tests/kernels/test_warm_up.py tests/kernels/test_oscar_decode.py \
           -k "key_mean or plus_their_mean or mixed_cache or coefficients" || failed=1
         [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1
-        $e2e ppl --model "$work/smollm2" --backend FLASH_ATTN --dtype bfloat16 --eager || failed=1
-        $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16 --eager || failed=1
-        OSCAR_KEY_MEAN=on $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16 --eager || failed=1
-        (cd benchmarks/kernels && python3 oscar_decode.py decode --key-mean --shapes qwen3-8b --batches 1 8 32 \
-           --contexts 8192 32768 --out "$out/key_mean_decode") || failed=1
-        OSCAR_KEY_MEAN=on $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16 || failed=1
+        (cd benchmarks/kernels && python3 oscar_decode.py decode --key-mean --mean-maxnreg ${OSCAR_MEAN_MAXNREG:-} \
+           --shapes qwen3-8b --batches 1 8 32 --contexts 8192 32768 131072 --out "$out/key_mean_decode") ||
+          failed=1
         # Decode batches a full CUDA graph pads (3 -> 4, 31 -> 32): its padding entries have sequence length 0
-        OSCAR_KEY_MEAN=on $e2e decode --model "$work/smollm2" --rotations "$smol_rot" --contexts 2048 \
-          --batches 3 31 --new-tokens 64 || failed=1
+        $e2e decode --model "$work/smollm2" --rotations "$smol_rot" --contexts 2048 --batches 3 31 --new-tokens 64 ||
+          failed=1
         exit $failed
       ) 2>&1 | tee "$out/key_mean.log" || status=1 ;;
     key_mean_ab)
       # Within one GPU call (OSCAR_KEY_MEAN_AB_S, 585 s): each run ends by its share (--deadline-s).
       ( failed=0; t0=$SECONDS; budget=${OSCAR_KEY_MEAN_AB_S:-585}
-        python3 benchmarks/ab_throughput.py --configs OSCAR --scenarios decode latency \
-          --deadline-s $(( budget / 2 )) --out "$out/ab_key_mean/without" ${OSCAR_AB_ARGS:-} || failed=1
-        OSCAR_KEY_MEAN=on python3 benchmarks/ab_throughput.py --configs OSCAR --rotations hadamard-key-means \
+        OSCAR_KEY_MEAN=off python3 benchmarks/ab_throughput.py --configs OSCAR --scenarios decode latency \
+          --rotations hadamard --deadline-s $(( budget / 2 )) --out "$out/ab_key_mean/without" ${OSCAR_AB_ARGS:-} ||
+          failed=1
+        python3 benchmarks/ab_throughput.py --configs OSCAR --rotations hadamard-key-means \
           --plan "$out/ab_key_mean/without/plan.json" --deadline-s $(( budget - (SECONDS - t0) )) \
           --out "$out/ab_key_mean/with" ${OSCAR_AB_ARGS:-} || failed=1
         # one table, the mean's column "OSCAR (run 2)", into without/ab.md
         python3 benchmarks/ab_throughput.py --report "$out/ab_key_mean/without" "$out/ab_key_mean/with" || failed=1
         exit $failed
       ) 2>&1 | grep --line-buffered -v EngineCore | tee "$out/key_mean_ab.log" || status=1 ;;
+    quality_vllm)
+      ( failed=0
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1
+        python3 benchmarks/quality_vllm.py --model "$work/smollm2" --rotations "$smol_rot" \
+          --out "$out/quality_vllm" || failed=1
+        python3 -m oscar_vllm.calibration.evaluate --rotations "$smol_rot" --contexts 1024,2048,4096,8192 \
+          --eval-tokens 65536 --device cuda --methods bf16,oscar-int2-fit-debiased-half,oscar-int2-fit-key-mean \
+          --output-dir "$out/quality_vllm/curve" || failed=1
+        python3 benchmarks/quality_study.py --windows 8 --device cuda --out "$out/quality_vllm/study" \
+          --cache "$out/quality_vllm/study_cache" --rows ${OSCAR_STUDY_ROWS:-debiased-half,uncorrected-key-mean-16pairs,$(
+          )uncorrected-key-mean-block64-16pairs,uncorrected-key-mean-block64-16pairs-recent320,$(
+          )quarter-key-mean-block64-16pairs,uncorrected-key-mean-block64,uncorrected-key-mean-block16-16pairs} ||
+          failed=1
+        exit $failed
+      ) 2>&1 | grep --line-buffered -v EngineCore | tee "$out/quality_vllm.log" || status=1 ;;
     ppl)
       ( failed=0
         [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1

@@ -119,7 +119,7 @@ def test_the_key_mean_coefficients_give_the_querys_product_with_the_turned_mean(
     q = random_rows((5, 6, 64), torch.float32, 3)
     pos = torch.tensor([0, 1, 77, 299, 150])
     got = (key_mean_coefficients(q, km.mean).cpu() * km.table.cpu()[pos][:, None]).sum(-1)
-    want = (q.cpu().view(5, 2, 3, 64) * km.twin.turned(pos)[:, :, None]).sum(-1).view(5, 6)
+    want = (q.cpu().view(5, 2, 3, 64) * km.model.turned(pos)[:, :, None]).sum(-1).view(5, 6)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 

@@ -11,7 +11,6 @@ from csrc_triton.oscar_decode import (
     DECODE_LAUNCH, MAX_DECODE_SPLITS, decode_launch, decode_ring_cost, decode_splits, key_mean_operands, split_shares,
     supports,
 )
-from csrc_triton.paged_layout import block_rope_table
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
 from oscar_vllm.core.quant import clip_index
 from oscar_vllm.reference.oscar_attention import oscar_attention_reference
@@ -206,10 +205,11 @@ def test_references_correct_logits_as_the_mixed_cache_reference(lam, key_mean):
     d, hkv, g, sink, recent, lens = 64, 2, 2, 4, 8, [100, 37]
     pc = PagedCache(len(lens), max(lens), hkv, d, sink, recent, DEVICE)
     rot = random_rotation(d).to(DEVICE)
-    mean = KeyMeanCase(hkv, d, max(lens), seed=50).twin if key_mean else None
+    km = KeyMeanCase(hkv, d, max(lens), seed=50)
+    mean = km.twin if key_mean else None
     ks = [random_rows((n, hkv, d), torch.float32, 20 + r) for r, n in enumerate(lens)]
-    if key_mean:  # keys that have the mean they are rounded less
-        ks = [k + mean.at(k.shape[0]).to(k.device) for k in ks]
+    if key_mean:  # keys that have a mean, which they are rounded less block by block
+        ks = [k + km.model.at(k.shape[0]).to(k.device) for k in ks]
     vs = [random_rows((n, hkv, d), torch.float32, 30 + r) for r, n in enumerate(lens)]
     qs = [random_rows((n, hkv * g, d), torch.float32, 40 + r) for r, n in enumerate(lens)]
     prefill = pc.schedule({r: n - 1 for r, n in enumerate(lens)})
@@ -318,10 +318,10 @@ def test_split_scratch_too_short_for_the_batch_is_refused(monkeypatch, path):
     assert [grid for grid, _, _ in launches] == [(n, hkv, splits)]
 
 
-def test_key_mean_launches_without_the_register_cap(monkeypatch):
-    """A batch the table caps at 168 registers launches uncapped with the key mean: the program
-    holds the mean's offset features in 64 registers through its loop, which spilled under the
-    cap (``test_gluon_decode_key_mean_adds_three_products_a_block``). Recorded on the CPU."""
+def test_key_mean_and_logit_correction_launch_as_compiled_variants_under_the_register_cap(monkeypatch):
+    """A batch the table caps at 168 registers launches under that cap with the key mean too (a
+    block's mean is one logit: MEAN_PAIRS coefficients a head held, nothing a key), and λ = 0
+    launches the variant without the correction's product (``CORRECT``). Recorded on the CPU."""
     from csrc_triton import oscar_decode as od
 
     launches = record_launches(monkeypatch, od, "_oscar_decode_kernel")
@@ -331,55 +331,47 @@ def test_key_mean_launches_without_the_register_cap(monkeypatch):
     pc, step, q, q_rot, _, _ = prepare(d, hkv, g, sink, recent, [100] * n, [1] * n, torch.bfloat16,
                                        entries_per_page=8)
     km = KeyMeanCase(hkv, d, 256)
-    for mean in (None, km.operands()):
+    for mean, lam in ((None, 0.5), (km.operands(), 0.0)):
         od.oscar_decode(torch.empty_like(q_rot), q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
                         step.block_table, step.seq_lens, step.ring_slots, n, 1 / math.sqrt(d), sink, recent,
-                        q=q, key_mean=mean)
+                        logit_correction=lam, q=q, key_mean=mean)
     plain, with_mean = (kwargs for _, _, kwargs in launches)
-    assert plain["maxnreg"] == 168 and plain["KEY_MEAN"] is False
-    assert "maxnreg" not in with_mean and with_mean["KEY_MEAN"] is True
+    assert plain["maxnreg"] == 168 and plain["KEY_MEAN"] is False and plain["CORRECT"] is True
+    assert with_mean["maxnreg"] == 168 and with_mean["KEY_MEAN"] is True and with_mean["CORRECT"] is False
 
 
-def mean_scores_as_the_kernel_adds_them(q, operands, h, g, blk):
-    """fp64 ``[64 keys, g]``: what ``_add_mean_scores`` adds to block ``blk``'s scores of KV head
-    ``h`` (before the softmax scale), from the operands as the kernel reads them: the features
-    relabelled from their lane-major store as ``_mean_features`` does, the block's first table row
-    folded into the coefficients, high and low fp16 terms."""
-    d = q.shape[-1]
-    half = d // 2
+def block_mean_logits_as_the_kernel_adds_them(q, operands, h, g, blk):
+    """fp64 ``[g]``: what ``_block_mean_scores`` adds to every score of block ``blk`` of KV head
+    ``h`` (before the softmax scale), from the operands as the kernel reads them: each head's
+    coefficients over the pairs ``mean_pairs`` names, times the table's row of the block's first
+    position."""
+    half = q.shape[-1] // 2
     cols = operands["mean_pairs"][h].long().cpu()
     mean = operands["key_mean"][h].double().cpu()
     qh = q[h * g:(h + 1) * g].double().cpu()
     a = qh[:, cols] * mean[cols] + qh[:, cols + half] * mean[cols + half]
     b = qh[:, cols + half] * mean[cols] - qh[:, cols] * mean[cols + half]
     row = operands["cos_sin"][blk * 64].double().cpu()
-    tc, ts = row[cols], row[cols + half]
-    coef = torch.cat([a * tc + b * ts, b * tc - a * ts], dim=1).T  # [2·pairs, g]
-    c_hi = coef.half().double()
-    c_lo = (coef - c_hi).half().double()
-    feats = [operands["mean_features"][h, term].cpu().reshape(*[2] * 11).permute(5, 6, 9, 0, 1, 2, 7, 8, 3, 4, 10)
-             .reshape(64, -1).double() for term in (0, 1)]
-    return feats[1] @ c_hi + feats[0] @ c_lo + feats[0] @ c_hi
+    return (a * row[cols] + b * row[cols + half]).sum(dim=1)
 
 
 @pytest.mark.parametrize(("d", "g", "blk"), [(128, 4, 0), (128, 16, 37), (64, 3, 511)])
-def test_key_mean_operands_give_the_mean_at_every_key_of_a_block(d, g, blk):
-    """The decode kernel's key-mean operands, read as the kernel reads them (the fragment order of
-    the offset features, the block's first row folded into the coefficients), give every key of a
-    block ``q·RoPE_p(μ)`` at its own position (score row κ holding token ``8(κ mod 8) + κ div 8``),
-    as the twins turn the mean, within fp32 rounding."""
+def test_key_mean_operands_give_every_key_of_a_block_its_blocks_mean(d, g, blk):
+    """The decode kernel's key-mean operands, read as the kernel reads them (each head's pairs, the
+    block's first table row), give every key of a block ``q·RoPE_{64b}(μ)``: the twins' mean for
+    each of the block's 64 positions, within fp32 rounding."""
     hkv = 2
     km = KeyMeanCase(hkv, d, 64 * (blk + 1))
     ops = km.operands()
-    assert ops["mean_pairs"].shape == (hkv, 16) and ops["mean_features"].shape == (hkv, 2, 64 * 32)
+    assert ops["mean_pairs"].shape == (hkv, 16) and ops["mean_pairs"].dtype == torch.int32
     q = random_rows((hkv * g, d), torch.float32, 5).cpu()
-    rows = torch.arange(64)
-    positions = blk * 64 + 8 * (rows % 8) + rows // 8
+    positions = blk * 64 + torch.arange(64)
     turned = km.twin.turned(positions).double()  # [64, Hkv, d]
     for h in range(hkv):
-        want = turned[:, h] @ q[h * g:(h + 1) * g].double().T
-        got = mean_scores_as_the_kernel_adds_them(q, ops, h, g, blk)
-        assert (got - want).abs().max() < 1e-5 * want.abs().max(), (got - want).abs().max()
+        want = turned[:, h] @ q[h * g:(h + 1) * g].double().T  # [64, g]
+        assert (want - want[:1]).abs().max() == 0  # one vector for the whole block
+        got = block_mean_logits_as_the_kernel_adds_them(q, ops, h, g, blk)
+        assert (got - want[0]).abs().max() < 1e-5 * want.abs().max(), (got - want[0]).abs().max()
 
 
 def test_key_mean_operands_refuse_a_mean_on_more_pairs_than_the_kernel_adds():
@@ -388,19 +380,6 @@ def test_key_mean_operands_refuse_a_mean_on_more_pairs_than_the_kernel_adds():
         key_mean_operands(km.mean + 0.01, km.table)
     with pytest.raises(ValueError, match="fp32"):
         key_mean_operands(km.mean, km.table.double())
-
-
-def test_block_rope_table_is_the_model_table_turned_block_by_block():
-    """A RoPE table (plain, or each pair scaled as YaRN scales it) built back from each block's
-    first row and the offsets' rows equals itself within fp32 rounding; two tables end to end (a
-    long-context variant's short and long factors) are not one angle a pair and are refused."""
-    plain = vllm_rope_table(4096, 128)
-    assert (block_rope_table(plain) - plain).abs().max() < 1e-5
-    scaled = plain * 1.3
-    assert (block_rope_table(scaled) - scaled).abs().max() < 1e-5
-    two = torch.cat([plain[:2048], vllm_rope_table(4096, 128, base=500_000.0)[2048:]])
-    with pytest.raises(ValueError, match="not one angle a pair"):
-        block_rope_table(two)
 
 
 def test_supported_shapes():

@@ -9,6 +9,7 @@ from csrc_triton.oscar_attention import (
     DecodeReadPrefill, DensePrefill, oscar_attention, oscar_decode_read_prefill, pack_requests,
 )
 from csrc_triton.oscar_dense_kv import key_mean_basis, oscar_dense_kv
+from csrc_triton.paged_layout import BLOCK_SIZE
 from oscar_vllm.core.key_mean import KeyMean
 from oscar_vllm.reference.oscar_attention import (
     causal_attention_reference, decode_read_attention_reference, oscar_attention_reference,
@@ -63,13 +64,13 @@ def test_key_mean_basis_gives_the_mean_turned_and_rotated(per_head, pairs):
         if pairs == "uneven":
             mean[1, 1:d // 2] = mean[1, d // 2 + 1:] = 0
             mean[2] = 0
-        km.mean, km.twin = mean, KeyMean.from_cos_sin_cache(mean, km.table.cpu())
+        km.mean, km.model = mean, KeyMean.from_cos_sin_cache(mean, km.table.cpu())
     rot = random_rotation(d, hkv if per_head else None, seed=4)
     pos = torch.tensor([0, 1, 63, 64, 65, 300, 499])
     basis = key_mean_basis(km.mean.cpu(), rot)
     assert basis.rows.shape == ({"served": 32, "all": d, "uneven": d}[pairs], hkv, d)
     got = torch.stack([km.table.cpu()[pos][:, basis.columns[h].long()] @ basis.rows[:, h] for h in range(hkv)], dim=1)
-    torch.testing.assert_close(got, rotated_key_mean(km.twin, rot, pos), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got, rotated_key_mean(km.model, rot, pos), rtol=1e-5, atol=1e-4)
     if pairs == "uneven":
         k = basis.rows.shape[0]  # head 1: its pair's cosine row 0 and sine row K/2; head 2: none
         assert (basis.rows[:, 1].abs().amax(dim=1) > 0).nonzero().flatten().tolist() == [0, k // 2]
@@ -96,7 +97,8 @@ def test_dense_kv_reads_int2_keys_plus_their_mean(case, out_dtype, pairs):
     km = KeyMeanCase(hkv, d, max(prefix) + max(new) + 1)
     if pairs == "all":
         km.mean = 3 * random_rows((hkv, d), torch.float32, 7).to(DEVICE)
-        km.twin = KeyMean.from_cos_sin_cache(km.mean.cpu(), km.table.cpu())
+        km.twin = KeyMean.from_cos_sin_cache(km.mean.cpu(), km.table.cpu(), block=BLOCK_SIZE)
+        km.model = KeyMean.from_cos_sin_cache(km.mean.cpu(), km.table.cpu())
     pc, step, q, q_rot, k, v = prepare(*case, torch.float32, key_mean=km)
     rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
     n = len(new)

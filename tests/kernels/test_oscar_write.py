@@ -10,6 +10,7 @@ import triton.language as tl
 
 from csrc_triton.oscar_write import _kth_smallest_abs, oscar_write
 from oscar_vllm.core.quant import clip_index, unpack_int2
+from csrc_triton.paged_layout import BLOCK_SIZE
 from oscar_vllm.core.key_mean import KeyMean
 from oscar_vllm.reference.oscar_write import oscar_write_decode_reference, oscar_write_reference, token_positions
 from oscar_vllm.reference.paged import layout_views, window_views
@@ -41,7 +42,8 @@ def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, launc
     mean = table = km = None
     if key_mean:
         mean, table = 3 * random_rows((hkv, d), torch.float32, seed=99), vllm_rope_table(2048, d).to(DEVICE)
-        km = KeyMean.from_cos_sin_cache(mean.cpu(), table.cpu())
+        km = KeyMean.from_cos_sin_cache(mean.cpu(), table.cpu(), block=BLOCK_SIZE)  # what the cache takes off
+        model = KeyMean.from_cos_sin_cache(mean.cpu(), table.cpu())  # what the keys have
     for i, new in enumerate(schedule):
         step = pc.schedule(new)
         ref.schedule(new)
@@ -51,7 +53,7 @@ def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, launc
         common = (step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(step.reqs))
         if key_mean:
             _, pos = token_positions(step.cu_q, step.seq_lens, len(step.reqs))
-            k = (k.float() + km.turned(pos).to(DEVICE)).to(dtype)
+            k = (k.float() + model.turned(pos).to(DEVICE)).to(dtype)
         num_decodes = next((i for i, n in enumerate(new.values()) if n > 1), len(new))
         oscar_write(k, v, rot, *common, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
                     clip_index(0.96, d), clip_index(0.92, d), sink, recent, param_dtype, num_decodes, launch,

@@ -26,6 +26,7 @@ from kernel_cases import (
     CLIP_K, CLIP_V, DEVICE, ON_GPU, KeyMeanCase, prepare, random_rotation,
 )
 from oscar_vllm.core.quant import clip_index
+from oscar_vllm.core.settings import OscarSettings
 from paged_sim import PagedCache
 
 KERNELS = (_oscar_attention_kernel, _merge_splits_kernel, _oscar_dense_kv_kernel, _oscar_write_kernel)
@@ -231,6 +232,7 @@ class LayerLaunches:
         self.rot = random_rotation(self.d).to(DEVICE)
         self.rot_t = decode_rotation(self.rot)
         self.mean = dict(key_mean=km.mean, cos_sin=km.table) if km else {}
+        self.lam = OscarSettings().logit_correction_for(key_mean=km is not None)  # what the layer serves
         self.basis = dict(mean_basis=key_mean_basis(km.mean, self.rot), cos_sin=km.table) if km else {}
         self.operands = km.operands() if km and gluon else None
         # The Gluon decode's splits fill whole waves: its scratch has more rows than the Triton one's.
@@ -245,7 +247,7 @@ class LayerLaunches:
         warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, self.rot, self.hkv * self.g, self.dtype,
                         self.sink, self.recent, torch.float16, self.max_seqs, self.max_tokens, NUM_SMS,
                         merge_self=self.merge_self, dense=True, gluon=self.gluon, decode_read=self.decode_read,
-                        key_mean=self.mean or None,
+                        logit_correction=self.lam, key_mean=self.mean or None,
                         decode_key_mean=self.operands, dense_mean_basis=self.basis.get("mean_basis"),
                         fixed_splits=self.fixed_splits)
 
@@ -276,7 +278,7 @@ class LayerLaunches:
                 oscar_attention(out, q, q_rot, k, v, *cache, step.block_table, step.seq_lens, step.cu_q,
                                 step.ring_slots, nd, num_reqs, step.max_query_len, self.scale, *common,
                                 self.splits(nd), self.part_out, self.part_lse, own, True,
-                                dense_path, logit_correction=0.5, **self.mean)
+                                dense_path, logit_correction=self.lam, **self.mean)
             oscar_write(k, v, self.rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, *cache,
                         *self.clips, *common, nd, **self.mean)
             return
@@ -285,14 +287,14 @@ class LayerLaunches:
                                step.seq_lens[:nd], step.ring_slots[:nd], *cache, *self.clips, *common, **self.mean)
             gluon_decode.oscar_decode(
                 out[:nd], q_rot[:nd], *cache, step.block_table, step.seq_lens, step.ring_slots, nd, self.scale,
-                *common, self.splits(nd), self.part_out, self.part_lse, logit_correction=0.5,
+                *common, self.splits(nd), self.part_out, self.part_lse, logit_correction=self.lam,
                 ring_cost=gluon_decode.decode_ring_cost(nd, self.fixed_splits), q=q[:nd] if self.km else None,
                 key_mean=self.operands)
         if nd < num_reqs:
             for dense_path in (None, dense):
                 oscar_prefill_batch(out, q, q_rot, k, v, *cache, step.block_table, step.seq_lens, step.cu_q,
                                     step.ring_slots, nd, num_reqs, step.max_query_len, self.scale, *common, own, True,
-                                    dense_path, 0.5, **self.mean)
+                                    dense_path, self.lam, **self.mean)
             oscar_write(k[nd:t], v[nd:t], self.rot, step.slot_mapping[nd:t], step.cu_q[nd:] - nd, step.seq_lens[nd:],
                         step.ring_slots[nd:], num_reqs - nd, *cache, *self.clips, *common, **self.mean)
 

@@ -113,6 +113,7 @@ def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch
     so λ 0, the key mean's default)."""
     import oscar_vllm.serving.backend as backend
     from csrc_triton.oscar_decode import key_mean_operands
+    from csrc_triton.paged_layout import BLOCK_SIZE
     from kernel_cases import KeyMeanCase
     from oscar_vllm.core.key_mean import KeyMean
     from oscar_vllm.reference.oscar_attention import oscar_attention_reference
@@ -165,7 +166,7 @@ def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch
     def decode_twin(out, q_rot, cache, windows, window_pages, window_pos, block_table, seq_lens, ring_slots, n, scale,
                     sink, recent, param_dtype, *splits, logit_correction, ring_cost, q, key_mean):
         assert q is not None and key_mean is impl.decode_key_mean
-        twin = KeyMean.from_cos_sin_cache(key_mean["key_mean"].cpu(), key_mean["cos_sin"].cpu())
+        twin = KeyMean.from_cos_sin_cache(key_mean["key_mean"].cpu(), key_mean["cos_sin"].cpu(), block=BLOCK_SIZE)
         out.copy_(oscar_decode_reference(q_rot, cache, windows, window_pages, window_pos, block_table, seq_lens,
                                          ring_slots, n, scale, sink, recent, param_dtype, logit_correction, twin, rot))
 
@@ -174,7 +175,7 @@ def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch
         assert rot_t is impl.rot_t and clip_idx_k == impl.clip_idx_k and clip_idx_v == impl.clip_idx_v
         q_rot.copy_(oscar_write_decode_reference(k, v, q, rot, slot_mapping, seq_lens, ring_slots, cache, windows,
                                                  window_pages, window_pos, CLIP_K, CLIP_V, sink, recent, param_dtype,
-                                                 KeyMean.from_cos_sin_cache(key_mean.cpu(), cos_sin.cpu())))
+                                                 KeyMean.from_cos_sin_cache(key_mean.cpu(), cos_sin.cpu(), block=BLOCK_SIZE)))
 
     monkeypatch.setattr(backend, "oscar_decode", decode_twin)
     monkeypatch.setattr(backend, "oscar_write_decode", write_decode_twin)

@@ -341,9 +341,10 @@ def test_key_means_take_rotate_half_rope_over_the_whole_head_from_vllm():
 
 
 def test_key_mean_auto_serves_means_where_the_rotations_and_the_rope_take_them():
-    """``key_mean`` "auto": the layers' RoPE tables where the rotations have means, prefill_read is
-    "chunk" and every layer's RoPE is rotate-half over the whole head (one table for layers sharing
-    an embedding); otherwise the keys as they are. "on" refuses what "auto" passes over."""
+    """``key_mean`` "auto", the default: the layers' RoPE tables where the rotations have means,
+    prefill_read is "chunk" and every layer's RoPE is rotate-half over the whole head (one table for
+    layers sharing an embedding); otherwise the keys as they are. "on" refuses what "auto" passes
+    over; "off" serves the keys as they are."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
@@ -364,7 +365,8 @@ def test_key_mean_auto_serves_means_where_the_rotations_and_the_rope_take_them()
     assert rope_tables_for_key_means(auto, False, [(0, block(neox))]) is None
     assert rope_tables_for_key_means(OscarSettings(key_mean="auto", prefill_read="decode"), True,
                                      [(0, block(neox))]) is None
-    assert rope_tables_for_key_means(OscarSettings(), True, [(0, block(neox))]) is None
+    assert rope_tables_for_key_means(OscarSettings(key_mean="off"), True, [(0, block(neox))]) is None
+    assert OscarSettings().key_mean == "auto"  # the default serves the means where there are some
     mixed = [(0, block(neox)), (1, block(gptj))]
     assert rope_tables_for_key_means(auto, True, mixed) is None
     with pytest.raises(OscarSettingsError, match="layer 1"):
