@@ -1,7 +1,9 @@
 """The command lines as a user meets them: one-line errors, --debug, help texts, and the
 main job writing outside the committed results."""
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,6 +101,93 @@ def test_serve_errors_are_one_line(capsys):
     assert err == "error: recent_size must be >= 1, got 0\n"
     err = one_line_error(capsys, serve.main, ["serve", "m", "--oscar-logit-correction", "-0.5"])
     assert err == "error: logit_correction must be a finite number >= 0 (0 turns it off), got -0.5\n"
+
+
+def test_calibrate_refuses_counts_below_one_as_it_parses(tmp_path, capsys):
+    """Before anything loads: --calib-tokens -5 once sliced the corpus to all but its last 5 tokens."""
+    args = ["--output-dir", str(tmp_path / "out"), "--model-path", str(tmp_path / "no-model")]
+    for flag, value, least in [("--calib-tokens", "-5", 1), ("--calib-tokens", "0", 1), ("--seq-len", "-1", 1),
+                               ("--heldout-tokens", "-2048", 0), ("--group-size", "0", 1)]:
+        err = one_line_error(capsys, calibrate.main, [*args, flag, value])
+        assert err == f"error: argument {flag}: must be {least} or more, got {value} (oscar-calibrate --help lists " \
+                      "the options)\n"
+    err = one_line_error(capsys, calibrate.main, [*args, "--calib-tokens", "8k"])
+    assert "argument --calib-tokens: '8k' is not a whole number" in err
+    err = one_line_error(capsys, calibrate.main, ["--calib-tokens", "64"])
+    assert "the following arguments are required: --output-dir" in err
+    assert calibrate.build_parser().parse_args([*args, "--heldout-tokens", "0"]).heldout_tokens == 0
+
+
+def test_calibrate_names_a_missing_relative_model_folder_at_once(tmp_path, capsys, monkeypatch):
+    """A bare name or a relative path that is no folder here: no Hub lookup, one line at once."""
+    monkeypatch.chdir(tmp_path)
+    args = ["--output-dir", str(tmp_path / "out"), "--corpus", str(tmp_path / "text.txt"), "--model-path"]
+    (tmp_path / "text.txt").write_text("Too short to calibrate on.")
+    err = one_line_error(capsys, calibrate.main, [*args, "mymodel"])
+    assert err == ("error: mymodel: no such model folder, and not a Hugging Face Hub id (those are ORG/NAME, such as "
+                   "HuggingFaceTB/SmolLM2-135M-Instruct)\n")
+    for path in ("./mymodel", "models/org/mymodel", "~/no-such-model-here"):
+        assert one_line_error(capsys, calibrate.main, [*args, path]) == f"error: {path}: no such model folder\n"
+
+
+def test_calibrate_asks_the_hub_once_for_a_hub_id_it_does_not_have(tmp_path, capsys, monkeypatch):
+    """An ORG/NAME neither here nor in the Hugging Face cache: one request to the Hub, no retries
+    (transformers retried an unreachable Hub for about 50 s). Without a network it says the Hub
+    cannot be reached; with one, that the Hub has no such model."""
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # nothing cached
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    (tmp_path / "text.txt").write_text("Too short to calibrate on.")
+    args = ["--output-dir", str(tmp_path / "out"), "--corpus", str(tmp_path / "text.txt")]
+    start = time.monotonic()
+    err = one_line_error(capsys, calibrate.main, [*args, "--model-path", "no-such-org-x7/no-model"])
+    assert time.monotonic() - start < 30
+    assert err.startswith("error: no-such-org-x7/no-model: no such model folder, ")
+    assert ("the Hub cannot be reached" in err and "`hf download no-such-org-x7/no-model`" in err) or \
+        "the Hugging Face Hub has no model of that id" in err, err
+
+
+def serve_cli(*argv: str, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    """``oscar-vllm`` in a fresh interpreter, as its console script runs it, and its seconds."""
+    start = time.monotonic()
+    proc = run_module("oscar_vllm.serving.serve", *argv, env={**os.environ, **env})
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.parametrize("argv,env,error", [
+    # the user's own mistakes first, whatever the machine: the settings, from any source ...
+    (["serve", "m", "--oscar-rotation-path", "hadamard"], {"OSCAR_SINK_SIZE": "-3"}, "sink_size must be >= 0, got -3"),
+    (["serve", "m", "--oscar-rotation-path", "/no/such/rotations"], {"OSCAR_SINK_SIZE": "-3"},
+     "sink_size must be >= 0, got -3"),
+    # ... the model argument and the rotation folder ...
+    (["serve", "--oscar-rotation-path", "hadamard"], {}, "no model given: name it first, `oscar-vllm serve MODEL ...`"),
+    (["serve", "m", "--oscar-rotation-path", "/no/such/rotations"], {},
+     "/no/such/rotations: rotation path does not exist"),
+    (["serve", "m"], {}, "the OSCAR backend needs rotations: give a rotation folder"),
+    # ... then the GPU: none here (hidden, on a GPU machine)
+    (["serve", "m", "--oscar-rotation-path", "hadamard"], {"CUDA_VISIBLE_DEVICES": "-1"},
+     "no CUDA GPU: CUDA_VISIBLE_DEVICES='-1' hides every GPU; the OSCAR backend serves on an NVIDIA GPU of compute "
+     "capability 8.0 or newer"),
+])
+def test_serve_refuses_in_one_line_before_vllm_starts(argv, env, error):
+    proc, seconds = serve_cli(*argv, **env)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr[-2000:]
+    assert proc.stderr.startswith(f"error: {error}") and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert seconds < 60
+
+
+def test_serve_checks_a_rotation_folders_files_before_vllm(tmp_path, capsys, monkeypatch):
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    err = one_line_error(capsys, serve.main, ["serve", "m", "--oscar-rotation-path", str(tmp_path / "empty")])
+    assert "empty: no rotation files found" in err
+    err = one_line_error(capsys, serve.main, ["serve", "m", "--oscar-rotation-path", str(REPO / "results" /
+                                                                                         "smollm2_rotations")])
+    assert err.startswith("error: no CUDA GPU: CUDA_VISIBLE_DEVICES='-1' hides every GPU"), "the folder passed"
+    err = one_line_error(capsys, serve.main, ["serve", "m", "--oscar-rotation-path", "hadamard",
+                                              "--oscar-decode-kernel", "fastest"])
+    assert err == "error: decode_kernel must be one of ('auto', 'gluon', 'triton'), got 'fastest'\n"
 
 
 def test_serve_help_lists_every_oscar_flag_without_starting_vllm():

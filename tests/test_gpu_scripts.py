@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -135,3 +136,90 @@ def test_decode_plan_gives_each_request_its_own_prompt_and_skips_what_does_not_f
     assert [len(p) for p in prompts] == [512] * 5 + [2048]
     assert len({p[0] for p in prompts}) == len(prompts), "no two prompts may share a first block"
     assert e2e.decode_plan([512], [4], 16, None)[0][2] is not None, "an unknown capacity runs every shape"
+
+
+PPL = {"check": "ppl", "backend": "OSCAR", "dtype": "bfloat16", "context": 2048, "chunk": 256, "tokens_scored": 16376,
+       "decode_tokens_scored": 224, "ppl": 20.0, "decode_ppl": 25.0, "decode_kernels": "gluon"}
+
+
+@pytest.mark.parametrize("second,passed,problem", [
+    ({"ppl": 20.019, "decode_ppl": 24.976}, True, None),  # 0.095% each way
+    ({"ppl": 20.021}, False, "ppl 20.0000 against 20.0210: 0.105% apart, more than 0.1%"),
+    ({"decode_ppl": 25.03}, False, "decode_ppl 25.0000 against 25.0300: 0.120% apart"),
+    ({"tokens_scored": 8188}, False, "tokens_scored differs: 16376 against 8188"),
+    ({"decode_kernels": "gluon"}, False, "the second run's decode kernels are gluon, not triton"),
+])
+def test_two_perplexities_agree_within_the_tolerance(e2e, second, passed, problem):
+    diffs, problems = e2e.ppl_differences(PPL, {**PPL, "decode_kernels": "triton", **second}, 0.001, "triton")
+    assert set(diffs) == {"ppl", "decode_ppl"} and not problems == (not passed)
+    assert problem is None or any(p.startswith(problem) for p in problems), problems
+    assert e2e.ppl_differences({**PPL, "ppl": 20.0}, {"check": "ppl"}, 0.001)[1][0] == \
+        "no perplexity reported by both runs"
+
+
+def test_compare_ppl_reads_each_logs_last_ppl_result_and_fails_beyond_the_tolerance(tmp_path):
+    first, second = tmp_path / "default.txt", tmp_path / "triton.txt"
+    other = json.dumps({"check": "qwen3"})
+    first.write_text(f"INFO engine\nRESULT {json.dumps({**PPL, 'ppl': 99.0})}\nRESULT {json.dumps(PPL)}\n")
+
+    def compare(**changes) -> subprocess.CompletedProcess:
+        second.write_text(f"RESULT {json.dumps({**PPL, 'decode_kernels': 'triton', **changes})}\nRESULT {other}\n")
+        return subprocess.run([sys.executable, str(Path(__file__).parent / "gpu" / "e2e_vllm.py"), "compare-ppl",
+                               str(first), str(second), "--second-kernels", "triton"], capture_output=True, text=True,
+                              timeout=300)
+
+    ok = compare(ppl=20.01)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    line = json.loads(next(x for x in ok.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    assert line["check"] == "ppl_match" and line["passed"] and line["decode_kernels"] == ["gluon", "triton"]
+    assert line["ppl_pair"] == [20.0, 20.01] and abs(line["relative"]["ppl"] - 0.0005) < 1e-12
+    bad = compare(decode_ppl=25.1)
+    assert bad.returncode == 1 and '"passed": false' in bad.stdout
+    second.write_text("no results\n")
+    missing = subprocess.run([sys.executable, str(Path(__file__).parent / "gpu" / "e2e_vllm.py"), "compare-ppl",
+                              str(first), str(second)], capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 1 and f"no ppl RESULT line in {second}" in missing.stderr
+
+
+def test_decode_cuts_leave_each_request_two_tokens_of_its_window():
+    spec = importlib.util.spec_from_file_location("e2e_vllm_cuts", Path(__file__).parent / "gpu" / "e2e_vllm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    windows = [list(range(1000)), list(range(1000, 2000))]
+    cuts = module.decode_cuts(windows, 64)
+    assert [end for w, end in cuts if w is windows[0]] == list(range(300, 999, 64))
+    assert len(cuts) == 2 * len(range(300, 999, 64)) and all(end + 1 < len(w) for w, end in cuts)
+
+
+STAGE_PYTHON = """#!/bin/sh
+# python3 for tests/gpu/run.sh: logs the decode kernel it was given and its arguments, fails where one is $FAIL_ON.
+echo "${OSCAR_DECODE_KERNEL:-unset} $*" >> "$CALLS"
+for a in "$@"; do [ "$a" = "$FAIL_ON" ] && exit 3; done
+exit 0
+"""
+
+
+@pytest.mark.parametrize(("fail_on", "status"), [("none", 0), ("ppl", 1), ("compare-ppl", 1)])
+def test_run_sh_triton_path_stage_runs_both_paths_and_compares_them(tmp_path, fail_on, status):
+    bin_dir, work = tmp_path / "bin", tmp_path / "work"
+    bin_dir.mkdir()
+    (work / "smollm2").mkdir(parents=True)
+    fake = bin_dir / "python3"
+    fake.write_text(STAGE_PYTHON)
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OSCAR_E2E_WORK=str(work), FAIL_ON=fail_on,
+               CALLS=str(tmp_path / "calls"))
+    env.pop("OSCAR_WHEELS", None)
+    env.pop("OSCAR_DECODE_KERNEL", None)
+    run = subprocess.run(["bash", str(Path(__file__).parent / "gpu" / "run.sh"), str(tmp_path / "out"), "triton_path"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == status, run.stdout + run.stderr
+    steps = [c for c in (tmp_path / "calls").read_text().splitlines() if "import" not in c]
+    assert len(steps) == 3, steps
+    default, forced, compare = steps
+    assert default.startswith("unset ") and forced.startswith("triton ")
+    for step in (default, forced):
+        assert " ppl " in step and "--dtype bfloat16" in step and "--decode-every 64" in step
+    assert compare.split()[2:] == ["compare-ppl", str(tmp_path / "out" / "triton_path_default.txt"),
+                                   str(tmp_path / "out" / "triton_path_triton.txt"), "--tolerance", "0.001",
+                                   "--second-kernels", "triton"]

@@ -19,6 +19,25 @@ SMOLLM2_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", 
                   "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32"}
 
 
+class Card:
+    """vLLM's CUDA platform as the plugin's startup check reads the GPU from it
+    (``preflight.serving_platform``), for a card this machine does not have."""
+
+    def __init__(self, name: str, capability: tuple[int, int]):
+        self.name, self.capability = name, capability
+
+    def is_cuda(self) -> bool:
+        return True
+
+    def get_device_capability(self, device_id: int = 0):
+        from vllm.platforms.interface import DeviceCapability
+
+        return DeviceCapability(*self.capability)
+
+    def get_device_name(self, device_id: int = 0) -> str:
+        return self.name
+
+
 @contextmanager
 def vllm_configs_on_cpu():
     """Yield vLLM's ``EngineArgs`` with the plugin loaded; undo the three changes after."""

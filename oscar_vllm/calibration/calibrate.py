@@ -134,24 +134,50 @@ def rotations_from_stats(
     return rot
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Its errors (a missing or malformed argument) as the CLI's others: one line, ``error: ...``, exit 1."""
+
+    def error(self, message: str):
+        raise OscarError(f"{message} (oscar-calibrate --help lists the options)")
+
+
+def at_least(minimum: int):
+    """An argparse type: a whole number >= ``minimum``, refused at parsing (a count of -5 would
+    otherwise slice the corpus from its end, and run for hours)."""
+
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {minimum} or more, got {value}")
+        return value
+
+    return whole_number
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="oscar-calibrate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="oscar-calibrate", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
     parser.add_argument("--output-dir", required=True, type=Path,
                         help="the folder to write the rotation files into (required, no default)")
-    parser.add_argument("--calib-tokens", type=int, default=8192, help="tokens for the rotations (default: %(default)s)")
-    parser.add_argument("--heldout-tokens", type=int, default=2048,
+    parser.add_argument("--calib-tokens", type=at_least(1), default=8192,
+                        help="tokens for the rotations (default: %(default)s)")
+    parser.add_argument("--heldout-tokens", type=at_least(0), default=2048,
                         help="further tokens, unseen by the rotations, to fit the clip ratios; 0 keeps the "
                              "reference ratios (default: %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=2048, help="calibration sequence length (default: %(default)s)")
+    parser.add_argument("--seq-len", type=at_least(1), default=2048,
+                        help="calibration sequence length (default: %(default)s)")
     parser.add_argument("--per-head", action="store_true",
                         help="one rotation per KV head, RotationZoo format 2 (default: one per layer)")
     parser.add_argument("--value-weights", choices=VALUE_WEIGHTS, default="proxy",
                         help="C_S token weights: the reference's proxy or true softmax scores (default: %(default)s)")
     parser.add_argument("--corpus", type=Path,
                         help="a UTF-8 text file to calibrate on (default: the embedded corpus, Jane Austen)")
-    parser.add_argument("--group-size", type=int, help="quantization group for the clip fit (default: head_dim)")
+    parser.add_argument("--group-size", type=at_least(1),
+                        help="quantization group for the clip fit (default: head_dim)")
     parser.add_argument("--key-mean-skip", type=int, default=OscarSettings.sink_size,
                         help="the key means leave out each sequence's first positions, which the sink holds in "
                              "BF16; -1 takes no key means (default: %(default)s, the default sink)")

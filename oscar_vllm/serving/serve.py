@@ -4,6 +4,12 @@ backend selected and the ``--oscar-*`` flags turned into ``--additional-config``
 Every other argument goes to ``vllm serve`` unchanged; an ``--additional-config`` given
 too is merged (its own ``oscar`` entries win over nothing: a setting given both ways is an
 error, so no flag is silently ignored).
+
+Before vLLM loads (it takes seconds, and on a machine without a CUDA GPU it stops with a
+traceback), what the user can fix whatever the machine is checked, and refused in one line: the
+model argument, the settings (the flags, ``--additional-config`` and the ``OSCAR_*`` variables, as
+every vLLM process reads them) and a local rotation folder (its files read and validated); then
+the GPU: none, or one the backend cannot serve on (``oscar_vllm.serving.gpu``).
 """
 from __future__ import annotations
 
@@ -13,9 +19,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Mapping
 
 from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, cli
-from oscar_vllm.core.settings import ADDITIONAL_CONFIG_KEY, OscarSettings, OscarSettingsError
+from oscar_vllm.core.settings import ADDITIONAL_CONFIG_KEY, DECODE_KERNELS, OscarSettings, OscarSettingsError
+from oscar_vllm.serving.gpu import check_gpu
 
 FLAGS = {
     "--oscar-rotation-path": ("rotation_path", str, "DIR",
@@ -43,9 +51,12 @@ FLAGS = {
                          "the ring an earlier request of the prefix left, where one is cached (reuse) "
                          "(default: recompute)"),
     "--oscar-key-mean": ("key_mean", str, "{off,on,auto}",
-                         "INT2 pages hold keys less the rotation file's mean before RoPE (on; files from "
-                         "oscar-calibrate), each head's 16 strongest RoPE pairs; auto: where the file has means "
-                         "(default: off)"),
+                         "INT2 pages hold keys less their block's mean (on; the rotation file's means, which "
+                         "oscar-calibrate writes), each head's 16 strongest RoPE pairs; auto: where the file has "
+                         "means (default: auto)"),
+    "--oscar-decode-kernel": ("decode_kernel", str, "{" + ",".join(DECODE_KERNELS) + "}",
+                              "decode kernels: auto, the Gluon ones on Hopper (compute capability 9.x) and the "
+                              "Triton ones on other GPUs; triton on every GPU; gluon, Hopper only (default: auto)"),
     "--oscar-warm-up-threads": ("warm_up_threads", int, "N",
                                 "threads compiling the kernels' variants at startup (default: 4)"),
 }
@@ -77,12 +88,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_vllm_argv(argv: list[str]) -> list[str]:
-    """``oscar-vllm`` arguments -> ``vllm`` arguments (``serve MODEL ... --attention-backend OSCAR``)."""
+def model_given(rest: list[str]) -> bool:
+    """Whether ``vllm serve``'s arguments name a model: first, as the usage has it, or as
+    ``--model`` (or in a ``--config`` file, which is vLLM's to read). Without one vLLM would serve
+    a default model of its own."""
+    first_is_model = len(rest) > 1 and not rest[1].startswith("-")
+    return first_is_model or any(a in ("--model", "--config") or a.startswith(("--model=", "--config="))
+                                 for a in rest[1:])
+
+
+def parse(argv: list[str], environ: Mapping[str, str] | None = None) -> tuple[list[str], dict, OscarSettings]:
+    """``oscar-vllm`` arguments -> ``vllm serve``'s own arguments, the ``--additional-config`` with
+    the ``--oscar-*`` flags merged into its ``oscar`` entry, and the settings every vLLM process
+    will read from that and the ``OSCAR_*`` variables of ``environ`` (default: this process's)."""
     parser = build_parser()
     ours, rest = parser.parse_known_args(argv)
     if not rest or rest[0] != "serve":
         raise OscarSettingsError(f"oscar-vllm runs `serve` only; usage: {USAGE}")
+    if not model_given(rest):
+        raise OscarSettingsError(f"no model given: name it first, `oscar-vllm serve MODEL ...` (a folder or a Hub "
+                                 "id such as Qwen/Qwen3-8B), or with --model MODEL")
     if ours.attention_backend not in (None, "OSCAR"):
         raise OscarSettingsError(f"oscar-vllm serves with the OSCAR backend, not {ours.attention_backend}")
     try:
@@ -99,9 +124,32 @@ def build_vllm_argv(argv: list[str]) -> list[str]:
         if name in oscar:
             raise OscarSettingsError(f"{flag} and --additional-config both set {name}")
         oscar[name] = value
-    OscarSettings.from_sources({ADDITIONAL_CONFIG_KEY: oscar}, environ={})  # fail here, not in a worker
+    settings = OscarSettings.from_sources({ADDITIONAL_CONFIG_KEY: oscar}, environ=environ)  # here, not in a worker
     extra[ADDITIONAL_CONFIG_KEY] = oscar
+    return rest, extra, settings
+
+
+def vllm_argv(rest: list[str], extra: dict) -> list[str]:
     return [*rest, "--attention-backend", "OSCAR", "--additional-config", json.dumps(extra)]
+
+
+def build_vllm_argv(argv: list[str], environ: Mapping[str, str] | None = None) -> list[str]:
+    """``oscar-vllm`` arguments -> ``vllm`` arguments (``serve MODEL ... --attention-backend OSCAR``)."""
+    rest, extra, _ = parse(argv, environ)
+    return vllm_argv(rest, extra)
+
+
+def check_rotations(settings: OscarSettings) -> None:
+    """A rotation path given, and where it is a local folder, its files readable and well-formed, as
+    the startup check inside vLLM loads them (which also matches them to the model, and fetches a
+    Hub id: no network here)."""
+    from oscar_vllm.serving.preflight import torch_single_threaded
+    from oscar_vllm.serving.rotation_source import local_rotation_folder, rotations_in_process
+
+    path = settings.require_rotation_path()
+    if not settings.is_hadamard and local_rotation_folder(path) is not None:
+        with torch_single_threaded():  # vLLM forks its engine from this process
+            rotations_in_process(settings, shape=None)  # the files alone: the model is vLLM's to read
 
 
 def vllm_serve_help(help_arg: str) -> int:
@@ -150,12 +198,14 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in HELP_FLAGS or a.startswith("--help=") for a in argv):
         raise SystemExit(print_help(argv))
-    vllm_argv = build_vllm_argv(argv)
+    rest, extra, settings = parse(argv)  # the model argument and the settings
+    check_rotations(settings)
+    check_gpu(settings.decode_kernel)  # last: the user's own mistakes are named whatever the machine
     # The request rows OSCAR keys its windows on come from the V2 model runner.
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv = ["vllm", *vllm_argv]
+    sys.argv = ["vllm", *vllm_argv(rest, extra)]
     vllm_main()
 
 

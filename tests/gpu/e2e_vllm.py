@@ -6,7 +6,9 @@ its GPU memory) and prints one JSON line with what it measured, prefixed ``RESUL
   prepare   SmolLM2-135M-Instruct as a plain HF folder; a Qwen3-8B-shaped folder (config +
             SmolLM2's tokenizer) for dummy-weight runs
   ppl       perplexity of SmolLM2 on the evaluation text, chunked prefill of 256 tokens,
-            plus greedy text
+            plus greedy text; with --decode-every N also of tokens each predicted by a decode step
+  compare-ppl  two ppl runs' RESULT lines (their logs): each perplexity both report within a relative
+            tolerance, or exit 1 (no GPU)
   qwen3     LLM(attention_backend=...) on the Qwen3-8B shape: generates, KV capacity
   decode    decode tokens/s at batch 1/32 and context 8K/32K (Qwen3-8B shape)
   serve     `oscar-vllm serve` on the Qwen3-8B shape, answered through the openai client
@@ -95,6 +97,41 @@ def eval_windows(model_dir: str, tokens: int, context: int):
     return [w.tolist() for w in full_windows(ids, context)], tok
 
 
+def decode_cuts(windows: list[list[int]], every: int, first: int = 300) -> list[tuple[list[int], int]]:
+    """``(window, end)`` of each request the decode-step score sends: the window's prompt up to ``end``
+    (every ``every`` positions from ``first``, two tokens before the window's end)."""
+    return [(w, end) for w in windows for end in range(first, len(w) - 1, every)]
+
+
+def decode_step_nll(llm, windows: list[list[int]], every: int) -> list[float]:
+    """Each cut's NLL of the token a decode step predicts: the request's first token is forced to the
+    text's next (``allowed_token_ids``; its raw logprobs are taken before that applies), so its
+    second comes from a decode step over the cache (the decode write, then the decode kernel)."""
+    from vllm import SamplingParams
+
+    cuts = decode_cuts(windows, every)
+    params = [SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, allowed_token_ids=[w[end]],
+                             logprob_token_ids=[w[end], w[end + 1]]) for w, end in cuts]
+    outs = llm.generate([{"prompt_token_ids": w[:end]} for w, end in cuts], params, use_tqdm=False)
+    return [-o.outputs[0].logprobs[1][w[end + 1]].logprob for (w, end), o in zip(cuts, outs)]
+
+
+def decode_kernels_in_use(settings: dict | None, dtype: str) -> dict:
+    """The GPU (NVML: no CUDA context in this process) and the decode kernels its OSCAR layers take
+    with ``settings`` (``oscar_vllm.serving.gpu``): SmolLM2's shape is one the Gluon kernel serves,
+    in 16-bit ``dtype``s."""
+    from oscar_vllm.serving.gpu import OscarGpuError, decode_kernel_for, first_visible_gpu
+
+    try:
+        name, capability = first_visible_gpu()
+    except OscarGpuError:  # NVML cannot name it: the perplexity stands without
+        return {"gpu": None, "capability": None, "decode_kernels": None}
+    kernels = None if settings is None else decode_kernel_for(capability, settings["decode_kernel"])
+    if dtype == "float32" and kernels:
+        kernels = "triton"
+    return {"gpu": name, "capability": list(capability), "decode_kernels": kernels}
+
+
 def cmd_ppl(args) -> None:
     import math
 
@@ -117,9 +154,55 @@ def cmd_ppl(args) -> None:
     greedy = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=48, temperature=0),
                           use_tqdm=False)[0].outputs[0]
     settings = oscar_settings_in_use() if args.backend == "OSCAR" else None
+    decode = {}
+    if args.decode_every:
+        steps = decode_step_nll(llm, windows, args.decode_every)
+        decode = dict(decode_tokens_scored=len(steps), decode_ppl=math.exp(sum(steps) / len(steps)))
     result(check="ppl", backend=args.backend, settings=settings, dtype=args.dtype, eager=args.eager,
-           chunk=args.chunk, context=args.context, tokens_scored=n, ppl=math.exp(nll / n),
-           seconds=round(time.time() - t0, 1), greedy_ids=greedy.token_ids, greedy_text=tok.decode(greedy.token_ids))
+           chunk=args.chunk, context=args.context, tokens_scored=n, ppl=math.exp(nll / n), **decode,
+           **decode_kernels_in_use(settings, args.dtype), seconds=round(time.time() - t0, 1),
+           greedy_ids=greedy.token_ids, greedy_text=tok.decode(greedy.token_ids))
+
+
+def results_of(log: str | Path, check: str) -> list[dict]:
+    """The RESULT lines of ``check`` in a log, in order."""
+    rows = [json.loads(line[len("RESULT "):]) for line in Path(log).read_text().splitlines()
+            if line.startswith("RESULT ")]
+    return [r for r in rows if r.get("check") == check]
+
+
+PPL_KEYS = ("ppl", "decode_ppl")
+
+
+def ppl_differences(a: dict, b: dict, tolerance: float, second_kernels: str | None = None) -> tuple[dict, list[str]]:
+    """Each perplexity two ppl results both report: its relative difference ``|b - a| / a``, and what
+    is wrong (a difference over ``tolerance``, no perplexity in common, other text scored, the second
+    run on other decode kernels than ``second_kernels`` where given)."""
+    diffs = {k: abs(b[k] - a[k]) / a[k] for k in PPL_KEYS if k in a and k in b}
+    problems = [f"{k} {a[k]:.4f} against {b[k]:.4f}: {100 * d:.3f}% apart, more than {100 * tolerance:g}%"
+                for k, d in diffs.items() if d > tolerance]
+    if not diffs:
+        problems.append("no perplexity reported by both runs")
+    for k in ("tokens_scored", "decode_tokens_scored", "context", "chunk", "dtype"):
+        if a.get(k) != b.get(k):
+            problems.append(f"{k} differs: {a.get(k)} against {b.get(k)}")
+    if second_kernels and b.get("decode_kernels") != second_kernels:
+        problems.append(f"the second run's decode kernels are {b.get('decode_kernels')}, not {second_kernels}")
+    return diffs, problems
+
+
+def cmd_compare_ppl(args) -> None:
+    """The last ppl RESULT of each log, compared: exit 1 where they differ by more than ``--tolerance``."""
+    a, b = (results_of(log, "ppl") for log in (args.first, args.second))
+    if not a or not b:
+        raise SystemExit(f"no ppl RESULT line in {args.first if not a else args.second}")
+    a, b = a[-1], b[-1]
+    diffs, problems = ppl_differences(a, b, args.tolerance, args.second_kernels)
+    result(check="ppl_match", tolerance=args.tolerance, first=args.first, second=args.second,
+           decode_kernels=[a.get("decode_kernels"), b.get("decode_kernels")],
+           **{f"{k}_pair": [a[k], b[k]] for k in diffs}, relative=diffs, passed=not problems, problems=problems)
+    if problems:
+        raise SystemExit(1)
 
 
 STALL_DUMP = """import faulthandler, os, sys
@@ -581,6 +664,12 @@ def main() -> None:
     s = sub.add_parser("report")
     s.add_argument("logs", nargs="+")
     s.add_argument("--out", required=True)
+    s = sub.add_parser("compare-ppl")
+    s.add_argument("first", help="a log with a ppl RESULT line")
+    s.add_argument("second", help="another, held against the first")
+    s.add_argument("--tolerance", type=float, default=0.001, help="largest relative difference (default: 0.1%%)")
+    s.add_argument("--second-kernels", choices=("gluon", "triton"),
+                   help="the decode kernels the second run must have taken (default: either)")
     for name in ("ppl", "qwen3", "decode", "serve", "prefix", "preempt", "chunked", "startup"):
         s = sub.add_parser(name)
         s.add_argument("--model", required=True)
@@ -592,6 +681,8 @@ def main() -> None:
     sp.add_argument("--chunk", type=int, default=256)
     sp.add_argument("--context", type=int, default=2048)
     sp.add_argument("--tokens", type=int, default=16384)
+    sp.add_argument("--decode-every", type=int, default=0,
+                    help="also score the token a decode step predicts, at every N-th position of each window")
     sq = sub.choices["qwen3"]
     sq.add_argument("--max-model-len", type=int, default=8192)
     sq.add_argument("--max-num-seqs", type=int, default=64)
@@ -622,7 +713,7 @@ def main() -> None:
     se.add_argument("--kv-blocks", type=int, help="run one engine with this many blocks (0: vLLM's) (internal)")
     se.add_argument("--out")
     args = p.parse_args()
-    globals()[f"cmd_{args.cmd}"](args)
+    globals()[f"cmd_{args.cmd.replace('-', '_')}"](args)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@
 #           OSCAR and OSCAR before key means; perplexity of prose and of code, greedy continuations at
 #           2K-7K, passkeys; then the decode-time curve at 1K-8K in the reference cache
 #   ppl     SmolLM2 perplexity through OSCAR (fp32 eager, bf16 with CUDA graphs) only
+#   triton_path  the Triton decode kernel and write forced (OSCAR_DECODE_KERNEL=triton: the path every GPU but
+#           Hopper takes) beside the default (on Hopper the Gluon ones): SmolLM2 perplexity, bf16 with CUDA
+#           graphs, of the prompts and of tokens predicted by decode steps, within 0.1% (e2e_vllm.py compare-ppl)
 #   e2e     vLLM end to end: SmolLM2 perplexity through OSCAR vs the reference simulation,
 #           greedy text, CUDA graphs, the Qwen3-8B shape (generation, KV capacity)
 #   serve   `oscar-vllm serve` on the Qwen3-8B shape, answered by the openai client
@@ -203,6 +206,17 @@ for stage in $stages; do
         $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16 || failed=1
         exit $failed
       ) 2>&1 | tee "$out/ppl.log" || status=1 ;;
+    triton_path)
+      ( failed=0
+        [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1
+        $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16 --decode-every 64 |
+          tee "$out/triton_path_default.txt" || failed=1
+        OSCAR_DECODE_KERNEL=triton $e2e ppl --model "$work/smollm2" --rotations "$smol_rot" --dtype bfloat16 \
+          --decode-every 64 | tee "$out/triton_path_triton.txt" || failed=1
+        python3 tests/gpu/e2e_vllm.py compare-ppl "$out/triton_path_default.txt" "$out/triton_path_triton.txt" \
+          --tolerance 0.001 --second-kernels triton || failed=1
+        exit $failed
+      ) 2>&1 | tee "$out/triton_path.log" || status=1 ;;
     suite)
       python3 -m pytest -q tests 2>&1 | tee "$out/pytest_suite.log" || status=1 ;;
     e2e)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from rotationzoo_files import write_published_files
-from vllm_cpu import vllm_configs_on_cpu
+from vllm_cpu import Card, vllm_configs_on_cpu
 
 from oscar_vllm.core.atomic_output import PARTIAL_MARK
 from oscar_vllm.core.rotation_io import RotationFileError, load_rotations, save_rotations
@@ -38,6 +38,7 @@ MODELS = {
                       sliding_window=1024, max_window_layers=0),
     "head_dim_96": dict(QWEN3, head_dim=96),
     "head_dim_80": dict(QWEN3, head_dim=80),
+    "head_dim_256": dict(QWEN3, head_dim=256),
     "awq": dict(QWEN3, quantization_config={"quant_method": "awq", "bits": 4, "group_size": 128,
                                             "zero_point": True, "version": "gemm"}),
     "one_kv_head": dict(QWEN3, num_key_value_heads=1),
@@ -106,7 +107,8 @@ def test_a_servable_engine_passes_and_its_settings_travel_in_its_config(engine_a
                                                  "recent_size": 128, "scale_dtype": "fp16",
                                                  "prefill_read": "chunk",
                                                  "decode_splits": 0, "hit_ring": "recompute",
-                                                 "key_mean": "off", "warm_up_threads": 4}
+                                                 "key_mean": "auto", "decode_kernel": "auto",
+                                                 "warm_up_threads": 4}
     monkeypatch.delenv("OSCAR_RECENT_SIZE")
     assert OscarSettings.from_vllm_config(config).recent_size == 128
     assert build(engine_args, models / "qwen3", attention_backend="FLASH_ATTN").additional_config == {
@@ -453,6 +455,7 @@ def test_refuses_an_unknown_oscar_setting(engine_args, models):
     ({"logit_correction": "nan"}, "logit_correction must be a finite number >= 0 .*got nan"),
     ({"prefill_read": "prompt"}, r"prefill_read must be one of \('chunk', 'decode'\), got 'prompt'"),
     ({"decode_splits": 24}, r"decode_splits must be 0 \(chosen per batch\) or a power of two, got 24"),
+    ({"decode_kernel": "cuda"}, r"decode_kernel must be one of \('auto', 'gluon', 'triton'\), got 'cuda'"),
 ])
 def test_refuses_a_setting_out_of_range(engine_args, models, given, match):
     refused(engine_args, models / "qwen3", match, OscarSettingsError, oscar={"rotation_path": "hadamard", **given})
@@ -548,6 +551,29 @@ def test_refuses_the_v1_model_runner(engine_args, models, monkeypatch, model, en
 def test_refuses_a_block_size_that_is_not_whole_pages(engine_args, models):
     refused(engine_args, models / "qwen3", "--block-size 16: OSCAR's pages hold 64 tokens", block_size=16)
     assert build(engine_args, models / "qwen3", block_size=128).cache_config.block_size == 128
+
+
+@pytest.mark.parametrize("card,oscar,model,match", [
+    (Card("Tesla T4", (7, 5)), {}, "qwen3", r"the OSCAR backend does not serve Tesla T4 \(compute capability 7.5\): "
+     r"its Triton kernels and FlashAttention need compute capability 8.0 or newer; on this card serve with vLLM's own "
+     r"attention backends"),
+    (Card("NVIDIA L40S", (8, 9)), {"decode_kernel": "gluon"}, "qwen3", r"decode_kernel 'gluon' on NVIDIA L40S "
+     r"\(compute capability 8.9\): the Gluon decode kernels are compiled for compute capability 9.x"),
+    (Card("NVIDIA A100-SXM4-80GB", (8, 0)), {}, "head_dim_256", r"head_dim 256 on NVIDIA A100-SXM4-80GB \(compute "
+     r"capability 8.0\): the OSCAR Triton prefill kernel at head_dim 256 takes 176 KiB of shared memory"),
+    (Card("NVIDIA B200", (10, 0)), {}, "qwen3", r"head_dim 128 on NVIDIA B200 \(compute capability 10.0\): Triton "
+     r"3.6 does not compile"),
+])
+def test_refuses_a_gpu_it_cannot_serve(engine_args, models, monkeypatch, card, oscar, model, match):
+    """The card as vLLM's platform names it (here one this machine does not have: only the startup
+    check reads it from ``serving_platform``); the same card with what it serves passes."""
+    from oscar_vllm.serving import preflight
+
+    monkeypatch.setattr(preflight, "serving_platform", lambda: card)
+    message = refused(engine_args, models / model, match, oscar={"rotation_path": "hadamard", **oscar})
+    assert "(2)" not in message, "that one problem only"
+    monkeypatch.setattr(preflight, "serving_platform", lambda: Card("NVIDIA H200", (9, 0)))
+    build(engine_args, models / model, {"rotation_path": "hadamard", **oscar})
 
 
 def test_refuses_a_kv_connector(engine_args, models):
