@@ -194,8 +194,7 @@ for stage in $stages; do
           --output-dir "$out/quality_vllm/curve" || failed=1
         python3 benchmarks/quality_study.py --windows 8 --device cuda --out "$out/quality_vllm/study" \
           --cache "$out/quality_vllm/study_cache" --rows ${OSCAR_STUDY_ROWS:-debiased-half,uncorrected-key-mean-16pairs,$(
-          )uncorrected-key-mean-block64-16pairs,uncorrected-key-mean-block64-16pairs-recent320,$(
-          )quarter-key-mean-block64-16pairs,uncorrected-key-mean-block64,uncorrected-key-mean-block16-16pairs} ||
+          )uncorrected-key-mean-block64-16pairs,uncorrected-key-mean-block64-16pairs-recent320} ||
           failed=1
         exit $failed
       ) 2>&1 | grep --line-buffered -v EngineCore | tee "$out/quality_vllm.log" || status=1 ;;
