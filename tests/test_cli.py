@@ -92,6 +92,12 @@ def test_calibrate_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "empty" / "config.json").write_text("{}")
     err = one_line_error(capsys, calibrate.main, [*args, str(tmp_path / "empty")])
     assert "empty: cannot load the model (" in err
+    # --from-rotations: its folder read before the model loads; it keeps rotations --per-head would make anew
+    err = one_line_error(capsys, calibrate.main, [*args, str(tmp_path / "empty"), "--from-rotations",
+                                                  str(tmp_path / "no-zoo")])
+    assert err == f"error: {tmp_path / 'no-zoo'}: rotation path does not exist\n"
+    err = one_line_error(capsys, calibrate.main, [*args, "m", "--from-rotations", str(tmp_path), "--per-head"])
+    assert "--per-head computes new rotations; --from-rotations keeps DIR's as they are" in err
 
 
 def test_serve_errors_are_one_line(capsys):

@@ -1,6 +1,7 @@
 """Calibration CLI: compute OSCAR rotations (and fitted clip ratios) for a model.
 
     oscar-calibrate --model-path PATH --calib-tokens 8192 --output-dir DIR [--per-head]
+    oscar-calibrate --model-path PATH --from-rotations ZOO_DIR --output-dir DIR
     python -m oscar_vllm.calibration.calibrate --gguf-file model.gguf --output-dir DIR
 
 Runs the model in transformers over calibration text, captures per layer the queries
@@ -9,6 +10,10 @@ from ``C_S``, fits per-layer clip ratios on held-out tokens the rotations never 
 KV head's mean key before RoPE (past the sink's positions; ``oscar_vllm.core.key_mean``), and
 writes both rotation files with their metadata. Without ``--model-path``/``--gguf-file``
 it calibrates the embedded default, SmolLM2-135M-Instruct.
+
+``--from-rotations DIR`` keeps the rotations of DIR (published RotationZoo files, or ours) and adds
+what the published files lack and the backend serves best with: clip ratios fitted to them on the
+held-out tokens, and the key means (the backend's default takes keys less their block's mean).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from oscar_vllm.core.atomic_output import atomic_output_dir, check_replaceable
 from oscar_vllm.core.errors import DEBUG_FLAG, DEBUG_HELP, OscarError, cli
 from oscar_vllm.core.key_mean import pre_rope_mean
 from oscar_vllm.core.quant import PARAM_DTYPES, param_dtype_from_name
-from oscar_vllm.core.rotation_io import OscarRotations, save_rotations, validate_rotations
+from oscar_vllm.core.rotation_io import OscarRotations, load_rotations, save_rotations, validate_rotations
 from oscar_vllm.core.settings import OscarSettings
 
 logger = logging.getLogger(__name__)
@@ -100,6 +105,37 @@ def key_means_from_stats(loaded: LoadedModel, stats: dict[int, LayerStats], skip
         raise OscarError(f"calibration sequences of {longest} tokens leave no key past the first {skip} "
                          "to average; raise --seq-len or lower --key-mean-skip")
     return {i: pre_rope_mean(st.keys, cos, sin, skip).float() for i, st in stats.items()}
+
+
+def completed_rotations(
+    loaded: LoadedModel,
+    base: OscarRotations,
+    stats: dict[int, LayerStats],
+    heldout: dict[int, LayerStats] | None,
+    value_weights: str = "proxy",
+    group_size: int | None = None,
+    param_dtype: torch.dtype = torch.float16,
+    calibration_info: dict | None = None,
+    key_mean_skip: int | None = None,
+) -> OscarRotations:
+    """``base``'s rotations, with clip ratios fitted to them on ``heldout`` (where given; else
+    ``base``'s own) and key means from ``stats`` (where ``key_mean_skip`` is given; else ``base``'s)."""
+    info = {**base.calibration, **(calibration_info or {}), "rotations_from": base.source_format,
+            "tokens": next(iter(stats.values())).num_tokens}
+    key_means = base.key_means if key_mean_skip is None else key_means_from_stats(loaded, stats, key_mean_skip)
+    if key_mean_skip is not None and key_means is not None:
+        info["key_mean_skip"] = key_mean_skip
+    rot = OscarRotations(
+        key=base.key, value=base.value, clip_ratios_k=base.clip_ratios_k, clip_ratios_v=base.clip_ratios_v,
+        model=loaded.name, model_fingerprint=dict(loaded.shape.fingerprint), calibration=info, key_means=key_means,
+    )
+    if heldout is not None:
+        rot.clip_ratios_k, rot.clip_ratios_v, report = fit_clip_ratios(
+            base.key, base.value, heldout, value_weights, group_size, param_dtype
+        )
+        info["clip_fit"] = report
+    validate_rotations(rot, loaded.shape)
+    return rot
 
 
 def rotations_from_stats(
@@ -172,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="calibration sequence length (default: %(default)s)")
     parser.add_argument("--per-head", action="store_true",
                         help="one rotation per KV head, RotationZoo format 2 (default: one per layer)")
+    parser.add_argument("--from-rotations", type=Path, metavar="DIR",
+                        help="keep the rotations of DIR (published RotationZoo files, or ours) and add fitted clip "
+                             "ratios and key means, which published files lack (default: compute new rotations)")
     parser.add_argument("--value-weights", choices=VALUE_WEIGHTS, default="proxy",
                         help="C_S token weights: the reference's proxy or true softmax scores (default: %(default)s)")
     parser.add_argument("--corpus", type=Path,
@@ -206,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.time()
     check_replaceable(args.output_dir)  # before minutes of calibration, not after
+    if args.from_rotations is not None and args.per_head:
+        raise OscarError("--per-head computes new rotations; --from-rotations keeps DIR's as they are: give one")
+    base = None if args.from_rotations is None else load_rotations(args.from_rotations)  # its errors before the model
     text, corpus_name = (  # before the model loads, so a missing text fails at once
         (read_corpus(args.corpus), str(args.corpus))
         if args.corpus else (corpus.calibration_text(), corpus.CALIBRATION_NAME)
@@ -220,12 +262,15 @@ def main(argv: list[str] | None = None) -> None:
     heldout = None
     if args.heldout_tokens:
         heldout = capture_stats(loaded, ids[args.calib_tokens : need], args.seq_len, softmax, "held-out")
-    rot = rotations_from_stats(
-        loaded, stats, heldout, args.per_head, args.value_weights, args.group_size,
-        param_dtype_from_name(args.scale_dtype),
-        {"corpus": corpus_name, "seq_len": args.seq_len, "heldout_tokens": args.heldout_tokens},
-        key_mean_skip=None if args.key_mean_skip < 0 else args.key_mean_skip,
-    )
+    info = {"corpus": corpus_name, "seq_len": args.seq_len, "heldout_tokens": args.heldout_tokens}
+    skip = None if args.key_mean_skip < 0 else args.key_mean_skip
+    if base is None:
+        rot = rotations_from_stats(loaded, stats, heldout, args.per_head, args.value_weights, args.group_size,
+                                   param_dtype_from_name(args.scale_dtype), info, key_mean_skip=skip)
+    else:
+        validate_rotations(base, loaded.shape)  # the rotations are for this model
+        rot = completed_rotations(loaded, base, stats, heldout, args.value_weights, args.group_size,
+                                  param_dtype_from_name(args.scale_dtype), info, key_mean_skip=skip)
     with atomic_output_dir(args.output_dir) as tmp:  # killed at any moment: the old folder, or none
         save_rotations(rot, tmp)
     out = args.output_dir

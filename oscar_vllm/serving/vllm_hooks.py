@@ -319,8 +319,9 @@ def rope_tables_for_key_means(settings: OscarSettings, have_means: bool, blocks:
     if settings.key_mean == "auto" and not have_means:
         logger.warning("OSCAR: the rotations %s have no key means (published RotationZoo files have none), so the "
                        "INT2 keys are rounded as they are, at about a point more perplexity (docs/quality.md); "
-                       "`oscar-calibrate --model-path MODEL --output-dir DIR` writes rotations with them",
-                       settings.rotation_path)
+                       "`oscar-calibrate --model-path MODEL --from-rotations %s --output-dir DIR` adds them (and "
+                       "fitted clip ratios) in minutes",
+                       settings.rotation_path, settings.rotation_path)
         return None
     if settings.key_mean == "auto" and settings.prefill_read != "chunk":
         logger.info("OSCAR: key_mean 'auto' serves the keys as they are with prefill_read %r", settings.prefill_read)

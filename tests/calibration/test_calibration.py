@@ -1,6 +1,7 @@
 """Calibration: streaming statistics, score weights, rotation sets, the clip fit, and the
 capture of post-norm post-RoPE q/k on Llama, Qwen2 and Qwen3 models with GQA 1 to 8."""
 
+import dataclasses
 import importlib
 
 import pytest
@@ -287,3 +288,29 @@ def test_no_key_means_where_rope_is_not_rotate_half(monkeypatch, caplog):
     monkeypatch.setattr(calibrate, "rope_tables", table)  # pairs (2i, 2i+1), as GPT-J turns them
     assert rotations_from_stats(loaded, stats, None, key_mean_skip=8).key_means is None
     assert "RoPE table is not rotate-half over all 16 dims" in caplog.text
+
+
+def test_published_rotations_completed_with_fitted_clips_and_key_means(tmp_path):
+    """``oscar-calibrate --from-rotations``: a published RotationZoo folder's rotations kept as they
+    are, with clip ratios fitted to them on held-out tokens and the key means that published files
+    lack; written in our format and read back; the rotations must be for the model."""
+    from oscar_vllm.calibration.calibrate import completed_rotations
+    from oscar_vllm.core.rotation_io import load_rotations, save_rotations
+
+    loaded = tiny_model(LlamaConfig, 8, 2)
+    ids = torch.randint(0, 128, (4, 40))
+    stats = capture_stats(loaded, ids[:2].flatten(), seq_len=40)
+    heldout = capture_stats(loaded, ids[2:].flatten(), seq_len=40)
+    fresh = rotations_from_stats(loaded, stats, None)
+    base = dataclasses.replace(fresh, clip_ratios_k=None, clip_ratios_v=None, key_means=None,
+                               source_format="rotationzoo")
+    done = completed_rotations(loaded, base, stats, heldout, key_mean_skip=16)
+    assert done.key is base.key and done.value is base.value  # the published rotations, untouched
+    assert done.clip_ratios_k is not None and len(done.clip_ratios_k) == len(base.layer_ids)
+    assert done.clip_ratios_k != [base.clip_ratio("key", i) for i in base.layer_ids]  # fitted, not the reference
+    torch.testing.assert_close(done.key_means[1], rotations_from_stats(loaded, stats, None, key_mean_skip=16).key_means[1])
+    assert done.calibration["rotations_from"] == "rotationzoo" and done.calibration["key_mean_skip"] == 16
+    again = load_rotations(save_rotations(done, tmp_path / "ours"), loaded.shape)
+    assert again.key_means is not None and again.clip_ratios_k == pytest.approx(done.clip_ratios_k)
+    kept = completed_rotations(loaded, done, stats, None)  # nothing to add: what it had stays
+    assert kept.clip_ratios_k == done.clip_ratios_k and kept.key_means is done.key_means
