@@ -10,7 +10,7 @@ numbers can be read against what the method itself gives. The ``deep_hit`` reads
 prompt after the deepest hit the scheduler allows (the prompts of one window hit each other's
 blocks in vLLM's check), as it was before (no ring) and as it is now (the hit a ring shorter):
 
-    python benchmarks/cached_prefix_reads.py --out results/windows/cached_prefix_reads
+    python -m benchmarks.cached_prefix_reads --out results/windows/cached_prefix_reads
 
 Writes ``cached_prefix_reads.{md,json}`` into ``--out``.
 """
@@ -79,7 +79,7 @@ def main() -> None:
     _, shared, windows = cached_prefix_workload(corpus.tokenize(loaded.tokenizer, corpus.evaluation_text()).tolist())
     windows = windows[: args.windows]
     nll = cached_prefix_reads(loaded, windows, len(shared), oscar, chunk=args.chunk)
-    meta = {**environment("python benchmarks/cached_prefix_reads.py"), "model": loaded.name, "dtype": args.dtype,
+    meta = {**environment("python -m benchmarks.cached_prefix_reads"), "model": loaded.name, "dtype": args.dtype,
             "rotations": str(args.rotations), "method": method.name, "sink": 64, "recent": 256,
             "prefix": len(shared), "windows": len(windows), "cuts": list(CACHED_PREFIX_CUTS), "chunk": args.chunk,
             "tokens": len(windows) * len(CACHED_PREFIX_CUTS)}

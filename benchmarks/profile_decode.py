@@ -3,8 +3,8 @@ prefilled (and prefix-cached) first, then a profiled decode run. Prints the time
 token, the GPU time its kernels add up to (a step far longer than its kernels waits on the
 host), the kernels that take it, and the host syncs per token by the line that asks for them.
 
-    python benchmarks/profile_decode.py --backend OSCAR --batch 32 --context 16384
-    python benchmarks/profile_decode.py --backend FLASH_ATTN --batch 32 --context 16384
+    python -m benchmarks.profile_decode --backend OSCAR --batch 32 --context 16384
+    python -m benchmarks.profile_decode --backend FLASH_ATTN --batch 32 --context 16384
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ab_throughput import QWEN3_8B_CONFIG, distinct_prompts, dummy_long_context
+from benchmarks.ab import QWEN3_8B_CONFIG, distinct_prompts, dummy_long_context
 
 # What torch's sync debug mode says of each synchronizing call (c10/cuda's warn_or_error).
 SYNC_WARNING = "called a synchronizing CUDA operation"

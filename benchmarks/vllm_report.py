@@ -2,7 +2,7 @@
 ``results.jsonl``, one ``RESULT`` line per check) and the reference simulation it ran
 alongside (``reference_fidelity.json``).
 
-    python benchmarks/vllm_report.py results/vllm --hardware "NVIDIA H200" --date 2026-11-30
+    python -m benchmarks.vllm_report results/vllm --hardware "NVIDIA H200" --date 2026-11-30
 
 Writes ``report.md`` (perplexity against the reference, KV capacity, decode speed, each
 baseline from the same run) and ``report.png`` (decode tokens/s) into the folder.

@@ -554,7 +554,7 @@ def merge_splits(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tens
 # ---------------------------------------------------------------------------- launch choices
 
 # Decode: (num_warps, num_stages, CTAs per SM the split count aims for), by batch bucket. From
-# `benchmarks/kernels/oscar_attention.py sweep` on the H200 (results/kernels/sweep_decode.md):
+# `python -m benchmarks.kernels.oscar_attention sweep` on the H200 (results/kernels/sweep_decode.md):
 # one request gains from more, smaller programs; from 8 requests on, one warp per program
 # issues the fewest instructions per block and two programs per SM already keep it busy.
 DECODE_LAUNCH = {

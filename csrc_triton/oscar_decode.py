@@ -69,7 +69,7 @@ MIN_SPLIT_TILES = gl.constexpr(1)  # a split reads at least this many tiles (one
 # ahead of a wave's 3; results/kernels/sweep_wave_ctas12/). The ring tile's weight: counted as
 # one block, the split holding the five ring tiles was the one the others waited for (1 x 32K 41
 # us, 28 at 4); from 16 requests the programs run in several waves and 2 is best or within 3%.
-# H200, Qwen3-8B shape: `benchmarks/kernels/oscar_decode.py sweep` (results/kernels/prefetch/,
+# H200, Qwen3-8B shape: `python -m benchmarks.kernels.oscar_decode sweep` (results/kernels/prefetch/,
 # results/kernels/ring/).
 class DecodeLaunch(NamedTuple):
     maxnreg: int | None

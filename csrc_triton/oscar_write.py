@@ -56,7 +56,7 @@ PEEL_ROUNDS = gl.constexpr(32)
 # (prefill) the instructions a token count: at 32 tokens and 8 warps each row's search stays in
 # one warp (tl.dot's layout gives a warp whole rows from 32 rows on), 16 barriers in all instead
 # of 122 and 26% fewer instructions a token than 16 tokens on 8 warps (sm_90, compile_check);
-# H200, 8K tokens: 0.310 ms against 0.406. `benchmarks/kernels/oscar_write.py --launch 16x8 32x8`.
+# H200, 8K tokens: 0.310 ms against 0.406. `python -m benchmarks.kernels.oscar_write --launch 16x8 32x8`.
 WRITE_LAUNCH = {1: (16, 16), 2048: (32, 8)}
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A small A/B run, OSCAR against FLASH_ATTN (vLLM's BF16 KV cache), through
-# benchmarks/ab_throughput.py: prefill and prefix-cached decode of N distinct prompts, and the
+# A small A/B run, OSCAR against FLASH_ATTN (vLLM's BF16 KV cache), through the A/B harness
+# (python -m benchmarks.ab): prefill and prefix-cached decode of N distinct prompts, and the
 # KV capacity of both engines; then the `vllm bench throughput` commands for the same
 # workload, printed, and run with --vllm-bench. Needs a CUDA GPU.
 usage="usage: bash examples/ab_benchmark.sh [--model DIR] [--rotations PATH] [--num-prompts N] [--prompt-len L] [--output-len K] [--out DIR] [--vllm-bench]
@@ -14,7 +14,7 @@ usage="usage: bash examples/ab_benchmark.sh [--model DIR] [--rotations PATH] [--
   --vllm-bench       also run the vllm bench throughput commands (needs tokenizer files in --model)
 
 The two engines run one after the other, each in its own process; the tables go to OUT/ab.md.
-The runs behind docs/ab.md: python benchmarks/ab_throughput.py --help."
+The runs behind docs/ab.md: python -m benchmarks.ab --help."
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model="" rotations=hadamard prompts=8 len=4096 out_len=128 out=runs/ab_example bench=0
@@ -41,7 +41,7 @@ if [ "$bench" = 1 ] && [ -z "$model" ]; then
   exit 2
 fi
 
-ab=("$python" benchmarks/ab_throughput.py --configs OSCAR FLASH_ATTN --scenarios prefill decode
+ab=("$python" -m benchmarks.ab --configs OSCAR FLASH_ATTN --scenarios prefill decode
     --num-prompts "$prompts" --prompt-len "$len" --output-len "$out_len" --rotations "$rotations"
     --timeout 900 --out "$out")
 [ -z "$model" ] || ab+=(--model "$model")
@@ -52,7 +52,7 @@ echo "+ ${ab[*]}"
 if command -v vllm >/dev/null; then vllm=(vllm); else vllm=("$python" -m vllm.entrypoints.cli.main); fi
 workload=(--dataset-name random --random-input-len "$len" --random-output-len "$out_len" --num-prompts "$prompts")
 max_len=$((len + out_len + 64))
-# A folder without weights is served with random ones, as ab_throughput.py does.
+# A folder without weights is served with random ones, as the A/B harness does.
 if [ -n "$model" ] && [ -d "$model" ] && ! compgen -G "$model/*.safetensors" >/dev/null; then
   workload+=(--load-format dummy)
 fi

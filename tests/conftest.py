@@ -2,10 +2,11 @@
 the real model and the corpus.
 
 The tests sit in folders that mirror the package (core/, kernels/, calibration/, serving/, and
-benchmarks/ for the benchmarks' scripts). The helpers beside this file (kernel_cases, paged_sim,
-rotationzoo_files, vllm_cpu, interpreter_bounds) are imported by name from all of them: pytest puts
-this folder on sys.path when it loads this file (no __init__.py here, the default "prepend" import
-mode)."""
+benchmarks/ for the benchmarks' modules). The helpers beside this file (kernel_cases, paged_sim,
+rotationzoo_files, interpreter_bounds) are imported by name from all of them: pytest puts this
+folder on sys.path when it loads this file (no __init__.py here, the default "prepend" import
+mode). The benchmarks, and vLLM's configs and scheduler on the CPU (benchmarks.vllm_cpu), are
+imported by their package names: pytest.ini puts the repository root on the path."""
 
 import os
 from pathlib import Path

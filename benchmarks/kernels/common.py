@@ -42,6 +42,15 @@ SHAPES = {
 }
 
 
+def invocation() -> list[str]:
+    """How this process was started, as it runs again from the repository root: ``python -m
+    benchmarks.kernels.NAME`` for a module run with ``-m``, else the script's path."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return ["python", "-m", spec.name.removesuffix(".__main__")]
+    return [Path(sys.argv[0]).as_posix()]
+
+
 def environment(command: str | None = None) -> dict:
     """Date, hardware (the GPU, else the CPU: compile-only benchmarks run without one), the
     command and versions, for a report header."""
@@ -59,7 +68,7 @@ def environment(command: str | None = None) -> dict:
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "hardware": hardware,
-        "command": command or shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "command": command or shlex.join([*invocation(), *sys.argv[1:]]),
         "versions": f"torch {torch.__version__}, triton {triton.__version__}, vllm {vllm}, "
                     f"python {platform.python_version()}",
     }

@@ -4,8 +4,8 @@ decode kernel (the fallback where ``oscar_decode`` does not serve the shape). De
 is timed by ``oscar_decode.py decode``, both kernels beside FA3; the helpers it shares (BF16
 paged caches, FA3 and Triton baseline calls, the plot) are here.
 
-    python benchmarks/kernels/oscar_attention.py prefill --out results/kernels
-    python benchmarks/kernels/oscar_attention.py sweep   --out results/kernels/sweep
+    python -m benchmarks.kernels.oscar_attention prefill --out results/kernels
+    python -m benchmarks.kernels.oscar_attention sweep   --out results/kernels/sweep
 
 ``sweep`` times every decode launch choice (unpacking, warps, stages, splits) and prefill
 tile and prints the table ``csrc_triton/oscar_attention.py`` keeps (``DECODE_LAUNCH``).
@@ -21,16 +21,6 @@ from pathlib import Path
 import torch
 import triton
 
-from common import (
-    SHAPES,
-    copies_for,
-    copy_bandwidth_gbs,
-    environment,
-    int2_bytes_read,
-    make_int2_batch,
-    time_calls,
-    write_reports,
-)
 from csrc_triton.oscar_attention import (
     DECODE_LAUNCH,
     MAX_DECODE_SPLITS,
@@ -43,6 +33,17 @@ from csrc_triton.oscar_attention import (
 )
 from csrc_triton.oscar_dense_kv import oscar_dense_kv
 from csrc_triton.paged_layout import launch_bucket
+
+from .common import (
+    SHAPES,
+    copies_for,
+    copy_bandwidth_gbs,
+    environment,
+    int2_bytes_read,
+    make_int2_batch,
+    time_calls,
+    write_reports,
+)
 
 SINK, RECENT = 64, 256
 FA_BLOCK = 16  # vLLM's default block size for FLASH_ATTN

@@ -7,8 +7,8 @@ paged cache, the bytes each reads, the GB/s that makes and its share of the devi
 copy bandwidth measured at the start of the run. Every request reads its own blocks in
 shuffled order, over enough copies of the data that L2 serves nothing.
 
-    python benchmarks/kernels/oscar_decode.py decode --out results/kernels
-    python benchmarks/kernels/oscar_decode.py sweep  --out results/kernels/sweep
+    python -m benchmarks.kernels.oscar_decode decode --out results/kernels
+    python -m benchmarks.kernels.oscar_decode sweep  --out results/kernels/sweep
 
 ``sweep`` times the launch choices (register cap, programs per SM) the wrapper fixes;
 ``against --baseline OLD.py`` times this tree's kernel beside an earlier version of its module.
@@ -22,9 +22,11 @@ from pathlib import Path
 
 import torch
 
-from common import SHAPES, copies_for, copy_bandwidth_gbs, environment, int2_bytes_read, make_int2_batch, time_calls, write_reports
-from oscar_attention import Bf16Paged, _fa3, _vllm_triton, decode_calls, fa3_call, plot_decode, triton_call
 from csrc_triton import oscar_decode as od
+
+from .common import (SHAPES, copies_for, copy_bandwidth_gbs, environment, int2_bytes_read, make_int2_batch, time_calls,
+                     write_reports)
+from .oscar_attention import Bf16Paged, _fa3, _vllm_triton, decode_calls, fa3_call, plot_decode, triton_call
 
 SINK, RECENT = 64, 256
 
@@ -40,15 +42,16 @@ def gluon_data(ctx: list[int], hkv: int, hq: int, d: int, copies: int, seed: int
     return out
 
 
-def key_mean_for(hkv: int, d: int, positions: int) -> dict:
-    """``oscar_decode``'s key-mean operands for a random mean (16 pairs a head) and a RoPE table."""
+def key_mean_for(hkv: int, d: int, positions: int, module=od) -> dict:
+    """``module.oscar_decode``'s key-mean operands for a seeded mean (16 pairs a head) and a RoPE table."""
     from csrc_triton.paged_layout import KEY_MEAN_PAIRS
     from oscar_vllm.core.key_mean import strongest_pairs
 
     angles = torch.arange(positions, dtype=torch.float64)[:, None] * 1e6 ** (-torch.arange(0, d, 2) / d)[None]
     table = torch.cat([angles.cos(), angles.sin()], dim=-1).float().cuda()
-    mean = strongest_pairs(3 * torch.randn(hkv, d, device="cuda"), KEY_MEAN_PAIRS)
-    return od.key_mean_operands(mean, table)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mean = strongest_pairs(3 * torch.randn(hkv, d, device="cuda", generator=gen), KEY_MEAN_PAIRS)
+    return module.key_mean_operands(mean, table)
 
 
 def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None = -1, splits: int = 0,
@@ -79,7 +82,7 @@ def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None 
 
 
 def decode(args, bw: float, env: dict) -> list[dict]:
-    from oscar_attention import decode_data
+    from .oscar_attention import decode_data
 
     fa, ua = _fa3(), _vllm_triton()
     rows = []
@@ -226,7 +229,8 @@ def against(args, bw: float, env: dict) -> None:
     (``--baseline``, e.g. ``git show REV:csrc_triton/oscar_decode.py > old.py``), each at its
     own launch table, on the same data in the same run: the comparison across GPU calls cannot
     make, since one-request times differ by up to 25% between machines. Timed in turn, twice
-    each, the faster of each kernel's two kept; outputs must agree."""
+    each, the faster of each kernel's two kept; outputs must agree. ``--key-mean``: both with a key
+    mean (λ 0), and this tree's kernel without one at λ 0.5 beside them (the default before means)."""
     spec = importlib.util.spec_from_file_location("oscar_decode_baseline", args.baseline)
     base = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(base)
@@ -237,29 +241,41 @@ def against(args, bw: float, env: dict) -> None:
         lens = [ctx] * n
         nbytes = int2_bytes_read(lens, hkv, d, SINK, RECENT)
         data = gluon_data(lens, hkv, hq, d, copies_for(nbytes))
-        now, splits = gluon_calls(data)
-        then, base_splits = gluon_calls(data, module=base)
+        mean = {}
+        if args.key_mean:
+            mean = dict(now=dict(key_mean=key_mean_for(hkv, d, ctx + 1)),
+                        then=dict(key_mean=key_mean_for(hkv, d, ctx + 1, base)))
+        now, splits = gluon_calls(data, **mean.get("now", {}))
+        then, base_splits = gluon_calls(data, module=base, **mean.get("then", {}))
         now[0]()
         want = data[0][2].float().clone()
         then[0]()
         rel = ((data[0][2].float() - want).abs().max() / want.abs().max()).item()
         if rel > 1e-2:
             raise AssertionError(f"{n} x {ctx}: the two versions differ (rel err {rel:.2e})")
-        times = {"now": [], "baseline": []}
+        times = {"now": [], "baseline": [], "corrected": []}
+        corrected = gluon_calls(data, logit_correction=0.5)[0] if args.key_mean else None
         for _ in range(2):
             times["now"].append(time_calls(now, rep_ms=30))
             times["baseline"].append(time_calls(then, rep_ms=30))
+            if corrected:
+                times["corrected"].append(time_calls(corrected, rep_ms=30))
         row = {"batch": n, "context": ctx, "splits": splits, "baseline_splits": base_splits,
                "ms": min(times["now"]), "baseline_ms": min(times["baseline"])}
         row["vs_baseline"] = row["ms"] / row["baseline_ms"]
+        if corrected:
+            row["corrected_ms"] = min(times["corrected"])
+            row["vs_corrected"] = row["ms"] / row["corrected_ms"]
+            row["baseline_vs_corrected"] = row["baseline_ms"] / row["corrected_ms"]
         row["pct_copy"] = 100 * nbytes / row["ms"] / 1e6 / bw
         rows.append(row)
         print(row, flush=True)
-        del data, now, then
+        del data, now, then, corrected
         torch.cuda.empty_cache()
     write_reports(Path(args.out), "against_baseline", rows, env,
                   f"Gluon decode against an earlier version, {s.name}",
-                  ["batch", "context", "splits", "baseline_splits", "ms", "baseline_ms", "vs_baseline", "pct_copy"],
+                  ["batch", "context", "splits", "baseline_splits", "ms", "baseline_ms", "vs_baseline",
+                   *(["corrected_ms", "vs_corrected", "baseline_vs_corrected"] if args.key_mean else []), "pct_copy"],
                   [f"baseline: {args.baseline}", f"copy bandwidth: {bw:,.0f} GB/s",
                    "vs_baseline: this tree's time / the baseline's (lower is faster); each the faster of two "
                    "timings taken in turn"])

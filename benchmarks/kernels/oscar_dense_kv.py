@@ -4,7 +4,7 @@ bytes and nothing else, so that is its bound. ``key_mean_ms``: the same fill add
 to the INT2 rows (``key_mean`` "on": a seeded mean, a random rotation, a RoPE table), whose
 product with each row's table row is all it adds.
 
-    python benchmarks/kernels/oscar_dense_kv.py --out results/kernels
+    python -m benchmarks.kernels.oscar_dense_kv --out results/kernels
 """
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
-from common import SHAPES, copy_bandwidth_gbs, environment, int2_bytes_read, make_int2_batch, time_calls, write_reports
 from csrc_triton.oscar_dense_kv import key_mean_basis, oscar_dense_kv
 from csrc_triton.paged_layout import KEY_MEAN_PAIRS
 from oscar_vllm.core.key_mean import served_pairs
+
+from .common import SHAPES, copy_bandwidth_gbs, environment, int2_bytes_read, make_int2_batch, time_calls, write_reports
 
 SINK, RECENT = 64, 256
 

@@ -3,7 +3,7 @@ Hopper (sm_90), in one thread and in several (``warm_up_threads``), each run fro
 Triton cache. No GPU needed: this is the compiler's share of the warm-up, which threads can
 shorten only as far as Triton compiles outside the GIL.
 
-    python benchmarks/kernels/warm_up_compile.py --threads 1 2 --out results/kernels/warm_up_compile
+    python -m benchmarks.kernels.warm_up_compile --threads 1 2 --out results/kernels/warm_up_compile
 """
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
-from common import environment, write_reports
-from compile_check import compile_kernel, gluon_decode_consts
 from csrc_triton import oscar_decode
 from csrc_triton.warm_up import gluon_decode_variants
+
+from .common import environment, write_reports
+from .compile_check import compile_kernel, gluon_decode_consts
 
 
 def decode_variants(max_num_seqs: int, num_sms: int) -> list[tuple[int | None, dict]]:

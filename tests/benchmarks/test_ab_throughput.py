@@ -1,6 +1,5 @@
-"""benchmarks/ab_throughput.py without a GPU or vLLM: its report from hand-written result files,
+"""The A/B harness (benchmarks/ab) without a GPU or vLLM: its report from hand-written result files,
 and its pool of GPUs with fake workers (concurrency, the timeout that ends a process group)."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,17 +10,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "ab_throughput.py"
+HARNESS = [sys.executable, "-m", "benchmarks.ab"]  # as tests/gpu/run.sh runs it, from the repository root
 
 
 @pytest.fixture(scope="module")
 def ab():
-    spec = importlib.util.spec_from_file_location("ab_throughput", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    import benchmarks.ab
+
+    return benchmarks.ab
 
 
 META = {"date": "2026-01-01 00:00 UTC", "hardware": "NVIDIA H200", "command": "python benchmarks/ab_throughput.py",
@@ -119,7 +115,7 @@ def test_gpu_slots(ab):
 
 
 def test_nothing_to_run_is_an_error():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--scenarios", "none"], capture_output=True, text=True)
+    proc = subprocess.run([*HARNESS, "--scenarios", "none"], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2 and "nothing to run" in proc.stderr
 
 
@@ -198,7 +194,7 @@ def test_pool_deadline_skips_what_does_not_fit_and_ends_what_runs_past_it(ab, tm
     """A GPU call's limit: the run must end, report included, before it. A job whose estimate does
     not fit the time left is not started (a stale result of it goes); one running into the
     deadline's reserve is ended with its process group."""
-    monkeypatch.setattr(ab, "DEADLINE_RESERVE_S", 1)
+    monkeypatch.setattr(ab.pool, "DEADLINE_RESERVE_S", 1)
     fits = fake_job(ab, tmp_path, "fits", 0)
     fits.estimate_s = 1
     too_long = fake_job(ab, tmp_path, "too_long", 0)
@@ -508,7 +504,7 @@ def test_latency_times_the_decode_phase_and_reuses_the_long_prompt(ab):
 
     sizes = {"long": {"prompt_len": 2048}, "latency": {"contexts": [512, 2048], "output_len": 64}}
     result = {}
-    ab._latency(timed, sizes, 32000, result)
+    ab.scenarios._latency(timed, sizes, 32000, result)
     rows = result["latency"]["per_context"]
     assert [r["context"] for r in rows] == [512, 2048]
     assert all(r["tpot_ms"] == pytest.approx(5.0) for r in rows)  # the prefill (first_token_s) is not in it
@@ -842,9 +838,9 @@ def test_hadamard_key_means_with_key_mean_off_are_refused(tmp_path, ab):
     """Means that OSCAR would not read (``key_mean`` off) would time the run without them; the
     default (``auto``) and ``on`` read them."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OSCAR_")}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--rotations", "hadamard-key-means", "--scenarios", "decode",
+    proc = subprocess.run([*HARNESS, "--rotations", "hadamard-key-means", "--scenarios", "decode",
                            "--configs", "OSCAR", "--out", str(tmp_path / "ab")], capture_output=True, text=True,
-                          env={**env, "OSCAR_KEY_MEAN": "off"})
+                          env={**env, "OSCAR_KEY_MEAN": "off"}, cwd=REPO)
     assert proc.returncode == 2 and "OSCAR_KEY_MEAN=off serves without them" in proc.stderr
     assert not (tmp_path / "ab").exists(), "refused before anything is written"
     assert ab.oscar_key_mean(env) == "auto" and ab.oscar_key_mean({"OSCAR_KEY_MEAN": "on"}) == "on"

@@ -1,17 +1,11 @@
-"""benchmarks/chunking_dependence.py on a tiny random model: each read is what it says, and
+"""benchmarks/studies/chunking_dependence.py on a tiny random model: each read is what it says, and
 the comparison counts what it says."""
 import json
-import sys
-from pathlib import Path
 
 import torch
 
+from benchmarks.studies import chunking_dependence as cd
 from tiny_llama import tiny_llama, tiny_specs
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import chunking_dependence as cd  # noqa: E402
 
 
 def test_chunk_boundaries_change_the_int2_reads_and_nothing_else():

@@ -1,17 +1,11 @@
 """The key bit-allocation study's pieces: patterns, bases, the two stores and the fit."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import key_bit_allocation as kb  # noqa: E402
-from oscar_vllm.calibration.fit import LayerStats  # noqa: E402
-from oscar_vllm.core.mixed_cache import RowQuantizer  # noqa: E402
-from oscar_vllm.core.rotation import hadamard  # noqa: E402
+from benchmarks.studies import key_bit_allocation as kb
+from oscar_vllm.calibration.fit import LayerStats
+from oscar_vllm.core.mixed_cache import RowQuantizer
+from oscar_vllm.core.rotation import hadamard
 
 
 def test_bit_patterns_spend_two_bits_a_direction_most_important_first():

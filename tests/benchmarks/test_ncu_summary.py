@@ -6,11 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.kernels import ncu_summary
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))
-
-import ncu_summary  # noqa: E402
-
 NCU = ROOT / "results" / "kernels" / "ncu_batch1"
 SOL = "GPU Speed Of Light Throughput"
 

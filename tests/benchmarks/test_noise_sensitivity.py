@@ -1,17 +1,11 @@
-"""benchmarks/noise_sensitivity.py: the perturbation is what it says and the same for every
+"""benchmarks/studies/noise_sensitivity.py: the perturbation is what it says and the same for every
 cache, a 2-bit cache turns it into larger changes than BF16 does, and flips are counted against
 the clean read."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from benchmarks.studies import noise_sensitivity as ns
 from tiny_llama import tiny_llama, tiny_specs
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import noise_sensitivity as ns  # noqa: E402
 
 
 def test_the_perturbation_is_bounded_and_seeded():

@@ -1,16 +1,10 @@
-"""benchmarks/prefix_check_reads.py: vLLM's scheduler on the CPU serves the prefix check as vLLM
+"""benchmarks/studies/prefix_check_reads.py: vLLM's scheduler on the CPU serves the prefix check as vLLM
 did on the H200, and each position reads what its request's chunks give it."""
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 pytest.importorskip("vllm")
 
-import prefix_check_reads  # noqa: E402
+from benchmarks.studies import prefix_check_reads  # noqa: E402
 from oscar_vllm.calibration.evaluate import CACHED_PREFIX_CUTS  # noqa: E402
 
 # What the H200 run of `tests/gpu/e2e_vllm.py prefix --chunk 256` reported for its 207 scored

@@ -1,17 +1,12 @@
 """The quality study's arithmetic: bits per element of each row, and a context's figures read from
 the first positions of longer windows."""
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import quality_study as study  # noqa: E402
-from oscar_vllm.core.quant import clip_index  # noqa: E402
+from benchmarks import quality_study as study
+from oscar_vllm.core.quant import clip_index
 
 
 def test_page_bits_of_the_int2_page_and_its_variants():

@@ -2,15 +2,10 @@
 themselves run on a GPU: tests/gpu/run.sh quality_vllm)."""
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import quality_vllm as qv  # noqa: E402
+from benchmarks import quality_vllm as qv
 
 
 def test_windows_are_distinct_and_spread_over_the_text():

@@ -1,15 +1,13 @@
 """benchmarks/vllm_report.py: each vLLM OSCAR perplexity is held against the reference of the
 path its prompt chunks take, and the recorded run still reads as it did."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
+from benchmarks import vllm_report
 
-import vllm_report  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(dtype, ppl, backend="OSCAR"):

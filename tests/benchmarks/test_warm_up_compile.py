@@ -6,11 +6,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks" / "kernels"))
+from benchmarks.kernels import warm_up_compile
+from csrc_triton.warm_up import gluon_decode_variants
 
-import warm_up_compile  # noqa: E402
-from csrc_triton.warm_up import gluon_decode_variants  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_variants_are_the_warm_ups_distinct_compiles():
@@ -42,8 +41,8 @@ def test_compiling_leaves_no_cache_folder_behind(tmp_path, monkeypatch):
 def test_a_run_compiles_and_writes_its_table(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile, for sm_90
     (tmp_path / "tmp").mkdir()
-    proc = subprocess.run([sys.executable, "warm_up_compile.py", "--threads", "1", "2", "--max-num-seqs", "1",
-                           "--out", str(tmp_path)], cwd=REPO / "benchmarks" / "kernels", capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernels.warm_up_compile", "--threads", "1", "2",
+                           "--max-num-seqs", "1", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                           env={**env, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path / "tmp")}, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert not list((tmp_path / "tmp").glob("oscar-warm-up-*")), "the run's Triton caches are left behind"

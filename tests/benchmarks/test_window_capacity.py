@@ -1,14 +1,12 @@
-"""benchmarks/window_capacity.py: the capacity table comes from the engines' own log lines."""
+"""benchmarks/studies/window_capacity.py: the capacity table comes from the engines' own log lines."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
+from benchmarks.studies import window_capacity
 
-import window_capacity  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_recorded_run_reproduces_its_table():

@@ -10,7 +10,7 @@
 #           (oscar_attention.py)
 #   against the Gluon decode kernel beside an earlier version of its module on the same data
 #           (OSCAR_DECODE_BASELINE: a copy of that csrc_triton/oscar_decode.py, e.g. from git show)
-#   ab      benchmarks/ab_throughput.py: OSCAR against vLLM's KV caches, one engine each
+#   ab      benchmarks/ab (python3 -m benchmarks.ab): OSCAR against vLLM's KV caches, one engine each
 #   profile where a decode step's time goes inside vLLM, OSCAR and FLASH_ATTN (profile_decode.py)
 #   ncu     Nsight Compute (Qwen3-8B shape): the decode write and reshape_and_cache_flash at 1 and 256
 #           tokens, decode attention and its merge at 1 x 1K (FA3's too) and where issue 18 found it under
@@ -104,22 +104,20 @@ for stage in $stages; do
           tests/serving/test_plugin.py::test_admitting_requests_does_not_synchronize_the_gpu \
           tests/benchmarks/test_profile_decode.py; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
     kernels)
-      { (cd benchmarks/kernels &&
-         python3 oscar_decode.py decode --out "$out/kernels" ${OSCAR_KERNEL_ARGS:-} &&
-         python3 oscar_attention.py prefill --out "$out/kernels" --shapes qwen3-8b &&
-         python3 oscar_write.py --out "$out/kernels" --shapes qwen3-8b &&
-         python3 oscar_dense_kv.py --out "$out/kernels" &&
-         python3 sass_histogram.py _oscar_attention_kernel); } 2>&1 | tee "$out/kernels.log" || status=1 ;;
+      { python3 -m benchmarks.kernels.oscar_decode decode --out "$out/kernels" ${OSCAR_KERNEL_ARGS:-} &&
+        python3 -m benchmarks.kernels.oscar_attention prefill --out "$out/kernels" --shapes qwen3-8b &&
+        python3 -m benchmarks.kernels.oscar_write --out "$out/kernels" --shapes qwen3-8b &&
+        python3 -m benchmarks.kernels.oscar_dense_kv --out "$out/kernels" &&
+        python3 -m benchmarks.kernels.sass_histogram _oscar_attention_kernel; } 2>&1 | tee "$out/kernels.log" || status=1 ;;
     sweep)
-      (cd benchmarks/kernels &&
-       python3 oscar_decode.py sweep --out "$out/sweep" --shapes qwen3-8b ${OSCAR_SWEEP_ARGS:---batches 1 8 32 64 \
+      (python3 -m benchmarks.kernels.oscar_decode sweep --out "$out/sweep" --shapes qwen3-8b ${OSCAR_SWEEP_ARGS:---batches 1 8 32 64 \
          --contexts 1024 8192 32768 131072 --maxnreg none 168 --ctas 8 16 --max-splits 128 256 --prefetch 0 2 4 \
          --ring-cost 1 7} &&
-       python3 oscar_attention.py sweep --out "$out/sweep" --batches 1 8 32 \
+       python3 -m benchmarks.kernels.oscar_attention sweep --out "$out/sweep" --batches 1 8 32 \
          --contexts 8192 32768 131072) 2>&1 | grep --line-buffered -v '^{' | tee "$out/sweep.log" || status=1 ;;
     profile)
-      { python3 benchmarks/profile_decode.py --backend OSCAR ${OSCAR_PROFILE_ARGS:-} &&
-        python3 benchmarks/profile_decode.py --backend FLASH_ATTN ${OSCAR_PROFILE_ARGS:-}; } 2>&1 |
+      { python3 -m benchmarks.profile_decode --backend OSCAR ${OSCAR_PROFILE_ARGS:-} &&
+        python3 -m benchmarks.profile_decode --backend FLASH_ATTN ${OSCAR_PROFILE_ARGS:-}; } 2>&1 |
         grep -v EngineCore | tee "$out/profile.log" || status=1 ;;
     ncu)
       # One ncu per kernel family and size: its -c limit counts every matching launch, warm-ups
@@ -130,37 +128,35 @@ for stage in $stages; do
         ncu="${NCU:-/usr/local/cuda/bin/ncu} --section SpeedOfLight --section WarpStateStats --section Occupancy
           --section LaunchStats --section MemoryWorkloadAnalysis --section SchedulerStats"
         failed=0
-        cd benchmarks/kernels || exit 1
         for tokens in ${OSCAR_NCU_WRITE_TOKENS:-1 256}; do
           for kernel in oscar_write_decode reshape_and_cache; do
             echo "=== write, tokens $tokens ==="
-            $ncu -k "regex:$kernel" -c 3 python3 oscar_write.py --out /tmp/oscar-ncu --shapes qwen3-8b \
+            $ncu -k "regex:$kernel" -c 3 python3 -m benchmarks.kernels.oscar_write --out /tmp/oscar-ncu --shapes qwen3-8b \
               --tokens "$tokens" || failed=1
           done
         done
         for size in ${OSCAR_NCU_DECODE:-1x1024 8x32768 32x8192 8x131072 64x8192 64x32768}; do
           echo "=== decode, batch ${size%x*} x ${size#*x} ==="
-          $ncu -k 'regex:_oscar_decode_kernel|_merge_splits' -c 4 python3 oscar_decode.py decode --out /tmp/oscar-ncu \
+          $ncu -k 'regex:_oscar_decode_kernel|_merge_splits' -c 4 python3 -m benchmarks.kernels.oscar_decode decode --out /tmp/oscar-ncu \
             --shapes qwen3-8b --batches "${size%x*}" --contexts "${size#*x}" || failed=1
         done
         echo "=== decode, batch 1 x 1024 ==="
-        $ncu -k 'regex:[Ff]lash' -c 3 python3 oscar_decode.py decode --out /tmp/oscar-ncu --shapes qwen3-8b \
+        $ncu -k 'regex:[Ff]lash' -c 3 python3 -m benchmarks.kernels.oscar_decode decode --out /tmp/oscar-ncu --shapes qwen3-8b \
           --batches 1 --contexts 1024 || failed=1
         exit $failed
       ) > "$out/ncu.txt" 2>&1 || status=1
-      python3 benchmarks/kernels/ncu_summary.py "$out/ncu.txt" --out "$out/ncu.md" || status=1 ;;
+      python3 -m benchmarks.kernels.ncu_summary "$out/ncu.txt" --out "$out/ncu.md" || status=1 ;;
     against)
-      (cd benchmarks/kernels &&
-       python3 oscar_decode.py against --baseline "$(realpath "${OSCAR_DECODE_BASELINE:?a copy of an earlier oscar_decode.py}")" \
+      (python3 -m benchmarks.kernels.oscar_decode against --baseline "$(realpath "${OSCAR_DECODE_BASELINE:?a copy of an earlier oscar_decode.py}")" \
          --out "$out/against" --shapes qwen3-8b --batches 1 8 32 64 --contexts 1024 8192 32768 131072) 2>&1 |
         grep --line-buffered -v '^{' | tee "$out/against.log" || status=1 ;;
     ab)
-      python3 benchmarks/ab_throughput.py --out "$out/ab" ${OSCAR_AB_ARGS:-} 2>&1 | tee "$out/ab.log" || status=1 ;;
+      python3 -m benchmarks.ab --out "$out/ab" ${OSCAR_AB_ARGS:-} 2>&1 | tee "$out/ab.log" || status=1 ;;
     key_mean)
       # The kernel's price first (minutes), then its tests (compiles: the longest part).
       ( failed=0
-        (cd benchmarks/kernels && python3 oscar_decode.py decode --key-mean --mean-maxnreg ${OSCAR_MEAN_MAXNREG:-} \
-           --shapes qwen3-8b --batches 1 8 32 --contexts 8192 32768 131072 --out "$out/key_mean_decode") ||
+        python3 -m benchmarks.kernels.oscar_decode decode --key-mean --mean-maxnreg ${OSCAR_MEAN_MAXNREG:-} \
+           --shapes qwen3-8b --batches 1 8 32 --contexts 8192 32768 131072 --out "$out/key_mean_decode" ||
           failed=1
         python3 -m pytest -v -rf -p no:warnings $xdist tests/kernels/test_oscar_attention.py tests/kernels/test_oscar_write.py \
           tests/kernels/test_oscar_dense_kv.py \
@@ -175,14 +171,14 @@ for stage in $stages; do
     key_mean_ab)
       # Within one GPU call (OSCAR_KEY_MEAN_AB_S, 585 s): each run ends by its share (--deadline-s).
       ( failed=0; t0=$SECONDS; budget=${OSCAR_KEY_MEAN_AB_S:-585}
-        OSCAR_KEY_MEAN=off python3 benchmarks/ab_throughput.py --configs OSCAR --scenarios decode latency \
+        OSCAR_KEY_MEAN=off python3 -m benchmarks.ab --configs OSCAR --scenarios decode latency \
           --rotations hadamard --deadline-s $(( budget / 2 )) --out "$out/ab_key_mean/without" ${OSCAR_AB_ARGS:-} ||
           failed=1
-        python3 benchmarks/ab_throughput.py --configs OSCAR --rotations hadamard-key-means \
+        python3 -m benchmarks.ab --configs OSCAR --rotations hadamard-key-means \
           --plan "$out/ab_key_mean/without/plan.json" --deadline-s $(( budget - (SECONDS - t0) )) \
           --out "$out/ab_key_mean/with" ${OSCAR_AB_ARGS:-} || failed=1
         # one table, the mean's column "OSCAR (run 2)", into without/ab.md
-        python3 benchmarks/ab_throughput.py --report "$out/ab_key_mean/without" "$out/ab_key_mean/with" || failed=1
+        python3 -m benchmarks.ab --report "$out/ab_key_mean/without" "$out/ab_key_mean/with" || failed=1
         exit $failed
       ) 2>&1 | grep --line-buffered -v EngineCore | tee "$out/key_mean_ab.log" || status=1 ;;
     quality_vllm)
@@ -247,7 +243,7 @@ for stage in $stages; do
     warmup)
       (for threads in 1 ${OSCAR_WARM_UP_THREADS_TRY:-4}; do
          TRITON_CACHE_DIR=$(mktemp -d) OSCAR_WARM_UP_THREADS=$threads \
-           python3 benchmarks/ab_throughput.py --configs OSCAR --scenarios none --max-num-seqs-sweep 1024 \
+           python3 -m benchmarks.ab --configs OSCAR --scenarios none --max-num-seqs-sweep 1024 \
            --timeout 300 --out "$out/warmup_threads$threads" > /dev/null &&
          grep -h "compiled the kernels\|init engine" "$out/warmup_threads$threads"/log_OSCAR*.txt | sed "s/^/threads $threads: /" ||
          exit 1

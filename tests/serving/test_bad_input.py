@@ -1,7 +1,7 @@
 """Bad input refused at startup, by name: every kind in docs/reliability.md's table has its
 ``test_refuses_*`` here, and each goes through the path vLLM itself takes, the plugin's check on
 ``EngineArgs.create_engine_config`` (run before any engine process, worker or GPU memory
-exists), on the CPU, with real vLLM configs built from config.json files (tests/vllm_cpu.py)."""
+exists), on the CPU, with real vLLM configs built from config.json files (benchmarks/vllm_cpu.py)."""
 import itertools
 import json
 import math
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from rotationzoo_files import write_published_files
-from vllm_cpu import Card, vllm_configs_on_cpu
+from benchmarks.vllm_cpu import Card, vllm_configs_on_cpu
 
 from oscar_vllm.core.atomic_output import PARTIAL_MARK
 from oscar_vllm.core.rotation_io import RotationFileError, load_rotations, save_rotations
@@ -65,7 +65,7 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def engine_args():
-    """vLLM's ``EngineArgs``, its configs buildable on this CPU machine (tests/vllm_cpu.py)."""
+    """vLLM's ``EngineArgs``, its configs buildable on this CPU machine (benchmarks/vllm_cpu.py)."""
     with vllm_configs_on_cpu() as engine_args_cls:
         yield engine_args_cls
 

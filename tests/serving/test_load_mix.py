@@ -416,9 +416,9 @@ def test_the_tp2_rotations_are_valid_for_the_checkpoint(serve_load, tmp_path, pe
 
 @pytest.fixture(scope="module")
 def smollm2_configs(tmp_path_factory):
-    """SmolLM2's config.json (no weights), and vLLM configs buildable on the CPU (tests/vllm_cpu.py)."""
+    """SmolLM2's config.json (no weights), and vLLM configs buildable on the CPU (benchmarks/vllm_cpu.py)."""
     pytest.importorskip("vllm")
-    from vllm_cpu import SMOLLM2_CONFIG, vllm_configs_on_cpu
+    from benchmarks.vllm_cpu import SMOLLM2_CONFIG, vllm_configs_on_cpu
 
     folder = tmp_path_factory.mktemp("smollm2")
     (folder / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))

@@ -324,7 +324,7 @@ def test_key_means_take_rotate_half_rope_over_the_whole_head_from_vllm():
 
     from oscar_vllm.core.settings import OscarSettingsError
     from oscar_vllm.serving.vllm_hooks import rope_table_of
-    from vllm_cpu import vllm_configs_on_cpu
+    from benchmarks.vllm_cpu import vllm_configs_on_cpu
 
     with vllm_configs_on_cpu(), set_current_vllm_config(VllmConfig()):  # vLLM's ops read it when built
         neox = get_rope(64, 128, is_neox_style=True, dtype=torch.float32)
@@ -350,7 +350,7 @@ def test_key_mean_auto_serves_means_where_the_rotations_and_the_rope_take_them()
 
     from oscar_vllm.core.settings import OscarSettings, OscarSettingsError
     from oscar_vllm.serving.vllm_hooks import rope_tables_for_key_means
-    from vllm_cpu import vllm_configs_on_cpu
+    from benchmarks.vllm_cpu import vllm_configs_on_cpu
 
     with vllm_configs_on_cpu(), set_current_vllm_config(VllmConfig()):
         neox = get_rope(64, 128, is_neox_style=True, dtype=torch.float32)

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_cpu import SMOLLM2_CONFIG  # noqa: E402
+from benchmarks.vllm_cpu import SMOLLM2_CONFIG  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD_SECONDS = 60
@@ -28,7 +28,7 @@ def test_the_engine_process_forked_after_the_check_can_run_torch(tmp_path):
         import os, signal, time
         import torch
         torch.set_num_threads(2)  # a pool to leave behind, on any machine
-        from vllm_cpu import vllm_configs_on_cpu
+        from benchmarks.vllm_cpu import vllm_configs_on_cpu
         with vllm_configs_on_cpu() as engine_args:
             engine_args(model={str(tmp_path / "smollm2")!r}, attention_backend="OSCAR", skip_tokenizer_init=True,
                         max_model_len=2048, additional_config={{"oscar": {{

@@ -456,7 +456,7 @@ def test_a_batch_sent_again_is_scheduled_alike_every_time(tmp_path, hit_ring, lo
     the first repeat included: the ring a repeat leaves holds positions it computed again after its
     hit was cut short, and copied by the next repeat it made that repeat's prefill differ from the
     first's (what the H200 run showed)."""
-    from vllm_cpu import oscar_scheduler_on_cpu, serve_on_cpu
+    from benchmarks.vllm_cpu import oscar_scheduler_on_cpu, serve_on_cpu
 
     rng = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (n,), generator=rng).tolist() for n in (700, 901, 1300, 2047, 3000)]

@@ -1,8 +1,8 @@
 """Does the attention-aware eigenbasis help on this model? The quantity OSCAR optimizes,
 measured per rotation.
 
-    python benchmarks/rotation_error.py                    # SmolLM2, ~2 min on 2 CPU cores
-    python benchmarks/rotation_error.py --model-path /path/to/Qwen3-8B --device cuda
+    python -m benchmarks.studies.rotation_error                    # SmolLM2, ~2 min on 2 CPU cores
+    python -m benchmarks.studies.rotation_error --model-path /path/to/Qwen3-8B --device cuda
 
 For identity, the data-free Hadamard and OSCAR's ``U·H·P`` rotations, on held-out tokens
 the rotations never saw, it reports the mean over layers of the expected squared logit
@@ -65,7 +65,8 @@ def main():
                     "key_error": sum(e[0] for e in errs) / len(errs),
                     "value_error": sum(e[1] for e in errs) / len(errs),
                 })
-    meta = {**environment("python benchmarks/rotation_error.py"), "model": lm.name, "calib_tokens": args.calib_tokens, "heldout_tokens": args.heldout_tokens}
+    meta = {**environment("python -m benchmarks.studies.rotation_error"), "model": lm.name,
+            "calib_tokens": args.calib_tokens, "heldout_tokens": args.heldout_tokens}
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "rotation_error.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     base = {(r["group"], r["clip"]): r for r in rows if r["rotation"] == "hadamard"}

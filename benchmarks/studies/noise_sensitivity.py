@@ -11,7 +11,7 @@ bits is a step function: a key near a code boundary crosses it under the noise a
 whole code step, where BF16 moves it by at most one BF16 step. So OSCAR's replies can be no
 more stable against such differences than BF16's; this measures by how much less.
 
-    python benchmarks/noise_sensitivity.py --out results/reliability/noise_sensitivity
+    python -m benchmarks.studies.noise_sensitivity --out results/reliability/noise_sensitivity
 
 Writes ``noise_sensitivity.{md,json}`` into ``--out``.
 """
@@ -130,7 +130,7 @@ def main() -> None:
     result = {name: {"flip_rate": s["flips"] / tokens, "flips": s["flips"], "kl": s["kl_sum"] / tokens,
                      "median_flip_margin": float(torch.tensor(s["flip_margins"]).median()) if s["flip_margins"]
                      else float("nan")} for name, s in sums.items()}
-    meta = {**environment("python benchmarks/noise_sensitivity.py"), "model": loaded.name, "dtype": args.dtype,
+    meta = {**environment("python -m benchmarks.studies.noise_sensitivity"), "model": loaded.name, "dtype": args.dtype,
             "rotations": str(args.rotations), "method": method.name, "sink": SINK, "recent": RECENT,
             "context": args.context, "windows": len(windows), "eps": args.eps, "tokens": tokens}
     save_report(args.out, "noise_sensitivity", {"meta": meta, **result}, report(result, meta), indent=1)

@@ -9,7 +9,7 @@ this measures the mechanism: the same windows read with chunks of 256, 512 and 2
 (one chunk), and as decode reads them (each position: the sink and the last 256 keys in BF16,
 the rest 2-bit, whatever the chunks), against each other and against BF16.
 
-    python benchmarks/chunking_dependence.py --out results/reliability/chunking
+    python -m benchmarks.studies.chunking_dependence --out results/reliability/chunking
 
 Writes ``chunking.{md,json}`` into ``--out``.
 """
@@ -118,9 +118,10 @@ def main() -> None:
                 sums[f"{a}/{b}"][key] += value * n
     result = {"ppl": {n: math.exp(nll[n] / tokens) for n in names},
               "pairs": {pair: {k: v / tokens for k, v in s.items()} for pair, s in sums.items()}}
-    meta = {**environment("python benchmarks/chunking_dependence.py"), "model": loaded.name, "dtype": args.dtype,
-            "rotations": str(args.rotations), "method": method.name, "sink": SINK, "recent": RECENT,
-            "context": args.context, "windows": len(windows), "chunks": list(chunks), "tokens": tokens}
+    meta = {**environment("python -m benchmarks.studies.chunking_dependence"), "model": loaded.name,
+            "dtype": args.dtype, "rotations": str(args.rotations), "method": method.name, "sink": SINK,
+            "recent": RECENT, "context": args.context, "windows": len(windows), "chunks": list(chunks),
+            "tokens": tokens}
     save_report(args.out, "chunking", {"meta": meta, **result}, report(result, meta), indent=1)
 
 

@@ -1,6 +1,8 @@
 """vLLM's engine configs built on a machine without a GPU, for the tests of what the plugin
 checks when vLLM builds them (``EngineArgs.create_engine_config``), and vLLM's scheduler run on
-them with the plugin's window-page hooks (``oscar_scheduler_on_cpu``, ``serve_on_cpu``).
+them with the plugin's window-page hooks (``oscar_scheduler_on_cpu``, ``serve_on_cpu``): what the
+serving tests (tests/serving) and ``benchmarks.studies.prefix_check_reads`` share, here so that no
+benchmark imports from tests/.
 
 Three things let vLLM's config code run here, none of them part of what is tested: a device
 type for ``DeviceConfig`` (nothing runs on it), Triton counted as present (vLLM allows its V2

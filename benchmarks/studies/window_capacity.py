@@ -5,7 +5,7 @@ one running request's windows take from it and what is left with 32, 256 and ``m
 requests running. This turns both engines' logs into ``capacity.md`` (ratios against the BF16
 engine's pool from the same run):
 
-    python benchmarks/window_capacity.py OSCAR_LOG BF16_LOG --meta META_JSON --out DIR
+    python -m benchmarks.studies.window_capacity OSCAR_LOG BF16_LOG --meta META_JSON --out DIR
 """
 import argparse
 import json

@@ -1,6 +1,6 @@
 """Keys with their bits where the queries look: a page-format candidate for issue 19 (CPU study).
 
-    python benchmarks/key_bit_allocation.py --windows 1 --out results/quality/key_bits   # ~30 min on 2 CPU cores
+    python -m benchmarks.studies.key_bit_allocation --windows 1 --out results/quality/key_bits  # ~30 min, 2 CPU cores
 
 OSCAR's key rotation is ``R_K = U H P``: the eigenvectors ``U`` of the query moment ``C_Q``, then
 a Hadamard ``H`` that spreads every eigen-direction over all dims, so that one 2-bit min-max grid
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,14 +40,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import quality_study as qs  # noqa: E402
-from oscar_vllm.calibration import corpus  # noqa: E402
-from oscar_vllm.calibration.evaluate import environment, report_header, save_report  # noqa: E402
-from oscar_vllm.calibration.fit import LayerStats  # noqa: E402
-from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer  # noqa: E402
-from oscar_vllm.core.quant import minmax_dequantize, minmax_quantize  # noqa: E402
-from oscar_vllm.core.rotation import apply_rotation, hadamard, key_moment  # noqa: E402
+from benchmarks import quality_study as qs
+from oscar_vllm.calibration import corpus
+from oscar_vllm.calibration.evaluate import environment, report_header, save_report
+from oscar_vllm.calibration.fit import LayerStats
+from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer
+from oscar_vllm.core.quant import minmax_dequantize, minmax_quantize
+from oscar_vllm.core.rotation import apply_rotation, hadamard, key_moment
 
 UNIT = 8  # directions per allocation unit: a group is then a sum of Hadamard blocks of 8 and up
 MAX_BITS = 4
@@ -339,7 +337,7 @@ def main() -> None:
     results = {name: {"key_row_bits": round(bits, 1), "key_error_vs_today": round(err, 3),
                       "contexts": {str(c): qs.summarize(scores[name], scores["bf16"], c) for c in qs.CONTEXTS}}
                for name, (_, bits, err) in rows.items()}
-    meta = {**environment("python benchmarks/key_bit_allocation.py"), "model": lm.name, "dtype": "float32",
+    meta = {**environment("python -m benchmarks.studies.key_bit_allocation"), "model": lm.name, "dtype": "float32",
             "windows": args.windows,
             "eval_corpus": corpus.EVALUATION_NAME,
             "calibration": f"{austen.tokens:,} tokens of {corpus.CALIBRATION_NAME} for the bases, {austen.heldout:,} "

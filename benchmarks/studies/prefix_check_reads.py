@@ -12,9 +12,9 @@ to get every request's hit and chunks, then scores the same positions in the ref
 BF16 from its chunk's ring on (the ring holds only what the request computed itself), and a
 cached position's keys are what the request that wrote its block computed.
 
-    python benchmarks/prefix_check_reads.py --out results/windows/prefix_check_reads  # ~19 min a configuration
-    python benchmarks/prefix_check_reads.py --check-windows 156 --windows 40 --out DIR  # a larger check's schedule
-    python benchmarks/prefix_check_reads.py --report OLD/prefix_check_reads.json --out DIR  # report again
+    python -m benchmarks.studies.prefix_check_reads --out results/windows/prefix_check_reads  # ~19 min a configuration
+    python -m benchmarks.studies.prefix_check_reads --check-windows 156 --windows 40 --out DIR  # a larger check
+    python -m benchmarks.studies.prefix_check_reads --report OLD/prefix_check_reads.json --out DIR  # report again
 
 Writes ``prefix_check_reads.{md,json}`` into ``--out``: each configuration's perplexity at the
 prompts' last positions, its gap to caching off, that gap's standard error (paired over the
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import tempfile
 from pathlib import Path
 
@@ -51,7 +50,6 @@ from oscar_vllm.calibration.evaluate import (
 from oscar_vllm.calibration.models import MixedCacheHook, attention_hooks
 from oscar_vllm.core.settings import OscarSettings
 
-REPO = Path(__file__).resolve().parents[1]
 RECENT = OscarSettings.recent_size  # the plugin's default recent window, the check's
 # vLLM's enable_prefix_caching, the rings a hit leaves to be computed again (the plugin: one), and
 # whether a hit copies the ring an ended request left instead (hit_ring "reuse"). Two rings: the
@@ -70,8 +68,8 @@ def schedule_check(windows: list[list[int]], chunk: int, caching: bool, work: Pa
     the CPU: vLLM's ``Scheduler`` with the OSCAR hooks, fed one sampled token per request whose
     prefill a step completes; a hit stops ``rings`` rings short of the cached blocks (the plugin: 1),
     or with ``reuse_rings`` copies an ended request's ring where one serves it."""
-    sys.path.insert(0, str(REPO / "tests"))  # vLLM's scheduler with the OSCAR hooks, on the CPU
-    from vllm_cpu import oscar_scheduler_on_cpu, serve_on_cpu
+    # vLLM's scheduler with the OSCAR hooks, on the CPU
+    from benchmarks.vllm_cpu import oscar_scheduler_on_cpu, serve_on_cpu
 
     oscar = {"recent_size": recent, "hit_ring": "reuse" if reuse_rings else "recompute"}
     with oscar_scheduler_on_cpu(work, chunk, caching, oscar) as (scheduler, pages):
@@ -209,7 +207,7 @@ def main() -> None:
         result[name] = {"nll": nll, "ppl": math.exp(sum(nll) / len(nll)), "tail_nll": tail,
                         "tail_tokens": sum(r["len"] - t for r, t in zip(scored, tail_from)),
                         "mean_hit": sum(r["chunks"][0][0] for r in scored) / len(scored)}
-    meta = {**environment("python benchmarks/prefix_check_reads.py"), "model": loaded.name, "dtype": args.dtype,
+    meta = {**environment("python -m benchmarks.studies.prefix_check_reads"), "model": loaded.name, "dtype": args.dtype,
             "rotations": str(args.rotations), "method": method.name, "chunk": args.chunk, "windows": args.windows,
             "check_windows": args.check_windows, "tokens": args.windows * cuts}
     save_report(args.out, "prefix_check_reads", {"meta": meta, "result": result}, report(result, meta))
