@@ -9,7 +9,8 @@ inside a function), and in fresh interpreters, what importing a layer pulls in:
 - ``csrc_triton``: the standard library, triton and torch only;
 - no import cycle; ``serving/vllm_hooks`` never imports the backend (the backend imports it);
 - ``serving.plugin.register`` (what vLLM runs in every process) loads nothing heavy: the plugin
-  module is torch-free, and register() loads nothing beyond vLLM's backend registry."""
+  module (with the hook table it installs from, ``serving.hooks``) is torch-free, and register()
+  loads nothing beyond vLLM's backend registry."""
 import ast
 import json
 import subprocess
@@ -193,6 +194,7 @@ def test_plugin_register_loads_nothing_heavy():
     assert seen["registered"]
     ours = {m for m in seen["import"] if m.startswith("oscar_vllm")}
     assert ours == {"oscar_vllm", "oscar_vllm.serving", "oscar_vllm.serving.plugin", "oscar_vllm.core",
-                    "oscar_vllm.core.settings", "oscar_vllm.core.errors"}
+                    "oscar_vllm.core.settings", "oscar_vllm.core.errors",
+                    "oscar_vllm.serving.hooks"}  # the hook table: register() installs and arms from it
     assert {m.split(".")[0] for m in seen["import"]} - {"oscar_vllm"} <= STDLIB
     assert not {m for m in seen["register"] if m.split(".")[0] in HEAVY | {"oscar_vllm"}}, seen["register"]

@@ -62,9 +62,9 @@ from oscar_vllm.serving.window_pages import WindowPagesError
 
 check_vllm_version()
 
-from oscar_vllm.serving import vllm_hooks  # noqa: E402  (installs the hooks once the version is right)
+from oscar_vllm.serving import hooks  # noqa: E402  (installs the hooks once the version is right)
 
-vllm_hooks.install()
+hooks.install()  # as register() does: a process that imports the backend without vLLM's plugins gets them too
 
 logger = logging.getLogger("vllm.oscar_vllm")
 

@@ -1,21 +1,23 @@
 """The ``vllm.general_plugins`` entry point: makes ``--attention-backend OSCAR`` select the
-OSCAR backend (and ``CUSTOM``, when no other plugin has claimed that slot).
+OSCAR backend (and ``CUSTOM``, when no other plugin has claimed that slot), and installs the
+backend's hooks into vLLM (``oscar_vllm.serving.hooks``).
 
 vLLM loads general plugins in every process, before it parses ``--attention-backend`` into
-an ``AttentionBackendEnum`` member, so ``register()`` adds the ``OSCAR`` member there. It is
-idempotent, imports only vLLM's small registry module and never touches CUDA. Where vLLM's
-``EngineArgs`` is loaded already (the process that starts an engine), it also has the configs
-it builds checked at once (``oscar_vllm.serving.preflight``).
+an ``AttentionBackendEnum`` member, so ``register()`` adds the ``OSCAR`` member there (hook
+``backend-name``). It installs every other hook whose vLLM module is loaded, and arms the rest to
+install as vLLM imports their module (``hooks.install``): where ``EngineArgs`` is loaded already
+(the process that starts an engine), the configs it builds are checked at once
+(``oscar_vllm.serving.preflight``). It is idempotent, imports only vLLM's small registry module
+(and the wrappers of hooks whose module is loaded) and never touches CUDA.
 """
 from __future__ import annotations
 
 import logging
-import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from oscar_vllm.core.settings import BACKEND_NAME, BACKEND_PATH
-
-SUPPORTED_VLLM = "0.26.0"
+from oscar_vllm.serving import hooks
+from oscar_vllm.serving.hooks import SUPPORTED_VLLM
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +43,12 @@ def oscar_backend_member():
 
     vLLM pickles its config (and this member in it) into spawned engine processes, which
     unpickle it before they load plugins; by value the member would not exist there yet.
+    ``register()`` also arms the hooks there, before the process builds its scheduler.
     """
     register()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    member = AttentionBackendEnum[BACKEND_NAME]
-    if vllm_version_problem() is None:
-        # A spawned engine process unpickles its config here, before it builds its scheduler,
-        # which must then give requests their window pages (the backend module, which installs
-        # every hook, is imported only where a model is built: in this process or a worker's).
-        from oscar_vllm.serving.vllm_hooks import install_scheduler_hook
-
-        install_scheduler_hook()
-    return member
+    return AttentionBackendEnum[BACKEND_NAME]
 
 
 def _reduce_oscar_member(protocol):
@@ -76,6 +71,11 @@ def _add_enum_member(enum_cls, name: str, value: str):
     return member
 
 
+def add_oscar_member(enum_cls) -> None:
+    """Hook ``backend-name``: ``OSCAR`` in vLLM's ``AttentionBackendEnum``."""
+    _add_enum_member(enum_cls, BACKEND_NAME, BACKEND_PATH)
+
+
 def register() -> None:
     problem = vllm_version_problem()
     if problem:
@@ -83,13 +83,9 @@ def register() -> None:
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    _add_enum_member(AttentionBackendEnum, BACKEND_NAME, BACKEND_PATH)
+    # The enum member at once (its module is loaded); the process that starts an engine registers
+    # plugins from EngineArgs, imported by then: its configs are checked as they are built, before
+    # any engine process or GPU memory. The rest as vLLM imports their modules.
+    hooks.install()
     if not AttentionBackendEnum.CUSTOM.is_overridden():
         register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
-    # The process that starts an engine registers plugins from EngineArgs, which is imported by
-    # then: its configs are checked as they are built, before any engine process or GPU memory.
-    arg_utils = sys.modules.get("vllm.engine.arg_utils")
-    if arg_utils is not None:
-        from oscar_vllm.serving.preflight import install_startup_check
-
-        install_startup_check(arg_utils.EngineArgs)

@@ -3,10 +3,10 @@
 vLLM builds an engine's whole configuration in the process that starts it (``vllm serve``'s
 API server, or the one that calls ``LLM(...)``), in ``EngineArgs.create_engine_config``,
 before any engine process, worker or GPU memory exists. The plugin wraps that function
-(:func:`install_startup_check`): an engine that names the OSCAR backend is checked there, all
-problems at once, each named (:class:`OscarStartupError`), and its rotations are loaded and
-validated against the model. Then its OSCAR settings are written into the config
-(``additional_config["oscar"]``, the rotation path made absolute), so every process of the
+(:func:`check_configs_as_built`, hook ``startup-check``): an engine that names the OSCAR backend
+is checked there, all problems at once, each named (:class:`OscarStartupError`), and its
+rotations are loaded and validated against the model. Then its OSCAR settings are written into
+the config (``additional_config["oscar"]``, the rotation path made absolute), so every process of the
 engine reads the same settings, wherever it runs: vLLM copies ``VLLM_*`` and ``HF_*`` variables
 to Ray workers on other nodes, not ``OSCAR_*`` ones, and a relative path means another folder
 in a process started elsewhere.
@@ -249,21 +249,16 @@ def pin_settings(vllm_config, settings: OscarSettings) -> None:
     config[ADDITIONAL_CONFIG_KEY] = values
 
 
-def install_startup_check(engine_args_cls) -> None:
-    """Check (and pin the settings of) every config ``engine_args_cls.create_engine_config`` builds."""
-    original = engine_args_cls.create_engine_config
-    if getattr(original, "__oscar_wrapped__", False):
-        return
+def check_configs_as_built(original, read):
+    """Hook ``startup-check`` (``oscar_vllm.serving.hooks``) on ``EngineArgs.create_engine_config``:
+    every config it builds checked, and the settings of an OSCAR engine's pinned in it."""
 
-    def create_engine_config(self, *args, **kwargs):
-        vllm_config = original(self, *args, **kwargs)
+    def create_engine_config(*args, **kwargs):
+        vllm_config = original(*args, **kwargs)
         settings = check_engine_config(vllm_config)
         if settings is not None:
             pin_settings(vllm_config, settings)
             warn_prefix_caching_under_batch_invariance(vllm_config, settings)
         return vllm_config
 
-    create_engine_config.__wrapped__ = original
-    create_engine_config.__oscar_wrapped__ = True
-    create_engine_config.__doc__ = original.__doc__
-    engine_args_cls.create_engine_config = create_engine_config
+    return create_engine_config

@@ -1,18 +1,24 @@
-"""The few places where the OSCAR backend reaches into vLLM 0.26.0 beyond the attention
-backend interface. Each hook wraps one function, checks that it found what it expects,
-and is installed once per process (by the backend module, or by the plugin when a spawned
-engine process unpickles a config naming OSCAR):
+"""What the OSCAR backend does where it reaches into vLLM 0.26.0 beyond the attention backend
+interface: the wrappers of the hooks ``oscar_vllm.serving.hooks`` declares (each one's target, the
+parameters it reads by name, and when it is installed are there), and the work they do:
 
-* ``Attention.get_kv_cache_spec``: OSCAR layers report INT2 pages (a ``TQFullAttentionSpec``
-  whose slot is ``int2_slot_bytes(d)``), so vLLM sizes the KV cache by the real page.
-* ``Scheduler.__init__``: the scheduler of an OSCAR engine gives every request the pages of its
-  BF16 window ring from its own block pool (``oscar_vllm.serving.window_pages``) and says which.
-* V2 model runner, ``GPUModelRunner.add_requests`` and ``DefaultModelState.prepare_attn``: a new
-  request's row gets its window pages and an empty ring; each batch's rows go to the builders.
-* ``process_weights_after_loading`` as ``BaseModelLoader.load_model`` calls it: load the
-  rotations, fold the value rotation into the weights, hand each layer its key rotation.
-* V2 model runner, ``GPUModelRunner.initialize_kv_cache``: once the cache exists, compile
-  every kernel variant serving can launch (``warm_up_kernels``), before graph capture.
+* ``kv-cache-spec``, ``Attention.get_kv_cache_spec`` (``report_int2_pages``): OSCAR layers report
+  INT2 pages (a ``TQFullAttentionSpec`` whose slot is ``int2_slot_bytes(d)``), so vLLM sizes the KV
+  cache by the real page.
+* ``scheduler-window-pages``, ``Scheduler.__init__`` (``give_window_pages_to_schedulers``): the
+  scheduler of an OSCAR engine gives every request the pages of its BF16 window ring from its own
+  block pool (``oscar_vllm.serving.window_pages``) and says which.
+* ``new-rows-window-pages`` and ``batch-rows``, V2 model runner, ``GPUModelRunner.add_requests``
+  and ``DefaultModelState.prepare_attn``: a new request's row gets its window pages and an empty
+  ring; each batch's rows go to the builders.
+* ``weight-fold``, ``process_weights_after_loading`` as ``BaseModelLoader.load_model`` calls it:
+  load the rotations, fold the value rotation into the weights, hand each layer its key rotation.
+* ``kernel-warm-up``, V2 model runner, ``GPUModelRunner.initialize_kv_cache``: once the cache
+  exists, compile every kernel variant serving can launch (``warm_up_kernels``), before graph capture.
+
+Each wrapper factory takes ``(original, read)``: ``read(args, kwargs)`` gives the arguments its
+hook names, by name, from a call however vLLM passes them. Each wrapper passes a call on another
+backend's layer, builder or engine through as it came.
 
 This module never imports ``oscar_vllm.serving.backend`` (the backend imports it): it knows OSCAR
 layers by their backend's name. It imports the kernels' package only where it uses it, so an
@@ -20,7 +26,6 @@ engine process that only schedules loads no Triton.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
 
@@ -33,18 +38,6 @@ from oscar_vllm.serving.window_pages import WindowPageAllocator, attach_to_sched
 # Under vLLM's logger, so its handlers show what the backend loaded.
 logger = logging.getLogger("vllm.oscar_vllm")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-_installed = False
-
-
-def _wrap(owner, name: str, make):
-    original = getattr(owner, name, None)
-    if original is None:
-        raise RuntimeError(f"oscar_vllm: vLLM has no {owner.__name__}.{name}; is this vLLM 0.26.0?")
-    if getattr(original, "__oscar_wrapped__", False):
-        return
-    wrapper = functools.wraps(original)(make(original))
-    wrapper.__oscar_wrapped__ = True
-    setattr(owner, name, wrapper)
 
 
 def is_oscar_layer(layer) -> bool:
@@ -124,69 +117,75 @@ def give_scheduler_window_pages(scheduler) -> WindowPageAllocator:
     return allocator
 
 
-def install_scheduler_hook() -> None:
-    """The scheduler side alone: what an engine process that builds no model needs."""
-    from vllm.v1.core.sched.scheduler import Scheduler
+def give_window_pages_to_schedulers(original, read):
+    """Hook ``scheduler-window-pages``: an OSCAR engine's scheduler, once built, gives its requests
+    window pages (``give_scheduler_window_pages``)."""
 
-    def make_scheduler_init(original):
-        def __init__(self, *args, **kwargs):
-            original(self, *args, **kwargs)
-            if engine_uses_oscar(self.vllm_config):
-                give_scheduler_window_pages(self)
-        return __init__
+    def __init__(*args, **kwargs):
+        original(*args, **kwargs)
+        scheduler, = read(args, kwargs)
+        if engine_uses_oscar(scheduler.vllm_config):
+            give_scheduler_window_pages(scheduler)
 
-    _wrap(Scheduler, "__init__", make_scheduler_init)
+    return __init__
 
 
-def install() -> None:
-    global _installed
-    if _installed:
-        return
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.model_executor.model_loader import base_loader
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+def report_int2_pages(original, read):
+    """Hook ``kv-cache-spec``: an OSCAR layer's KV-cache spec is its INT2 page (``oscar_kv_cache_spec``)."""
 
-    def make_spec(original):
-        def get_kv_cache_spec(self, vllm_config):
-            if is_oscar_layer(self):
-                return oscar_kv_cache_spec(self, vllm_config)
-            return original(self, vllm_config)
-        return get_kv_cache_spec
+    def get_kv_cache_spec(*args, **kwargs):
+        layer, vllm_config = read(args, kwargs)
+        if is_oscar_layer(layer):
+            return oscar_kv_cache_spec(layer, vllm_config)
+        return original(*args, **kwargs)
 
-    def make_add_requests(original):
-        def add_requests(self, scheduler_output):
-            original(self, scheduler_output)
-            assign_window_pages(self, scheduler_output)
-        return add_requests
+    return get_kv_cache_spec
 
-    def make_prepare_attn(original):
-        def prepare_attn(self, input_batch, *args, **kwargs):
-            attn_groups = kwargs["attn_groups"] if "attn_groups" in kwargs else args[3]
-            for _, builder in oscar_builders(attn_groups):
-                builder.batch_rows = input_batch.idx_mapping
-            return original(self, input_batch, *args, **kwargs)
-        return prepare_attn
 
-    def make_process_weights(original):
-        def process_weights_after_loading(model, model_config, target_device):
-            original(model, model_config, target_device)
-            prepare_model(model)
-        return process_weights_after_loading
+def assign_new_rows_window_pages(original, read):
+    """Hook ``new-rows-window-pages``: the rows of the requests a step adds get their window pages
+    (``assign_window_pages``)."""
 
-    def make_initialize_kv_cache(original):
-        def initialize_kv_cache(self, kv_cache_config):
-            original(self, kv_cache_config)
-            warm_up_layers(self)
-        return initialize_kv_cache
+    def add_requests(*args, **kwargs):
+        original(*args, **kwargs)
+        assign_window_pages(*read(args, kwargs))
 
-    install_scheduler_hook()
-    _wrap(Attention, "get_kv_cache_spec", make_spec)
-    _wrap(GPUModelRunner, "initialize_kv_cache", make_initialize_kv_cache)
-    _wrap(GPUModelRunner, "add_requests", make_add_requests)
-    _wrap(DefaultModelState, "prepare_attn", make_prepare_attn)
-    _wrap(base_loader, "process_weights_after_loading", make_process_weights)
-    _installed = True
+    return add_requests
+
+
+def give_builders_batch_rows(original, read):
+    """Hook ``batch-rows``: every OSCAR metadata builder learns the request rows of the batch it
+    builds for (``batch_rows``), before vLLM builds its metadata."""
+
+    def prepare_attn(*args, **kwargs):
+        input_batch, attn_groups = read(args, kwargs)
+        for _, builder in oscar_builders(attn_groups):
+            builder.batch_rows = input_batch.idx_mapping
+        return original(*args, **kwargs)
+
+    return prepare_attn
+
+
+def fold_rotations_after_loading(original, read):
+    """Hook ``weight-fold``: once vLLM has processed the loaded weights, ``prepare_model``."""
+
+    def process_weights_after_loading(*args, **kwargs):
+        original(*args, **kwargs)
+        model, = read(args, kwargs)
+        prepare_model(model)
+
+    return process_weights_after_loading
+
+
+def warm_up_after_kv_cache(original, read):
+    """Hook ``kernel-warm-up``: once the KV cache exists, ``warm_up_layers``."""
+
+    def initialize_kv_cache(*args, **kwargs):
+        original(*args, **kwargs)
+        runner, = read(args, kwargs)
+        warm_up_layers(runner)
+
+    return initialize_kv_cache
 
 
 def kernel_pages(blocks: list[int], ratio: int, count: int) -> list[int]:

@@ -51,7 +51,6 @@ drive it through vLLM's ``KVCacheManager`` on the CPU.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import time
@@ -59,6 +58,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from oscar_vllm.core.errors import OscarError
+from oscar_vllm.serving import hooks
 
 logger = logging.getLogger("vllm.oscar_vllm")
 # {request id: (page block ids, sink shared, ring)} of the step's new requests; ``sink shared``:
@@ -369,76 +369,113 @@ class WindowPageAllocator:
                 self.block_pool.cached_block_hash_to_block.insert(tag, page)
 
     def install(self, coordinator) -> None:
-        """Wrap this coordinator's (one instance's) methods, as ``allocate_slots``, the
-        scheduler and ``get_computed_blocks`` call them: hits are trimmed, the pages enter the
-        free-block check, are taken once any hit blocks are claimed, and leave with the
-        request's blocks."""
+        """Wrap this coordinator's (one instance's) methods, and its block pool's, as
+        ``allocate_slots``, the scheduler and ``get_computed_blocks`` call them: hits are trimmed,
+        the pages enter the free-block check, are taken once any hit blocks are claimed, and leave
+        with the request's blocks (the ``window-pages-*`` hooks of ``oscar_vllm.serving.hooks``)."""
+        for name in COORDINATOR_HOOKS:
+            hooks.wrap_instance(name, coordinator, self)
+        hooks.wrap_instance("window-pages-fresh-blocks", self.block_pool, self)
 
-        def argument(args, kwargs, name: str, index: int):
-            return kwargs[name] if name in kwargs else args[index]
 
-        def request_id_of(args, kwargs) -> str:
-            return argument(args, kwargs, "request_id", 0)
+# The hooks WindowPageAllocator.install puts on a coordinator; each wrapper's factory takes
+# (original, read, allocator).
+COORDINATOR_HOOKS = ("window-pages-hits", "window-pages-count", "window-pages-hit-pages", "window-pages-take",
+                     "window-pages-free", "window-pages-deferred-free")
 
-        def wrap(owner, name, make):
-            original = getattr(owner, name)
-            setattr(owner, name, functools.wraps(original)(make(original)))
 
-        def find(original):
-            def find_longest_cache_hit(block_hashes, max_cache_hit_length, *args, **kwargs):
-                # vLLM asks for at most num_tokens - 1 (the last token is always computed).
-                blocks, hit, uncached = original(block_hashes, max_cache_hit_length, *args, **kwargs)
-                n = self.hit_blocks(blocks[0], max_cache_hit_length + 1, block_hashes)
-                if n == len(blocks[0]):
-                    return blocks, hit, uncached
-                return tuple(group[:n] for group in blocks), n * self.block_size, 0
-            return find_longest_cache_hit
+def trim_cache_hits(original, read, allocator: WindowPageAllocator):
+    """``find_longest_cache_hit``: a hit ends where the allocator's ``hit_blocks`` says."""
 
-        def count(original):
-            def get_num_blocks_to_allocate(*args, **kwargs):
-                return original(*args, **kwargs) + self.pages_needed(
-                    request_id_of(args, kwargs), argument(args, kwargs, "new_computed_blocks", 2))
-            return get_num_blocks_to_allocate
+    def find_longest_cache_hit(*args, **kwargs):
+        block_hashes, max_cache_hit_length = read(args, kwargs)
+        # vLLM asks for at most num_tokens - 1 (the last token is always computed).
+        blocks, hit, uncached = original(*args, **kwargs)
+        n = allocator.hit_blocks(blocks[0], max_cache_hit_length + 1, block_hashes)
+        if n == len(blocks[0]):
+            return blocks, hit, uncached
+        return tuple(group[:n] for group in blocks), n * allocator.block_size, 0
 
-        def claim(original):
-            def allocate_new_computed_blocks(*args, **kwargs):
-                original(*args, **kwargs)
-                self.take_hit_pages(request_id_of(args, kwargs), argument(args, kwargs, "new_computed_blocks", 1))
-            return allocate_new_computed_blocks
+    return find_longest_cache_hit
 
-        def allocate(original):
-            def allocate_new_blocks(*args, **kwargs):
-                new_blocks = original(*args, **kwargs)
-                self.take(request_id_of(args, kwargs))
-                return new_blocks
-            return allocate_new_blocks
 
-        def free(original):
-            def free_request(request_id, *args, **kwargs):
-                original(request_id, *args, **kwargs)
-                self.block_pool.free_blocks(self.release(request_id))
-            return free_request
+def count_pages(original, read, allocator: WindowPageAllocator):
+    """``get_num_blocks_to_allocate``: a new request's pages count with its blocks."""
 
-        def pop(original):
-            def pop_blocks_for_free(request_id, *args, **kwargs):
-                # Deferred frees (an in-flight step may still write the blocks): the pages go
-                # back with the request's blocks, when the scheduler frees those.
-                return original(request_id, *args, **kwargs) + self.release(request_id)
-            return pop_blocks_for_free
+    def get_num_blocks_to_allocate(*args, **kwargs):
+        return original(*args, **kwargs) + allocator.pages_needed(*read(args, kwargs))
 
-        def note_cached(original):
-            def cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs):
-                self.fresh.update(b.block_id for b in blocks[num_cached_blocks:num_full_blocks])
-                return original(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
-            return cache_full_blocks
+    return get_num_blocks_to_allocate
 
-        wrap(coordinator, "find_longest_cache_hit", find)
-        wrap(coordinator, "get_num_blocks_to_allocate", count)
-        wrap(coordinator, "allocate_new_computed_blocks", claim)
-        wrap(coordinator, "allocate_new_blocks", allocate)
-        wrap(coordinator, "free", free)
-        wrap(coordinator, "pop_blocks_for_free", pop)
-        wrap(self.block_pool, "cache_full_blocks", note_cached)
+
+def claim_hit_pages(original, read, allocator: WindowPageAllocator):
+    """``allocate_new_computed_blocks``: once a hit's blocks are claimed, its cached sink and ring."""
+
+    def allocate_new_computed_blocks(*args, **kwargs):
+        original(*args, **kwargs)
+        allocator.take_hit_pages(*read(args, kwargs))
+
+    return allocate_new_computed_blocks
+
+
+def take_pages(original, read, allocator: WindowPageAllocator):
+    """``allocate_new_blocks``: the request's own pages, after its new blocks."""
+
+    def allocate_new_blocks(*args, **kwargs):
+        new_blocks = original(*args, **kwargs)
+        allocator.take(*read(args, kwargs))
+        return new_blocks
+
+    return allocate_new_blocks
+
+
+def free_pages(original, read, allocator: WindowPageAllocator):
+    """``free``: the pages go back to the pool with the request's blocks."""
+
+    def free(*args, **kwargs):
+        original(*args, **kwargs)
+        allocator.block_pool.free_blocks(allocator.release(*read(args, kwargs)))
+
+    return free
+
+
+def pop_pages(original, read, allocator: WindowPageAllocator):
+    """``pop_blocks_for_free``: deferred frees (an in-flight step may still write the blocks): the
+    pages go back with the request's blocks, when the scheduler frees those."""
+
+    def pop_blocks_for_free(*args, **kwargs):
+        return original(*args, **kwargs) + allocator.release(*read(args, kwargs))
+
+    return pop_blocks_for_free
+
+
+def note_cached_blocks(original, read, allocator: WindowPageAllocator):
+    """``BlockPool.cache_full_blocks``: the blocks cached in this ``schedule()`` call (no hit covers them)."""
+
+    def cache_full_blocks(*args, **kwargs):
+        blocks, num_cached_blocks, num_full_blocks = read(args, kwargs)
+        allocator.fresh.update(b.block_id for b in blocks[num_cached_blocks:num_full_blocks])
+        return original(*args, **kwargs)
+
+    return cache_full_blocks
+
+
+def schedule_with_pages(original, read, allocator: WindowPageAllocator, blocks_of):
+    """``Scheduler.schedule``: each step begins and ends the allocator's step, and its output names
+    the pages of the requests it sends as new (``SCHEDULER_OUTPUT_FIELD``)."""
+
+    def schedule(*args, **kwargs):
+        allocator.begin_step()
+        output = original(*args, **kwargs)
+        allocator.end_step(blocks_of)
+        allocator.log_usage()
+        setattr(output, SCHEDULER_OUTPUT_FIELD, {
+            r.req_id: (allocator.page_ids(r.req_id), allocator.sink_shared(r.req_id), allocator.ring_of(r.req_id))
+            for r in output.scheduled_new_reqs
+        })
+        return output
+
+    return schedule
 
 
 def attach_to_scheduler(scheduler, sink_pages: int, recent_pages: int, sink: int, recent: int,
@@ -455,24 +492,11 @@ def attach_to_scheduler(scheduler, sink_pages: int, recent_pages: int, sink: int
     allocator = WindowPageAllocator(manager.block_pool, sink_pages, recent_pages, block_size, sink, recent,
                                     scheduler.requests, reuse_rings)
     allocator.install(manager.coordinator)
-    original = scheduler.schedule
 
     def blocks_of(request_id):
         return manager.coordinator.get_blocks(request_id)[0]
 
-    @functools.wraps(original)
-    def schedule(*args, **kwargs):
-        allocator.begin_step()
-        output = original(*args, **kwargs)
-        allocator.end_step(blocks_of)
-        allocator.log_usage()
-        setattr(output, SCHEDULER_OUTPUT_FIELD, {
-            r.req_id: (allocator.page_ids(r.req_id), allocator.sink_shared(r.req_id), allocator.ring_of(r.req_id))
-            for r in output.scheduled_new_reqs
-        })
-        return output
-
-    scheduler.schedule = schedule
+    hooks.wrap_instance("window-pages-schedule", scheduler, allocator, blocks_of)
     scheduler.oscar_window_pages = allocator
     return allocator
 

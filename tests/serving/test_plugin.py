@@ -89,6 +89,13 @@ def test_backend_class_resolves_and_installs_its_hooks():
         assert GPUModelRunner.add_requests.__oscar_wrapped__  # new rows' window pages
         from vllm.v1.core.sched.scheduler import Scheduler
         assert Scheduler.__init__.__oscar_wrapped__  # the pages come from the scheduler's pool
+        # Every hook of the table fits vLLM 0.26.0: installed (or, an instance's, checked) as its module loads.
+        import importlib
+        from oscar_vllm.serving import hooks
+        for hook in hooks.HOOKS:
+            importlib.import_module(hook.module)
+        state = hooks.status()
+        assert state == {h.name: "checked" if h.kind == hooks.INSTANCE else "installed" for h in hooks.HOOKS}, state
         print(backend.get_name(), backend.get_kv_cache_shape(10, 64, 8, 128))
     """)
     assert out == "OSCAR (10, 8, 4608)"
