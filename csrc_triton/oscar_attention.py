@@ -1,5 +1,6 @@
-"""Attention over the OSCAR mixed cache, as vLLM schedules it: decode batches and prefill
-chunks (the latter with a cached prefix, and mixed batches split into both).
+"""Attention over the OSCAR mixed cache, as vLLM schedules it: the Triton kernel of decode
+batches (the fallback where ``oscar_decode`` does not serve) and of prefill chunks over a cached
+prefix, and its launchers ``oscar_decode_attention`` and ``oscar_prefill_attention``.
 
 A program owns a q-block (up to ``BLOCK_Q`` query tokens of one request, times the ``G``
 query heads of one KV head, so K/V are read once for the whole GQA group) and a split of the
@@ -16,47 +17,54 @@ request's cached prefix ``[0, ctx)``, one kernel block (64 tokens) per step:
   loop with no ring logic at all.
 * The step's own keys come straight from ``k``/``v`` (causal), or, for prefill, from a
   FlashAttention pass run before this kernel, whose output and log-sum-exp are merged in.
-* Where the backend can run FlashAttention, prefill chunks over a cached prefix skip this
-  kernel: ``oscar_dense_prefill_attention`` dequantizes the prefix (``oscar_dense_kv``) and
-  runs one causal FlashAttention pass over prefix and chunk, at FlashAttention's speed. That
-  pass takes no per-key, per-query bias: it has no logit correction, whatever λ is.
 
 Queries are in the key-rotated basis (``q_rot``) against the cache; ``q·k == (qR)·(kR)``
 lets the step's own keys use the unrotated ``q``. Values stay in the folded value basis.
 Decode splits the prefix over up to ``num_splits`` programs (flash-decoding); the number a
 request uses follows its length, computed on the GPU, so the launch depends only on the batch
-size and replays in CUDA graphs. ``_merge_splits_kernel`` merges them by log-sum-exp.
+size and replays in CUDA graphs. ``merge_splits`` merges them by log-sum-exp. Which requests of a
+batch take this kernel, and which the dense FlashAttention path over a dequantized prefix, is the
+host's choice (``oscar_vllm.serving.prefill``).
 
 Reference: :func:`oscar_vllm.reference.oscar_attention.oscar_attention_reference`.
 """
-import dataclasses
-import itertools
-from dataclasses import dataclass
-from typing import Callable, Sequence
-
 import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.oscar_dense_kv import KeyMeanBasis, oscar_dense_kv
+from csrc_triton.merge_splits import merge_splits
 from csrc_triton.paged_layout import (
     BLOCK_SIZE,
-    check_int2_cache,
+    DECODE_LAUNCH,
+    PREFILL_LAUNCH,
+    SMALL_HEAD_PREFILL_LAUNCH,
+    UNIT_0,
+    UNIT_1,
+    UNIT_2,
+    UNIT_3,
+    BatchLayout,
+    MixedCache,
+    cache_args,
     check_key_mean,
     find_request,
+    int2_params_at,
+    int2_region_bytes,
     launch_bucket,
     logit_coef,
-    param_view,
     split_scratch,
-    window_args,
     window_index,
     v_token,
     window_page,
 )
+# The decode kernel's split policy, as the backend reads it off the kernel's module (defined in paged_layout).
+from csrc_triton.paged_layout import (
+    MAX_DECODE_SPLITS as MAX_DECODE_SPLITS,
+    decode_split_rows as decode_split_rows,
+    decode_splits as decode_splits,
+)
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # the same, readable inside kernels
-MAX_DECODE_SPLITS = 64
 MIN_SPLIT_BLOCKS = tl.constexpr(4)  # a split reads at least 4 blocks (256 tokens): shorter ones cost more to merge
 
 
@@ -83,11 +91,6 @@ UNPACK_ASM_0 = tl.constexpr(_unpack_asm(0))
 UNPACK_ASM_1 = tl.constexpr(_unpack_asm(2))
 UNPACK_ASM_2 = tl.constexpr(_unpack_asm(4))
 UNPACK_ASM_3 = tl.constexpr(_unpack_asm(6))
-# What one unit of quarter i's codes is worth: c reads as c·UNIT_i (4^i·2^-24).
-UNIT_0 = tl.constexpr(2.0 ** -24)
-UNIT_1 = tl.constexpr(2.0 ** -22)
-UNIT_2 = tl.constexpr(2.0 ** -20)
-UNIT_3 = tl.constexpr(2.0 ** -18)
 
 
 @triton.jit
@@ -180,30 +183,36 @@ def _ring_lookup(window_pos_ptr, ring, kp, k_ok, SINK: tl.constexpr, RECENT: tl.
 
 @triton.jit
 def _attend_int2_block(
-    m_i, l_i, acc0, acc1, acc2, acc3, acc_min,
-    qs0, qs1, qs2, qs3, q_sum, q_corr, row_ok,
-    blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring,
-    window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page, qk_scale,
-    q_mean, cos_sin_ptr, stride_cs,
-    HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, SINK: tl.constexpr,
-    RECENT: tl.constexpr, WIN_E: tl.constexpr, WINDOW: tl.constexpr, DOT_DT: tl.constexpr, USE_ASM: tl.constexpr,
+    state, query, blk, ctx, h, ring, pages, rings, mean, qk_scale,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, SINK: tl.constexpr, RECENT: tl.constexpr,
+    WIN_E: tl.constexpr, WINDOW: tl.constexpr, DOT_DT: tl.constexpr, USE_ASM: tl.constexpr,
     PRECISION: tl.constexpr, KEY_MEAN: tl.constexpr,
 ):
-    """Attend to the prefix keys of block ``blk`` (logical index in the request's table).
+    """Attend to the prefix keys of block ``blk`` (logical index in the request's table): the
+    running softmax ``state``, ``(m_i, l_i, acc0, acc1, acc2, acc3, acc_min)``, updated.
 
-    ``qs_i`` are query quarters times ``4^-i``, so that ``sum_i qs_i @ codes_i = 2^-24 (q·c)``;
-    ``acc_i`` hold values times ``4^i·2^-24`` (``UNIT_i``), as the INT2 products leave them.
-    ``q_corr`` ``[rows]``: ``coef·‖q‖²``, each row's logit correction per unit of ``s_k²``.
-    With ``WINDOW`` the BF16 ring replaces a key wherever it holds it and the key is in the
-    sink or the ``RECENT`` keys before ``ctx`` (the window as the step found it, the same for
-    every query of a prefill chunk; a partial last block is masked); without, the block is
-    full and INT2 only, and the loop carries no masks at all. ``KEY_MEAN``: the INT2 keys were
-    rounded less their block's mean, the mean turned to the block's first position, which each
-    row's ``q_mean`` ``[rows, D]`` (``key_mean_coefficients``) times that RoPE table row adds back:
-    one logit a row for the whole block.
+    ``query``: ``(qs0, qs1, qs2, qs3, q_sum, q_corr, row_ok)``. ``qs_i`` are query quarters times
+    ``4^-i``, so that ``sum_i qs_i @ codes_i = 2^-24 (q·c)``; ``acc_i`` hold values times
+    ``4^i·2^-24`` (``UNIT_i``), as the INT2 products leave them. ``q_corr`` ``[rows]``:
+    ``coef·‖q‖²``, each row's logit correction per unit of ``s_k²``. ``pages``: ``(codes_ptr,
+    params_ptr, stride_cb, bt_ptr)``, the INT2 pages and the request's block table row;
+    ``rings``: ``(window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp,
+    stride_page)``, the ring pages (``ring``: the request's ring). With ``WINDOW`` the BF16 ring
+    replaces a key wherever it holds it and the key is in the sink or the ``RECENT`` keys before
+    ``ctx`` (the window as the step found it, the same for every query of a prefill chunk; a
+    partial last block is masked); without, the block is full and INT2 only, and the loop carries
+    no masks at all. ``KEY_MEAN``: the INT2 keys were rounded less their block's mean, the mean
+    turned to the block's first position, which ``mean``, ``(q_mean, cos_sin_ptr, stride_cs)``,
+    adds back: each row's ``q_mean`` ``[rows, D]`` (``key_mean_coefficients``) times that RoPE
+    table row, one logit a row for the whole block.
     """
+    m_i, l_i, acc0, acc1, acc2, acc3, acc_min = state
+    qs0, qs1, qs2, qs3, q_sum, q_corr, row_ok = query
+    codes_ptr, params_ptr, stride_cb, bt_ptr = pages
+    window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page = rings
+    q_mean, cos_sin_ptr, stride_cs = mean
     Q: tl.constexpr = D // 4
-    REGION: tl.constexpr = BLOCK_SIZE * (D // 2 + 8)
+    REGION: tl.constexpr = int2_region_bytes(D, BLOCK_SIZE)
     # The block's keys in the V codes' column order, so that V loads stay contiguous.
     col = tl.arange(0, BLOCK_SIZE)
     tok = v_token(col)
@@ -213,7 +222,7 @@ def _attend_int2_block(
     # Whole blocks are read (they are allocated); keys past ctx are masked in window blocks.
     k_codes = tl.load(codes_ptr + base + tok[None, :] * Q + j[:, None])  # [Q, BS]: K^T, dims contiguous
     v_codes = tl.load(codes_ptr + base + BLOCK_SIZE * Q + j[None, :] * BLOCK_SIZE + col[:, None])  # [BS, Q]
-    p_ptr = params_ptr + (base + 2 * BLOCK_SIZE * Q) // 2 + tok
+    p_ptr = params_ptr + (base + int2_params_at(D, BLOCK_SIZE)) // 2 + tok
     # Scales and mins per key, with the softmax scale (and 2^24 for the codes) folded in.
     k_scale = tl.load(p_ptr).to(tl.float32)
     k_var = k_scale * k_scale
@@ -284,12 +293,13 @@ def _add_true_values(acc0, acc1, acc2, acc3, p, v0, v1, v2, v3, PRECISION: tl.co
 
 @triton.jit
 def _attend_new_keys(
-    m_i, l_i, acc0, acc1, acc2, acc3, acc_min,
-    q_ptr, k_ptr, v_ptr, tok, hq, qi, row_ok, q_start, n_new, h, qk_scale,
+    state, q_ptr, k_ptr, v_ptr, tok, hq, qi, row_ok, q_start, n_new, h, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Attend to this step's own keys ``[0, n_new)`` of the request, causally, from ``k``/``v``."""
+    """Attend to this step's own keys ``[0, n_new)`` of the request, causally, from ``k``/``v``
+    (``state`` as ``_attend_int2_block`` takes and returns it)."""
+    m_i, l_i, acc0, acc1, acc2, acc3, acc_min = state
     Q: tl.constexpr = D // 4
     q0, q1, q2, q3 = _load_quarters(q_ptr, tok * stride_qt + hq * stride_qh, row_ok, Q, DOT_DT)
     for j0 in range(0, n_new, BLOCK_N):
@@ -440,32 +450,30 @@ def _oscar_attention_kernel(
     # end past ctx; the full blocks between are INT2 for every row.
     sink_end: tl.constexpr = (SINK + BLOCK_SIZE - 1) // BLOCK_SIZE
     recent_start = tl.maximum(sink_end, tl.minimum(ctx // BLOCK_SIZE, tl.maximum(ctx - RECENT + 1, 0) // BLOCK_SIZE))
+    # The running softmax, the queries' operands, the request's pages, the rings, the key mean's
+    # operands: what each block's step takes (_attend_int2_block).
+    state = (m_i, l_i, acc0, acc1, acc2, acc3, acc_min)
+    query = (qs0, qs1, qs2, qs3, q_sum, q_corr, row_ok)
+    pages = (codes_ptr, params_ptr, stride_cb, bt_ptr)
+    rings = (window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page)
+    mean = (q_mean, cos_sin_ptr, stride_cs)
     for blk in range(b_lo, tl.minimum(b_hi, sink_end)):
-        m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
-            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, q_corr, row_ok,
-            blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pages_ptr,
-            window_pos_ptr, stride_wp, stride_page, qk_scale, q_mean, cos_sin_ptr, stride_cs, HKV, D, BLOCK_SIZE,
-            SINK, RECENT, WIN_E, True, DOT_DT, USE_ASM, PRECISION, KEY_MEAN)
+        state = _attend_int2_block(state, query, blk, ctx, h, ring, pages, rings, mean, qk_scale, HKV, D, BLOCK_SIZE,
+                                   SINK, RECENT, WIN_E, True, DOT_DT, USE_ASM, PRECISION, KEY_MEAN)
     for blk in range(tl.maximum(b_lo, sink_end), tl.minimum(b_hi, recent_start)):
-        m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
-            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, q_corr, row_ok,
-            blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pages_ptr,
-            window_pos_ptr, stride_wp, stride_page, qk_scale, q_mean, cos_sin_ptr, stride_cs, HKV, D, BLOCK_SIZE,
-            SINK, RECENT, WIN_E, False, DOT_DT, USE_ASM, PRECISION, KEY_MEAN)
+        state = _attend_int2_block(state, query, blk, ctx, h, ring, pages, rings, mean, qk_scale, HKV, D, BLOCK_SIZE,
+                                   SINK, RECENT, WIN_E, False, DOT_DT, USE_ASM, PRECISION, KEY_MEAN)
     for blk in range(tl.maximum(b_lo, recent_start), b_hi):
-        m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_int2_block(
-            m_i, l_i, acc0, acc1, acc2, acc3, acc_min, qs0, qs1, qs2, qs3, q_sum, q_corr, row_ok,
-            blk, ctx, bt_ptr, codes_ptr, params_ptr, stride_cb, h, ring, window_k_ptr, window_v_ptr, window_pages_ptr,
-            window_pos_ptr, stride_wp, stride_page, qk_scale, q_mean, cos_sin_ptr, stride_cs, HKV, D, BLOCK_SIZE,
-            SINK, RECENT, WIN_E, True, DOT_DT, USE_ASM, PRECISION, KEY_MEAN)
+        state = _attend_int2_block(state, query, blk, ctx, h, ring, pages, rings, mean, qk_scale, HKV, D, BLOCK_SIZE,
+                                   SINK, RECENT, WIN_E, True, DOT_DT, USE_ASM, PRECISION, KEY_MEAN)
 
     if NEW_KEYS:
         if split == 0:
-            m_i, l_i, acc0, acc1, acc2, acc3, acc_min = _attend_new_keys(
-                m_i, l_i, acc0, acc1, acc2, acc3, acc_min, q_ptr, k_ptr, v_ptr, tok, hq, qi, row_ok,
-                q_start, tl.minimum(q_len, q_first + BLOCK_Q), h, qk_scale,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+            state = _attend_new_keys(
+                state, q_ptr, k_ptr, v_ptr, tok, hq, qi, row_ok, q_start, tl.minimum(q_len, q_first + BLOCK_Q), h,
+                qk_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                 D, BLOCK_N_NEW, DOT_DT, PRECISION)
+    m_i, l_i, acc0, acc1, acc2, acc3, acc_min = state
 
     # Back from INT2 units; the min term adds the same amount to every dim of a row.
     acc0 = acc0 * (1.0 / UNIT_0) + acc_min[:, None]
@@ -496,104 +504,19 @@ def _oscar_attention_kernel(
             tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-# The split count is a runtime argument: the decode launch picks counts that fill one wave of
-# programs (any integer, one per batch size), and a compile per count would be dozens of variants.
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(
-    out_ptr,  # [T, HQ, D]
-    part_out_ptr,  # fp32 [T, HQ, num_splits, D]
-    part_lse_ptr,  # fp32 [T, HQ, num_splits]
-    num_splits,  # partials per row and head
-    stride_ot, stride_oh,
-    HQ: tl.constexpr,
-    D: tl.constexpr,
-    SPLITS_POW2: tl.constexpr,  # num_splits rounded up to a power of two (tl.arange's sizes)
-):
-    # Splits without keys (a log-sum-exp of -inf) write no partial output: it is never read. The
-    # partials go in chunks of at most 32 splits (no [num_splits, D] tile in registers), up to the
-    # last used split only: a short request's keys fill the first splits of a count sized for long
-    # ones (Gluon decode: 128-256 for one request, 21 used at 1K), and each chunk past them would
-    # cost a dependent load of its log-sum-exps for nothing.
-    CHUNK: tl.constexpr = SPLITS_POW2 if SPLITS_POW2 < 32 else 32
-    t = tl.program_id(0).to(tl.int64)
-    hq = tl.program_id(1)
-    first = (t * HQ + hq) * num_splits
-    splits = tl.arange(0, SPLITS_POW2)
-    lse_all = tl.load(part_lse_ptr + first + splits, mask=splits < num_splits, other=float("-inf"))
-    n_used = tl.max(tl.where(lse_all > float("-inf"), splits + 1, 0), axis=0)
-    mx = tl.max(lse_all)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    o = tl.zeros([D], tl.float32)
-    w_sum = 0.0
-    for c in range(0, n_used, CHUNK):
-        split = c + tl.arange(0, CHUNK)
-        part = first + split
-        lse = tl.load(part_lse_ptr + part, mask=split < num_splits, other=float("-inf"))
-        used = lse > float("-inf")
-        w = tl.where(used, tl.exp2(lse - mx), 0.0)
-        x = tl.load(part_out_ptr + part[:, None] * D + tl.arange(0, D)[None, :], mask=used[:, None], other=0.0)
-        o += tl.sum(w[:, None] * x, axis=0)
-        w_sum += tl.sum(w, axis=0)
-    o = o / tl.maximum(w_sum, 1e-30)
-    tl.store(out_ptr + t * stride_ot + hq * stride_oh + tl.arange(0, D), o.to(out_ptr.dtype.element_ty))
-
-
-def merge_splits(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, num_rows: int,
-                 num_splits: int) -> torch.Tensor:
-    """Rows ``[0, num_rows)`` of ``out`` ``[>= num_rows, Hq, d]`` from their splits' normalized
-    partial outputs ``part_out`` (fp32, ``[num_rows, Hq, num_splits, d]`` as one flat run) and
-    log2-sum-exp2s ``part_lse`` (fp32, ``[num_rows, Hq, num_splits]``), any ``num_splits >= 1``."""
-    hq, d = out.shape[1], out.shape[2]
-    _merge_splits_kernel[(num_rows, hq)](
-        out_ptr=out, part_out_ptr=part_out, part_lse_ptr=part_lse, num_splits=num_splits, stride_ot=out.stride(0),
-        stride_oh=out.stride(1), HQ=hq, D=d, SPLITS_POW2=triton.next_power_of_2(num_splits),
-    )
-    return out
-
-
-# ---------------------------------------------------------------------------- launch choices
-
-# Decode: (num_warps, num_stages, CTAs per SM the split count aims for), by batch bucket. From
-# `python -m benchmarks.kernels.oscar_attention sweep` on the H200 (results/kernels/sweep_decode.md):
-# one request gains from more, smaller programs; from 8 requests on, one warp per program
-# issues the fewest instructions per block and two programs per SM already keep it busy.
-DECODE_LAUNCH = {
-    1: (2, 3, 8),
-    8: (1, 3, 2),
-}
-# Prefill (q-blocks over the cached prefix): (BLOCK_M, num_warps, num_stages).
-PREFILL_LAUNCH = (128, 8, 2)
-# At head_dim 64 (quarter tiles of 16) Triton's warpgroup MMA path (BLOCK_M >= 64) computed
-# wrong results and faulted on the H200, with or without the PTX unpacking; the decode kernel's
-# 16-row tiles were right at every launch tried: below head_dim 128 prefill uses those.
-SMALL_HEAD_PREFILL_LAUNCH = (16, 4, 3)
-
-
-def decode_splits(num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Most splits a decode batch of ``num_reqs`` requests uses (a power of two, >= 1)."""
-    ctas = launch_bucket(DECODE_LAUNCH, num_reqs)[2] * num_sms
-    want = triton.cdiv(ctas, max(1, num_reqs * num_kv_heads))
-    return max(1, min(MAX_DECODE_SPLITS, triton.next_power_of_2(want)))
-
-
-def decode_split_rows(max_num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Rows of split scratch any decode batch up to ``max_num_reqs`` needs (``tokens * splits``)."""
-    return max(n * decode_splits(n, num_kv_heads, num_sms) for n in range(1, max_num_reqs + 1))
-
-
-def _common(q, k, cache, param_dtype, use_asm):
+def _common(q, k, cache: MixedCache, use_asm):
     t, hq, d = q.shape
     hkv = k.shape[1]
     if hq % hkv or d % 64:
         raise ValueError(f"unsupported heads {hq}/{hkv} or head_dim {d} (needs a multiple of 64)")
-    check_int2_cache(cache, d)
+    caches = cache_args(cache, hkv, d)
     dot_dt = tl.float32 if q.dtype == torch.float32 else tl.float16
     if use_asm is None:
         use_asm = q.is_cuda and dot_dt == tl.float16
     return hq, hkv, d, dict(
         HQ=hq, HKV=hkv, G=hq // hkv, D=d, BLOCK_SIZE=BLOCK_SIZE,
-        DOT_DT=dot_dt, USE_ASM=bool(use_asm), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    ), param_view(cache, param_dtype)
+        DOT_DT=dot_dt, USE_ASM=bool(use_asm), PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **caches,
+    )
 
 
 def key_mean_coefficients(q: torch.Tensor, key_mean: torch.Tensor) -> torch.Tensor:
@@ -609,22 +532,21 @@ def key_mean_coefficients(q: torch.Tensor, key_mean: torch.Tensor) -> torch.Tens
     return torch.cat([q1 * m1 + q2 * m2, q2 * m1 - q1 * m2], dim=-1).view(t, hq, d)
 
 
-def _tensor_args(q, q_rot, k, v, cache, params, windows, window_pages, window_pos, block_table, seq_lens, cu_q,
-                 ring_slots, out, sink, recent, key_mean=None, cos_sin=None) -> dict:
-    """The kernel arguments both launches pass alike: tensors and their strides (and the key
-    mean's: the queries' coefficients and the RoPE table, where ``key_mean`` is given)."""
+def _tensor_args(q, q_rot, k, v, out, batch: BatchLayout, key_mean=None, cos_sin=None) -> dict:
+    """The kernel arguments both launches pass alike: tensors and their strides, the batch's (and
+    the key mean's: the queries' coefficients and the RoPE table, where ``key_mean`` is given)."""
     check_key_mean(key_mean, cos_sin, k.shape[1], k.shape[2])
     q_mean = q_rot if key_mean is None else key_mean_coefficients(q, key_mean)
     return dict(
         q_mean_ptr=q_mean, cos_sin_ptr=q_rot if cos_sin is None else cos_sin,
         stride_mt=q_mean.stride(0), stride_mh=q_mean.stride(1), stride_cs=0 if cos_sin is None else cos_sin.stride(0),
         KEY_MEAN=key_mean is not None,
-        q_ptr=q, q_rot_ptr=q_rot, k_ptr=k, v_ptr=v, codes_ptr=cache, params_ptr=params,
-        **window_args(windows, window_pages, window_pos, k.shape[1], k.shape[2], sink, recent),
-        block_table_ptr=block_table, seq_lens_ptr=seq_lens, cu_q_ptr=cu_q, ring_slot_ptr=ring_slots,
+        q_ptr=q, q_rot_ptr=q_rot, k_ptr=k, v_ptr=v,
+        block_table_ptr=batch.block_table, seq_lens_ptr=batch.seq_lens, cu_q_ptr=batch.cu_q,
+        ring_slot_ptr=batch.ring_slots, num_reqs=batch.num_reqs,
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_rt=q_rot.stride(0), stride_rh=q_rot.stride(1),
         stride_kt=k.stride(0), stride_kh=k.stride(1), stride_vt=v.stride(0), stride_vh=v.stride(1),
-        stride_ot=out.stride(0), stride_oh=out.stride(1), stride_bt=block_table.stride(0), stride_cb=cache.stride(0),
+        stride_ot=out.stride(0), stride_oh=out.stride(1), stride_bt=batch.block_table.stride(0),
     )
 
 
@@ -634,19 +556,10 @@ def oscar_decode_attention(
     q_rot: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cache: torch.Tensor,
-    windows: torch.Tensor,
-    window_pages: torch.Tensor,
-    window_pos: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_q: torch.Tensor,
-    ring_slots: torch.Tensor,
-    num_reqs: int,
+    *,
+    cache: MixedCache,
+    batch: BatchLayout,
     scale: float,
-    sink: int,
-    recent: int,
-    param_dtype: torch.dtype = torch.float16,
     num_splits: int = 1,
     part_out: torch.Tensor | None = None,
     part_lse: torch.Tensor | None = None,
@@ -656,7 +569,7 @@ def oscar_decode_attention(
     key_mean: torch.Tensor | None = None,
     cos_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention: every request has at most one query token (``q`` ``[T, Hq, d]``).
+    """Decode attention of ``batch``'s requests, each at most one query token (``q`` ``[T, Hq, d]``).
 
     Writes ``out`` ``[T, Hq, d]``. With ``num_splits > 1`` the prefix is split over up to
     that many programs per (request, KV head), which needs fp32 scratch ``part_out``
@@ -666,10 +579,10 @@ def oscar_decode_attention(
     ``key_mean`` fp32 ``[Hkv, d]`` and ``cos_sin`` ``[P, d]`` (vLLM's ``cos_sin_cache``): the INT2
     keys were written less their mean before RoPE (``oscar_write``), and are read plus it.
     """
-    t = q.shape[0]
+    t, num_reqs = q.shape[0], batch.num_reqs
     if t == 0 or num_reqs == 0:
         return out
-    hq, hkv, d, consts, params = _common(q, k, cache, param_dtype, use_asm)
+    hq, hkv, d, consts = _common(q, k, cache, use_asm)
     num_warps, num_stages = launch or launch_bucket(DECODE_LAUNCH, num_reqs)[:2]
     if num_splits > 1:
         part_out, part_lse = split_scratch(part_out, part_lse, t * hq * num_splits, d)
@@ -678,14 +591,10 @@ def oscar_decode_attention(
     split = num_splits > 1
     _oscar_attention_kernel[(num_reqs, hkv, num_splits)](
         out_ptr=out, self_lse_ptr=out, part_out_ptr=part_out if split else out,
-        part_lse_ptr=part_lse if split else out, **_tensor_args(q, q_rot, k, v, cache, params, windows, window_pages,
-                                                                 window_pos, block_table, seq_lens, cu_q, ring_slots, out,
-                                                                 sink, recent, key_mean, cos_sin),
-        num_reqs=num_reqs, num_splits=num_splits, qk_scale=scale * LOG2E,
-        logit_coef=logit_coef(logit_correction, scale), stride_lse_h=0,
-        SINK=sink, RECENT=recent, BLOCK_M=block_m, BLOCK_Q=1, SPLIT=split,
-        DECODE=True, NEW_KEYS=True, MERGE_SELF=False, BLOCK_N_NEW=16,
-        num_warps=num_warps, num_stages=num_stages, **consts,
+        part_lse_ptr=part_lse if split else out, **_tensor_args(q, q_rot, k, v, out, batch, key_mean, cos_sin),
+        num_splits=num_splits, qk_scale=scale * LOG2E, logit_coef=logit_coef(logit_correction, scale),
+        stride_lse_h=0, BLOCK_M=block_m, BLOCK_Q=1, SPLIT=split, DECODE=True, NEW_KEYS=True, MERGE_SELF=False,
+        BLOCK_N_NEW=16, num_warps=num_warps, num_stages=num_stages, **consts,
     )
     if num_splits > 1:
         merge_splits(out, part_out, part_lse, t, num_splits)
@@ -698,19 +607,10 @@ def oscar_prefill_attention(
     q_rot: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cache: torch.Tensor,
-    windows: torch.Tensor,
-    window_pages: torch.Tensor,
-    window_pos: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_q: torch.Tensor,
-    ring_slots: torch.Tensor,
-    num_reqs: int,
+    *,
+    cache: MixedCache,
+    batch: BatchLayout,
     scale: float,
-    sink: int,
-    recent: int,
-    param_dtype: torch.dtype = torch.float16,
     self_lse: torch.Tensor | None = None,
     launch: tuple[int, int, int] | None = None,
     use_asm: bool | None = None,
@@ -718,7 +618,7 @@ def oscar_prefill_attention(
     key_mean: torch.Tensor | None = None,
     cos_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of prefill chunks (any query lengths) over the mixed cache.
+    """Attention of ``batch``'s prefill chunks (any query lengths) over the mixed cache.
 
     Without ``self_lse`` the kernel also attends to the chunk's own keys ``k``/``v``
     (causal). With it, ``out`` already holds the chunk's own-keys attention (FlashAttention's
@@ -727,10 +627,10 @@ def oscar_prefill_attention(
     ``logit_correction``, ``key_mean``, ``cos_sin``: as for ``oscar_decode_attention`` (prefix
     INT2 keys only).
     """
-    t = q.shape[0]
+    t, num_reqs = q.shape[0], batch.num_reqs
     if t == 0 or num_reqs == 0:
         return out
-    hq, hkv, d, consts, params = _common(q, k, cache, param_dtype, use_asm)
+    hq, hkv, d, consts = _common(q, k, cache, use_asm)
     block_m, num_warps, num_stages = launch or (PREFILL_LAUNCH if d >= 128 else SMALL_HEAD_PREFILL_LAUNCH)
     if key_mean is not None and d >= 128 and launch is None:
         # Each row's mean coefficients, fp32 [rows, d], are held for the whole loop: at head_dim 128
@@ -744,321 +644,10 @@ def oscar_prefill_attention(
     merge = self_lse is not None
     _oscar_attention_kernel[(triton.cdiv(t, block_q) + num_reqs, hkv, 1)](
         out_ptr=out, self_lse_ptr=self_lse if merge else out, part_out_ptr=out, part_lse_ptr=out,
-        **_tensor_args(q, q_rot, k, v, cache, params, windows, window_pages, window_pos, block_table, seq_lens, cu_q,
-                       ring_slots, out, sink, recent, key_mean, cos_sin),
-        num_reqs=num_reqs, num_splits=1, qk_scale=scale * LOG2E, logit_coef=logit_coef(logit_correction, scale),
-        stride_lse_h=self_lse.stride(0) if merge else 0,
-        SINK=sink, RECENT=recent, BLOCK_M=block_m, BLOCK_Q=block_q, SPLIT=False,
+        **_tensor_args(q, q_rot, k, v, out, batch, key_mean, cos_sin),
+        num_splits=1, qk_scale=scale * LOG2E, logit_coef=logit_coef(logit_correction, scale),
+        stride_lse_h=self_lse.stride(0) if merge else 0, BLOCK_M=block_m, BLOCK_Q=block_q, SPLIT=False,
         DECODE=False, NEW_KEYS=not merge, MERGE_SELF=merge, BLOCK_N_NEW=32,
         num_warps=num_warps, num_stages=num_stages, **consts,
     )
-    return out
-
-
-@dataclass
-class DensePrefill:
-    """The dense path for prefill chunks over a cached prefix (``oscar_dense_kv``), from the
-    backend: K/V buffers and the attention that runs over them. With ``shapes`` (the backend's)
-    the buffers need only hold the longest prefill sequence, and each group of requests cuts
-    them at its own rows; without, they hold ``sum(seq_lens)`` rows and are read as they are
-    (exactly that long under FlashAttention: see ``oscar_dense_prefill_attention``)."""
-
-    k_rot: torch.Tensor  # [T - num_decodes, Hkv, d] the prefill tokens' keys, rotated
-    k_buf: torch.Tensor  # [rows, Hkv, d] model dtype, contiguous
-    v_buf: torch.Tensor  # [rows, Hkv, d]
-    max_seq_len: int  # at least the longest prefill sequence
-    # (q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out): causal varlen attention into out
-    attention: Callable[..., None]
-    # (query tokens, sequence length) of each prefill request, on the host: given, the batch runs
-    # in groups of requests that fit the buffers, each cutting them at its own rows
-    shapes: tuple[tuple[int, int], ...] = ()
-    # key_mean "on": oscar_dense_kv's mean_basis (key_mean_basis) and RoPE table [P, d], so the
-    # INT2 prefix rows are read plus their mean
-    mean_basis: KeyMeanBasis | None = None
-    cos_sin: torch.Tensor | None = None
-
-
-def pack_requests(rows: Sequence[int], capacity: int) -> list[tuple[int, int]]:
-    """Consecutive request ranges ``[lo, hi)`` covering ``rows`` (request r needs ``rows[r]``
-    buffer rows), each needing at most ``capacity``: greedy, so as few launches as that order
-    allows."""
-    groups, lo, used = [], 0, 0
-    for r, n in enumerate(rows):
-        if n > capacity:
-            raise ValueError(f"request {r} needs {n} dense rows, the buffers hold {capacity}")
-        if used + n > capacity:
-            groups.append((lo, r))
-            lo, used = r, 0
-        used += n
-    if lo < len(rows):
-        groups.append((lo, len(rows)))
-    return groups
-
-
-def oscar_dense_prefill_attention(
-    out: torch.Tensor,
-    q_rot: torch.Tensor,
-    v: torch.Tensor,
-    cache: torch.Tensor,
-    windows: torch.Tensor,
-    window_pages: torch.Tensor,
-    window_pos: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_q: torch.Tensor,
-    ring_slots: torch.Tensor,
-    num_reqs: int,
-    max_query_len: int,
-    sink: int,
-    recent: int,
-    dense: DensePrefill,
-    param_dtype: torch.dtype = torch.float16,
-) -> torch.Tensor:
-    """Prefill chunks as the OSCAR reference runs them: the cached prefix dequantized into
-    ``dense``'s buffers beside the chunk's own keys, then one causal attention over both. Plain
-    attention over dequantized keys: no logit correction (it needs a per-key, per-query bias).
-    With ``dense.shapes`` the batch runs in groups of consecutive requests whose sequences fit
-    the buffers (one group where all do), one after another: many prefix hits of long prompts in
-    one step (a multi-turn chat's users, a hit's recomputed rings) stay on this path, not the
-    INT2 kernel's."""
-    if not dense.shapes:
-        return _dense_prefill_group(out, q_rot, v, cache, windows, window_pages, window_pos, block_table, seq_lens,
-                                    cu_q, ring_slots, num_reqs, max_query_len, sink, recent, dense, param_dtype)
-    seqs = [s for _, s in dense.shapes]
-    starts = list(itertools.accumulate((q_len for q_len, _ in dense.shapes), initial=0))
-    for lo, hi in pack_requests(seqs, dense.k_buf.shape[0]):
-        t0, t1, rows = starts[lo], starts[hi], sum(seqs[lo:hi])
-        # FlashAttention-3 loads whole 128-row key tiles and masks the rows past a sequence only in
-        # the scores: their values still meet p = 0 in p @ v, and 0 * NaN is NaN. vLLM orders the
-        # longest chunk last, so its last tile reaches past the group's rows: the buffers are cut
-        # there (the tiles' loads then fill zeros), never left to what was written before.
-        group = dataclasses.replace(dense, k_rot=dense.k_rot[t0:t1], k_buf=dense.k_buf[:rows],
-                                    v_buf=dense.v_buf[:rows], max_seq_len=max(seqs[lo:hi]), shapes=())
-        cu = cu_q if (lo, hi) == (0, num_reqs) else cu_q[lo:hi + 1] - t0
-        _dense_prefill_group(out[t0:t1], q_rot[t0:t1], v[t0:t1], cache, windows, window_pages, window_pos,
-                             block_table[lo:hi], seq_lens[lo:hi], cu, ring_slots[lo:hi], hi - lo,
-                             max(q for q, _ in dense.shapes[lo:hi]), sink, recent, group, param_dtype)
-    return out
-
-
-def _dense_prefill_group(out, q_rot, v, cache, windows, window_pages, window_pos, block_table, seq_lens, cu_q,
-                         ring_slots, num_reqs, max_query_len, sink, recent, dense, param_dtype) -> torch.Tensor:
-    """One launch of the dense path: ``dense``'s buffers hold every sequence of the batch."""
-    cu_k = torch.zeros(num_reqs + 1, dtype=torch.int32, device=seq_lens.device)
-    torch.cumsum(seq_lens[:num_reqs], 0, dtype=torch.int32, out=cu_k[1:])
-    oscar_dense_kv(dense.k_buf, dense.v_buf, dense.k_rot, v, cache, windows, window_pages, window_pos, block_table,
-                   seq_lens, cu_q, cu_k, ring_slots, num_reqs, dense.max_seq_len, sink, recent, param_dtype,
-                   mean_basis=dense.mean_basis, cos_sin=dense.cos_sin)
-    dense.attention(q_rot, dense.k_buf, dense.v_buf, cu_q, cu_k, max_query_len, dense.max_seq_len, out)
-    return out
-
-
-@dataclass
-class DecodeReadPrefill:
-    """A batch's prefill chunks read as decode reads the cache (``prefill_read="decode"``), from
-    the backend: the query at position ``p`` reads the sink and ``(p - recent, p]`` in BF16 and
-    everything else from the INT2 pages, its own chunk's older tokens included, so what it reads
-    does not depend on where vLLM cut the prompt. Sizes are the host's (no sync)."""
-
-    k_rot: torch.Tensor  # [T - num_decodes, Hkv, d] the prefill tokens' keys, rotated
-    k_buf: torch.Tensor  # [>= rows_int2 + rows_window, Hkv, d] model dtype, contiguous
-    v_buf: torch.Tensor
-    rows_int2: int  # sum over requests of max(seq_len - recent, 0)
-    max_int2: int  # the largest of those
-    rows_window: int  # sum over requests of min(seq_len, query_len + recent - 1)
-    max_window: int  # the largest min(seq_len, query_len + recent - 1)
-    max_seq_len: int  # at least the longest prefill sequence
-    write: Callable[[], None]  # the chunks' cache write (INT2 pages and ring)
-    # (q, k, v, cu_q, cu_k, max_query_len, max_seq_len, out, return_lse, window_left) -> natural-log LSE [Hq, T]
-    attention: Callable[..., torch.Tensor]
-    merge: Callable[..., None]  # (out, out_a, lse_a, out_b, lse_b): two partial attentions by their LSE
-
-
-def _cumulative(x: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(x.shape[0] + 1, dtype=torch.int32, device=x.device)
-    torch.cumsum(x, 0, dtype=torch.int32, out=out[1:])
-    return out
-
-
-def oscar_decode_read_prefill(
-    out: torch.Tensor,
-    q_rot: torch.Tensor,
-    v: torch.Tensor,
-    cache: torch.Tensor,
-    windows: torch.Tensor,
-    window_pages: torch.Tensor,
-    window_pos: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_q: torch.Tensor,
-    ring_slots: torch.Tensor,
-    num_reqs: int,
-    max_query_len: int,
-    sink: int,
-    recent: int,
-    plan: DecodeReadPrefill,
-    param_dtype: torch.dtype = torch.float16,
-) -> torch.Tensor:
-    """Prefill chunks (the batch's prefill part, tensors indexed from its first prefill request)
-    as decode reads the cache, and their write. Two FlashAttention passes over dense rows:
-
-    1. the window: BF16 rows of positions ``[seq_len - n_b, seq_len)``, ``n_b = min(seq_len,
-       query_len + recent - 1)`` (ring and chunk), filled before the write overwrites ring
-       entries the chunk's first queries read; causal with ``window_left = recent - 1``: keys
-       ``(p - recent, p]``;
-    2. the rest, after the write: positions ``[0, seq_len - recent)`` from the INT2 pages (the
-       chunk's own included), the sink from the ring; causal over those keys, which
-       FlashAttention's bottom-right alignment turns into keys ``[0, p - recent]``.
-
-    The two sets of keys never meet, so merging the passes by their LSE is one softmax over
-    decode's read. Neither pass takes the logit correction (no per-key bias in FlashAttention).
-    """
-    if num_reqs == 0:
-        return out
-    if plan.rows_int2 + plan.rows_window > plan.k_buf.shape[0]:
-        raise ValueError(f"the decode read needs {plan.rows_int2} + {plan.rows_window} dense rows, "
-                         f"the buffers hold {plan.k_buf.shape[0]}")
-    q_len = cu_q[1:num_reqs + 1] - cu_q[:num_reqs]
-    seq = seq_lens[:num_reqs]
-    n_window = torch.minimum(seq, q_len + (recent - 1))
-    n_int2 = (seq - recent).clamp_(min=0)
-    cu_window, cu_int2 = _cumulative(n_window), _cumulative(n_int2)
-    k_int2, v_int2 = plan.k_buf[:plan.rows_int2], plan.v_buf[:plan.rows_int2]
-    # Each pass's buffers end at its last row: FlashAttention loads whole key tiles, and rows
-    # past the batch must be out of bounds (zero-filled), never another pass's or step's rows.
-    window_rows = slice(plan.rows_int2, plan.rows_int2 + plan.rows_window)
-    k_win, v_win = plan.k_buf[window_rows], plan.v_buf[window_rows]
-    cache_args = (cache, windows, window_pages, window_pos, block_table, seq_lens)
-    oscar_dense_kv(k_win, v_win, plan.k_rot, v, *cache_args, cu_q, cu_window, ring_slots, num_reqs, plan.max_seq_len,
-                   sink, recent, param_dtype, first_pos=(seq - n_window).to(torch.int32))
-    plan.write()
-    cu = cu_q[:num_reqs + 1]
-    if plan.max_int2 == 0:  # no request reaches past its window: nothing is read in 2 bits
-        plan.attention(q_rot, k_win, v_win, cu, cu_window, max_query_len, plan.max_window, out, False, recent - 1)
-        return out
-    no_chunk = torch.zeros_like(cu)  # every position now reads as cached
-    oscar_dense_kv(k_int2, v_int2, plan.k_rot, v, *cache_args, no_chunk, cu_int2, ring_slots, num_reqs,
-                   plan.max_seq_len, sink, recent, param_dtype, drop_last=recent, ring_recent=False)
-    out_win, out_int2 = torch.empty_like(out), torch.empty_like(out)
-    lse_win = plan.attention(q_rot, k_win, v_win, cu, cu_window, max_query_len, plan.max_window, out_win, True,
-                             recent - 1)
-    lse_int2 = plan.attention(q_rot, k_int2, v_int2, cu, cu_int2, max_query_len, plan.max_int2, out_int2, True, -1)
-    plan.merge(out, out_int2, lse_int2, out_win, lse_win)
-    return out
-
-
-def oscar_attention(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    q_rot: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache: torch.Tensor,
-    windows: torch.Tensor,
-    window_pages: torch.Tensor,
-    window_pos: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_q: torch.Tensor,
-    ring_slots: torch.Tensor,
-    num_decodes: int,
-    num_reqs: int,
-    max_query_len: int,
-    scale: float,
-    sink: int,
-    recent: int,
-    param_dtype: torch.dtype = torch.float16,
-    decode_splits: int = 1,
-    part_out: torch.Tensor | None = None,
-    part_lse: torch.Tensor | None = None,
-    own_keys_attention=None,
-    prefill_has_prefix: bool = True,
-    dense: DensePrefill | None = None,
-    logit_correction: float = 0.0,
-    key_mean: torch.Tensor | None = None,
-    cos_sin: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A batch as vLLM orders it: ``num_decodes`` requests of one query token, then prefills.
-
-    The decode requests go through the split decode kernel, the rest through the prefill
-    kernel. ``own_keys_attention(q, k, v, cu_q, max_query_len, out) -> lse`` (FlashAttention in
-    the backend) computes the prefill chunks' attention to their own keys into ``out`` and
-    returns its natural-log LSE ``[Hq, T]``; without it the prefill kernel does that part.
-    ``prefill_has_prefix=False`` (no prefill request has cached tokens) skips the prefix kernel
-    when ``own_keys_attention`` already did all there is. With ``dense``, prefill chunks over a
-    cached prefix take the dense path (``oscar_dense_prefill_attention``) instead.
-    ``logit_correction``: λ for the INT2 kernels (``logit_coef``); the dense path takes none.
-    ``key_mean``, ``cos_sin``: the INT2 keys' mean before RoPE and the RoPE table
-    (``oscar_decode_attention``); with ``dense``, its ``mean_basis`` of the same mean.
-    """
-    d = num_decodes  # decode requests come first and hold one token each
-    if d:
-        dec = slice(None, d) if d < num_reqs else slice(None)
-        oscar_decode_attention(
-            out[dec], q[dec], q_rot[dec], k[dec], v[dec], cache, windows, window_pages, window_pos, block_table,
-            seq_lens, cu_q, ring_slots, d, scale, sink, recent, param_dtype, decode_splits, part_out, part_lse,
-            logit_correction=logit_correction, key_mean=key_mean, cos_sin=cos_sin,
-        )
-    oscar_prefill_batch(out, q, q_rot, k, v, cache, windows, window_pages, window_pos, block_table, seq_lens, cu_q,
-                        ring_slots, d, num_reqs, max_query_len, scale, sink, recent, param_dtype, own_keys_attention,
-                        prefill_has_prefix, dense, logit_correction, key_mean, cos_sin)
-    return out
-
-
-def oscar_prefill_batch(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    q_rot: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache: torch.Tensor,
-    windows: torch.Tensor,
-    window_pages: torch.Tensor,
-    window_pos: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_q: torch.Tensor,
-    ring_slots: torch.Tensor,
-    num_decodes: int,
-    num_reqs: int,
-    max_query_len: int,
-    scale: float,
-    sink: int,
-    recent: int,
-    param_dtype: torch.dtype = torch.float16,
-    own_keys_attention=None,
-    prefill_has_prefix: bool = True,
-    dense: DensePrefill | None = None,
-    logit_correction: float = 0.0,
-    key_mean: torch.Tensor | None = None,
-    cos_sin: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The prefill requests of a batch, ``[num_decodes, num_reqs)`` (tensors indexed as the whole
-    batch's), as :func:`oscar_attention` runs them. ``logit_correction``: λ for the INT2 prefill
-    kernel; chunks that take the dense path get none (FlashAttention takes no per-key bias).
-    ``key_mean``, ``cos_sin``: as for :func:`oscar_attention`."""
-    if dense is not None and (key_mean is None) != (dense.mean_basis is None):
-        raise ValueError("the dense prefix path reads the INT2 keys plus a key mean exactly when the INT2 kernels do: "
-                         "give DensePrefill the mean's basis (oscar_dense_kv.key_mean_basis) with key_mean, or neither")
-    d = num_decodes
-    if d < num_reqs:
-        pre = slice(d, None)
-        cu = cu_q[d: num_reqs + 1] - d
-        out_p, q_p, k_p, v_p = out[pre], q[pre], k[pre], v[pre]
-        if dense is not None and prefill_has_prefix:
-            oscar_dense_prefill_attention(
-                out_p, q_rot[pre], v_p, cache, windows, window_pages, window_pos, block_table[d:num_reqs],
-                seq_lens[d:num_reqs], cu, ring_slots[d:num_reqs], num_reqs - d, max_query_len, sink, recent,
-                dense, param_dtype)
-            return out
-        lse = None
-        if own_keys_attention is not None:
-            lse = own_keys_attention(q_p, k_p, v_p, cu, max_query_len, out_p)
-            if not prefill_has_prefix:
-                return out
-        oscar_prefill_attention(
-            out_p, q_p, q_rot[pre], k_p, v_p, cache, windows, window_pages, window_pos, block_table[d:num_reqs],
-            seq_lens[d:num_reqs], cu, ring_slots[d:num_reqs], num_reqs - d, scale, sink, recent, param_dtype,
-            self_lse=lse, logit_correction=logit_correction, key_mean=key_mean, cos_sin=cos_sin,
-        )
     return out

@@ -20,7 +20,7 @@ lane's bytes next to each other. A lane's rows of a tile are keys ``8·r .. 8·r
 ``κ = r + 8i`` holds token ``8r + i``), so its scales and mins are one 16-byte load each; its
 columns of Vᵀ are 16 consecutive bytes of a row of V codes (``v_column``), paired as the
 fragment pairs them. The softmax state is the warp's own (no shared memory, no barriers);
-splits are merged by ``oscar_attention.merge_splits``.
+splits are merged by ``merge_splits``. The launch table is ``gluon_layout``'s.
 
 The step's own key is read from the ring: the backend writes decode tokens before attention
 (``oscar_write`` with ``q``), so a decode query attends to positions ``[0, seq_len)`` of the
@@ -30,67 +30,36 @@ Reference: :func:`oscar_vllm.reference.oscar_decode.oscar_decode_reference`. Glu
 under ``TRITON_INTERPRET``: the CPU tests compile it for sm_90 and read the machine code
 (``tests/kernels/test_kernels_compile.py``), the GPU tests compare it with the reference.
 """
-from typing import NamedTuple
-
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from csrc_triton.oscar_attention import merge_splits
+from csrc_triton.gluon_layout import MEAN_PAIRS, TILE, WINDOW_ENTRIES, decode_launch
+from csrc_triton.merge_splits import merge_splits
 from csrc_triton.paged_layout import (
-    KEY_MEAN_PAIRS,
-    WINDOW_ENTRIES as _WINDOW_ENTRIES,
-    check_int2_cache,
-    launch_bucket,
+    UNIT_0,
+    UNIT_1,
+    UNIT_2,
+    UNIT_3,
+    BatchLayout,
+    MixedCache,
+    cache_args,
+    int2_params_at,
+    int2_region_bytes,
     logit_coef,
-    param_view,
     split_scratch,
-    window_args,
+)
+# The decode kernel's split policy, as the backend reads it off the kernel's module (defined in gluon_layout).
+from csrc_triton.gluon_layout import (
+    MAX_DECODE_SPLITS as MAX_DECODE_SPLITS,
+    decode_split_rows as decode_split_rows,
+    decode_splits as decode_splits,
 )
 
 LOG2E = 1.4426950408889634
-WINDOW_ENTRIES = gl.constexpr(_WINDOW_ENTRIES)
-MAX_DECODE_SPLITS = 256
-TILE = gl.constexpr(64)  # keys per step: one INT2 block, or 8 ring pages
-MIN_SPLIT_TILES = gl.constexpr(1)  # a split reads at least this many tiles (one: short contexts gain from more programs)
-# Launch by batch size (the largest key <= requests): (registers a thread may use, one-warp
-# programs the split count aims for per SM, the INT2 block prefetched into L2 this many steps
-# ahead, INT2 blocks a BF16 ring tile counts as when the splits share a request's keys, whether
-# the split count fills one whole wave of those programs rather than the power of two above).
-# Uncapped, ptxas takes 255 registers (the ring tile's loads), 8 warps an SM: one request's
-# splits fit in one wave and run fastest so, with 256 splits and blocks 4 ahead in L2 (a split's
-# loads then wait for L2, not DRAM). From 8 requests on, 168 registers (12 warps an SM, a few
-# bytes of spills outside the INT2 loop) and 2 blocks ahead. The split count follows the time:
-# from 8 to 32 requests one whole wave of 12 programs an SM is the fastest count (8 x 32K 24
-# splits 0.078 ms against 0.086 at 64; 32 x 32K 6, 0.240 against 0.246 at 16), a count leaving
-# part of a second wave the slowest; from 33, powers of two at 16 an SM (64 x 8K: 8 splits 4%
-# ahead of a wave's 3; results/kernels/sweep_wave_ctas12/). The ring tile's weight: counted as
-# one block, the split holding the five ring tiles was the one the others waited for (1 x 32K 41
-# us, 28 at 4); from 16 requests the programs run in several waves and 2 is best or within 3%.
-# H200, Qwen3-8B shape: `python -m benchmarks.kernels.oscar_decode sweep` (results/kernels/prefetch/,
-# results/kernels/ring/).
-class DecodeLaunch(NamedTuple):
-    maxnreg: int | None
-    ctas_per_sm: int
-    prefetch: int
-    ring_cost: int
-    whole_wave: bool
-
-
-DECODE_LAUNCH = {
-    1: DecodeLaunch(None, 8, 4, 4, False),
-    8: DecodeLaunch(168, 12, 2, 4, True),
-    16: DecodeLaunch(168, 12, 2, 2, True),
-    33: DecodeLaunch(168, 16, 2, 2, False),
-}
-# A fixed split count (the backend's decode_splits setting: replies that do not depend on the
-# batch) needs split boundaries that do not follow the batch size either: one ring weight for
-# every batch, the table's largest bucket's. With the table's per batch, a request's boundaries,
-# hence its merged sums, moved as its batch crossed 16 requests.
-FIXED_SPLITS_RING_COST = DECODE_LAUNCH[max(DECODE_LAUNCH)].ring_cost
-
+# A split reads at least this many tiles (one: short contexts gain from more programs).
+MIN_SPLIT_TILES = gl.constexpr(1)
 # PTX: a word of packed codes -> each byte's code of each quarter i (bits 2i, 2i+1) as an fp16
 # subnormal. Two byte permutes put bytes (0, 1) and (2, 3) into the low halves of 16-bit lanes,
 # shared by the four quarters; one mask per quarter and pair leaves c·2^(2i) in the mantissa,
@@ -107,15 +76,6 @@ _UNPACK_ASM = (
     + "}"
 )
 UNPACK_ASM = gl.constexpr(_UNPACK_ASM)
-# What one unit of quarter i's codes is worth (c reads as c·UNIT_i).
-UNIT_0 = gl.constexpr(2.0 ** -24)
-UNIT_1 = gl.constexpr(2.0 ** -22)
-UNIT_2 = gl.constexpr(2.0 ** -20)
-UNIT_3 = gl.constexpr(2.0 ** -18)
-# key_mean: the RoPE pairs of each KV head's block mean the kernel adds back (KEY_MEAN_PAIRS: the
-# study's 16 strongest do what all do, docs/quality.md). A block's keys were all written less one
-# vector, so they all gain one logit a query head: MEAN_PAIRS products a block, not a key.
-MEAN_PAIRS = gl.constexpr(KEY_MEAN_PAIRS)
 
 
 @gluon.constexpr_function
@@ -188,9 +148,11 @@ def _pair(a, b):
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, a_min, o0, o1, o2, o3, v_min):
-    """Online-softmax step over scores ``s`` ``[64, N]`` (log2 domain, -inf where masked):
-    rescales the state when the running max grew and returns it with the probabilities."""
+def _softmax_step(s, state, v_min):
+    """Online-softmax step over scores ``s`` ``[64, N]`` (log2 domain, -inf where masked): the
+    probabilities, and ``state``, ``(m_i, l_i, a_min, o0, o1, o2, o3)``, rescaled where the running
+    max grew, their sums added."""
+    m_i, l_i, a_min, o0, o1, o2, o3 = state
     m_new = gl.maximum(m_i, gl.max(s, axis=0))
     if gl.max((m_new > m_i).to(gl.int32), axis=0) > 0:
         alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
@@ -204,7 +166,7 @@ def _softmax_step(s, m_i, l_i, a_min, o0, o1, o2, o3, v_min):
     p = gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
     l_i = l_i + gl.sum(p, axis=0)
     a_min = a_min + gl.sum(p * v_min[:, None], axis=0)
-    return p, m_i, l_i, a_min, o0, o1, o2, o3
+    return p, (m_i, l_i, a_min, o0, o1, o2, o3)
 
 
 @gluon.constexpr_function
@@ -263,42 +225,47 @@ def _query_operands(q_base, stride_qh, G: gl.constexpr, N: gl.constexpr, D: gl.c
 
 
 @gluon.jit
-def _load_int2_block(codes_ptr, params_ptr, bt_ptr, blk, h, stride_cb, Q: gl.constexpr, N: gl.constexpr):
-    """The packed codes (int32 words) and parameters of logical block ``blk`` of KV head ``h``."""
-    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+def _load_int2_block(pages, blk, h, Q: gl.constexpr, N: gl.constexpr):
+    """The packed codes (int32 words) and parameters of logical block ``blk`` of KV head ``h``:
+    ``(k_codes, v_codes, k_scale, k_min, v_scale, v_min)``. ``pages``: ``(codes_ptr, params_ptr,
+    stride_cb, bt_ptr)``, the INT2 pages and the request's block table row."""
+    codes_ptr, params_ptr, stride_cb, bt_ptr = pages
     K_WORDS: gl.constexpr = _k_words_layout(Q)
     V_WORDS: gl.constexpr = _v_words_layout(Q)
     P_TOK: gl.constexpr = _rows_by_token_layout()
-    REGION: gl.constexpr = TILE * (2 * Q + 8)
+    REGION: gl.constexpr = int2_region_bytes(4 * Q)
     base = gl.load(bt_ptr + blk).to(gl.int64) * stride_cb + h * REGION
     words = (codes_ptr + base).to(gl.pointer_type(gl.int32))
     rows = gl.arange(0, TILE, layout=gl.SliceLayout(1, K_WORDS))
     k_tok = 8 * (rows % 8) + rows // 8
-    k_words = gl.load(words + k_tok[:, None] * (Q // 4) + gl.arange(0, Q // 4, layout=gl.SliceLayout(0, K_WORDS))[None, :])
+    k_words = gl.load(words + k_tok[:, None] * (Q // 4)
+                      + gl.arange(0, Q // 4, layout=gl.SliceLayout(0, K_WORDS))[None, :])
     v_words = gl.load(words + TILE * Q // 4 + gl.arange(0, Q, layout=gl.SliceLayout(1, V_WORDS))[:, None] * (TILE // 4)
                       + gl.arange(0, TILE // 4, layout=gl.SliceLayout(0, V_WORDS))[None, :])
-    p = params_ptr + (base + 2 * TILE * Q) // 2 + gl.arange(0, TILE, layout=P_TOK)
+    p = params_ptr + (base + int2_params_at(4 * Q)) // 2 + gl.arange(0, TILE, layout=P_TOK)
     return k_words, v_words, gl.load(p), gl.load(p + TILE), gl.load(p + 2 * TILE), gl.load(p + 3 * TILE)
 
 
 @gluon.jit
-def _prefetch_int2_block(codes_ptr, bt_ptr, blk, h, stride_cb, Q: gl.constexpr):
+def _prefetch_int2_block(pages, blk, h, Q: gl.constexpr):
     """Logical block ``blk`` of KV head ``h`` into L2, one bulk prefetch of its whole region (one
     address for the warp: lanes with addresses of their own become a loop, one prefetch a lane):
     its loads a few steps later then wait for L2, not DRAM (registers hold one block ahead only)."""
-    REGION: gl.constexpr = TILE * (2 * Q + 8)
+    codes_ptr, _, stride_cb, bt_ptr = pages
+    REGION: gl.constexpr = int2_region_bytes(4 * Q)
     base = gl.load(bt_ptr + blk).to(gl.int64) * stride_cb + h * REGION
     gl.inline_asm_elementwise(_prefetch_asm(REGION), "=r,l", [codes_ptr + base], dtype=gl.int32, is_pure=False,
                               pack=1)
 
 
 @gluon.jit
-def _load_v_params(params_ptr, bt_ptr, blk, h, stride_cb, Q: gl.constexpr):
+def _load_v_params(pages, blk, h, Q: gl.constexpr):
     """The V scales and mins of logical block ``blk`` of KV head ``h`` (``_load_int2_block``'s last two)."""
+    _, params_ptr, stride_cb, bt_ptr = pages
     P_TOK: gl.constexpr = _rows_by_token_layout()
-    REGION: gl.constexpr = TILE * (2 * Q + 8)
+    REGION: gl.constexpr = int2_region_bytes(4 * Q)
     base = gl.load(bt_ptr + blk).to(gl.int64) * stride_cb + h * REGION
-    p = params_ptr + (base + 2 * TILE * Q) // 2 + gl.arange(0, TILE, layout=P_TOK)
+    p = params_ptr + (base + int2_params_at(4 * Q)) // 2 + gl.arange(0, TILE, layout=P_TOK)
     return gl.load(p + 2 * TILE), gl.load(p + 3 * TILE)
 
 
@@ -342,16 +309,19 @@ def _block_mean_scores(blk, mean_a, mean_b, mean_col, cos_sin_ptr, stride_cs, D:
 
 @gluon.jit
 def _attend_int2_block(
-    m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr,
-    k_codes, v_codes, k_scale, k_min, v_scale, v_min, use, qk_scale, blk, mean,
+    state, query, block, use, qk_scale, blk, mean,
     Q: gl.constexpr, N: gl.constexpr, MASKED: gl.constexpr, CORRECT: gl.constexpr, KEY_MEAN: gl.constexpr,
 ):
-    """One INT2 block: scores from the codes, probabilities into the quarter accumulators (in
-    INT2 units). ``MASKED``: only rows ``use`` count (the block meets the window or ``seq_len``).
-    ``CORRECT``: the logit correction, ``q_corr`` ``[N]`` being ``coef·‖q‖²`` of each head over
-    ``(qk_scale·2^24)²``, its amount per unit of the squared scale as the scores apply it.
-    ``KEY_MEAN``: the keys were rounded less their block's mean, whose logit is added back here
-    (``mean``: ``_block_mean_scores``' arguments but the block's)."""
+    """One INT2 block, ``block`` (``_load_int2_block``'s): scores from the codes, probabilities into
+    the running softmax ``state``, ``(m_i, l_i, a_min, o0, o1, o2, o3)`` (the quarter accumulators
+    in INT2 units), which it returns. ``query``: ``(qs0, qs1, qs2, qs3, q_sum, q_corr)``, the K
+    products' operands (``_query_operands``). ``MASKED``: only rows ``use`` count (the block meets
+    the window or ``seq_len``). ``CORRECT``: the logit correction, ``q_corr`` ``[N]`` being
+    ``coef·‖q‖²`` of each head over ``(qk_scale·2^24)²``, its amount per unit of the squared scale
+    as the scores apply it. ``KEY_MEAN``: the keys were rounded less their block's mean, whose
+    logit is added back here (``mean``: ``_block_mean_scores``' arguments but the block's)."""
+    qs0, qs1, qs2, qs3, q_sum, q_corr = query
+    k_codes, v_codes, k_scale, k_min, v_scale, v_min = block
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
     A_V: gl.constexpr = gl.DotOperandLayout(0, ACC, 2)
@@ -389,7 +359,8 @@ def _attend_int2_block(
         # Unwritten or window rows may hold anything: zero what multiplies their zero probability.
         v_scale = gl.where(use, v_scale, 0.0)
         v_min = gl.where(use, v_min, 0.0)
-    p, m_i, l_i, a_min, o0, o1, o2, o3 = _softmax_step(s, m_i, l_i, a_min, o0, o1, o2, o3, v_min)
+    p, state = _softmax_step(s, state, v_min)
+    m_i, l_i, a_min, o0, o1, o2, o3 = state
     pv = gl.convert_layout((p * v_scale[:, None]).to(gl.float16), B_P)
     u0, u1, u2, u3 = _unpack_int2(v_codes)
     o0 = mma_v2(gl.convert_layout(_keys_of_columns(u0, Q), A_V, assert_trivial=True), pv, o0)
@@ -416,31 +387,31 @@ def _held_rows(window_pos_ptr, ring, blk, seq_len, last, SINK: gl.constexpr, REC
 
 @gluon.jit
 def _attend_window_block(
-    m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr, blk, seq_len, last, ring, h, qk_scale,
-    codes_ptr, params_ptr, bt_ptr, window_pos_ptr, stride_cb, mean,
+    state, query, blk, seq_len, last, ring, h, qk_scale, pages, window_pos_ptr, mean,
     Q: gl.constexpr, N: gl.constexpr, SINK: gl.constexpr, RECENT: gl.constexpr, CORRECT: gl.constexpr,
     KEY_MEAN: gl.constexpr,
 ):
     """An INT2 block that meets the sink, the recent window or ``seq_len``: its keys the ring
-    holds for the window are left to the ring tiles (a block the ring covers is not read)."""
+    holds for the window are left to the ring tiles (a block the ring covers is not read).
+    ``state``, ``query``, ``mean``: ``_attend_int2_block``'s; ``pages``: ``_load_int2_block``'s."""
     use = _held_rows(window_pos_ptr, ring, blk, seq_len, last, SINK, RECENT)
     if gl.max(use.to(gl.int32), axis=0) > 0:
-        kc, vc, ks, km, vs, vm = _load_int2_block(codes_ptr, params_ptr, bt_ptr, blk, h, stride_cb, Q, N)
-        m_i, l_i, a_min, o0, o1, o2, o3 = _attend_int2_block(
-            m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr, kc, vc, ks, km, vs, vm, use,
-            qk_scale, blk, mean, Q, N, True, CORRECT, KEY_MEAN)
-    return m_i, l_i, a_min, o0, o1, o2, o3
+        state = _attend_int2_block(state, query, _load_int2_block(pages, blk, h, Q, N), use, qk_scale, blk, mean,
+                                   Q, N, True, CORRECT, KEY_MEAN)
+    return state
 
 
 @gluon.jit
 def _attend_ring_tile(
-    m_i, l_i, a_min, o0, o1, o2, o3, tile, ring, h, last, qk_scale,
-    q_base, stride_qh, window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page,
+    state, tile, ring, h, last, qk_scale, q_base, stride_qh, rings,
     HKV: gl.constexpr, G: gl.constexpr, N: gl.constexpr, D: gl.constexpr, SINK: gl.constexpr,
     RECENT: gl.constexpr,
 ):
-    """Ring entries ``[64·tile, 64·tile + 64)`` (8 pages): those that hold a window position
-    attend in BF16. Accumulators in true units."""
+    """Ring entries ``[64·tile, 64·tile + 64)`` (8 pages) of ring ``ring``: those that hold a window
+    position attend in BF16, into ``state`` (``_attend_int2_block``'s, accumulators in true units).
+    ``rings``: ``(window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp,
+    stride_page)``; ``q_base``: the KV head's first query head."""
+    window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page = rings
     Q: gl.constexpr = D // 4
     RING: gl.constexpr = SINK + RECENT
     RW: gl.constexpr = D if D < 64 else 64  # dims per key product (k_width 8 wants 64)
@@ -448,7 +419,6 @@ def _attend_ring_tile(
     ROWS: gl.constexpr = gl.SliceLayout(1, ACC)
     A_R: gl.constexpr = gl.DotOperandLayout(0, ACC, RW // 8)
     B_R: gl.constexpr = gl.DotOperandLayout(1, ACC, RW // 8)
-    A_V: gl.constexpr = gl.DotOperandLayout(0, ACC, 2)
     B_P: gl.constexpr = gl.DotOperandLayout(1, ACC, 2)
     V3: gl.constexpr = _vmem_layout(Q, True)
     # Score rows: key κ = r + 8i holds entry 16((κ>>1)&3) + 2(κ>>3) + (κ&1), the entry that the
@@ -471,8 +441,8 @@ def _attend_ring_tile(
             qb = gl.load(q_base + qn[None, :] * stride_qh + t * RW + qd[:, None], mask=(qn < G)[None, :], other=0.0)
             s = mma_v2(kr.to(gl.bfloat16), qb.to(gl.bfloat16), s)
         s = gl.where(valid[:, None], s * qk_scale, float("-inf"))
-        p, m_i, l_i, a_min, o0, o1, o2, o3 = _softmax_step(s, m_i, l_i, a_min, o0, o1, o2, o3,
-                                                           gl.zeros([TILE], gl.float32, layout=ROWS))
+        p, state = _softmax_step(s, state, gl.zeros([TILE], gl.float32, layout=ROWS))
+        m_i, l_i, a_min, o0, o1, o2, o3 = state
         pb = gl.convert_layout(p.to(gl.bfloat16), B_P)
         # Values: the tile's 8 pages hold [HKV, D, 8] each; a lane reads 8 entries of a dim at once.
         pg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, V3)))
@@ -499,7 +469,8 @@ def _attend_ring_tile(
             o1 = _ring_values(o1, pb, v_ptr, v_ok, 1, Q)
             o2 = _ring_values(o2, pb, v_ptr, v_ok, 2, Q)
             o3 = _ring_values(o3, pb, v_ptr, v_ok, 3, Q)
-    return m_i, l_i, a_min, o0, o1, o2, o3
+        state = (m_i, l_i, a_min, o0, o1, o2, o3)
+    return state
 
 
 @gluon.jit
@@ -517,10 +488,11 @@ def _ring_values(o, pb, v_ptr, v_ok, I: gl.constexpr, Q: gl.constexpr):
 
 
 @gluon.jit
-def _store_output(o, n, d, out_ptr, part_out_ptr, part_lse_ptr, l_i, m_i, a_min, unit, r, h, split, num_splits,
-                  stride_ot, stride_oh, I: gl.constexpr, G: gl.constexpr, HQ: gl.constexpr, D: gl.constexpr,
-                  SPLIT: gl.constexpr):
-    """Quarter ``I`` of the output rows (dims ``[I·Q, (I+1)·Q)``), back from INT2 units."""
+def _store_output(o, n, d, l_i, a_min, unit, dest, I: gl.constexpr, G: gl.constexpr, HQ: gl.constexpr,
+                  D: gl.constexpr, SPLIT: gl.constexpr):
+    """Quarter ``I`` of the output rows (dims ``[I·Q, (I+1)·Q)``), back from INT2 units, to ``dest``:
+    ``(out_ptr, part_out_ptr, stride_ot, stride_oh, r, h, split, num_splits)``."""
+    out_ptr, part_out_ptr, stride_ot, stride_oh, r, h, split, num_splits = dest
     Q: gl.constexpr = D // 4
     inv_l = gl.where(l_i > 0, 1.0 / l_i, 0.0)
     x = (o * (1.0 / unit) + a_min[None, :]) * inv_l[None, :]
@@ -673,26 +645,26 @@ def _oscar_decode_kernel(
     o2 = gl.zeros([Q, N], gl.float32, layout=ACC)
     o3 = gl.zeros([Q, N], gl.float32, layout=ACC)
 
+    # The running softmax and the operands every step takes, as tuples (Triton 3.6's Gluon exports no
+    # @aggregate); a tuple is flattened into its values, so the machine code is that of separate arguments.
+    state = (m_i, l_i, a_min, o0, o1, o2, o3)
+    rings = (window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page)
     for tile in range(t_lo, t_hi):
-        m_i, l_i, a_min, o0, o1, o2, o3 = _attend_ring_tile(
-            m_i, l_i, a_min, o0, o1, o2, o3, tile, ring, h, last, qk_scale, q_base, stride_qh,
-            window_k_ptr, window_v_ptr, window_pages_ptr, window_pos_ptr, stride_wp, stride_page,
-            HKV, G, N, D, SINK, RECENT)
+        state = _attend_ring_tile(state, tile, ring, h, last, qk_scale, q_base, stride_qh, rings, HKV, G, N, D, SINK,
+                                  RECENT)
     # From here on the accumulators hold INT2 units (what the code products leave).
-    o0 = o0 * UNIT_0
-    o1 = o1 * UNIT_1
-    o2 = o2 * UNIT_2
-    o3 = o3 * UNIT_3
+    m_i, l_i, a_min, o0, o1, o2, o3 = state
+    state = (m_i, l_i, a_min, o0 * UNIT_0, o1 * UNIT_1, o2 * UNIT_2, o3 * UNIT_3)
+    query = (qs0, qs1, qs2, qs3, q_sum, q_corr)
+    pages = (codes_ptr, params_ptr, stride_cb, bt_ptr)
 
     # Blocks [0, SINK_BLOCKS) meet the sink, blocks from recent_start the recent window or
     # seq_len; the ones between are INT2 for every key and take the loop without masks.
     window_start = gl.maximum(last - RECENT + 1, 0)
     recent_start = gl.maximum(SINK_BLOCKS, gl.minimum(n_blocks, window_start // TILE))
     for blk in range(b_lo, gl.minimum(b_hi, SINK_BLOCKS)):
-        m_i, l_i, a_min, o0, o1, o2, o3 = _attend_window_block(
-            m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr, blk, seq_len, last, ring, h,
-            qk_scale, codes_ptr, params_ptr, bt_ptr, window_pos_ptr, stride_cb, mean, Q, N, SINK, RECENT, CORRECT,
-            KEY_MEAN)
+        state = _attend_window_block(state, query, blk, seq_len, last, ring, h, qk_scale, pages, window_pos_ptr, mean,
+                                     Q, N, SINK, RECENT, CORRECT, KEY_MEAN)
     p_lo = gl.maximum(b_lo, SINK_BLOCKS)
     p_hi = gl.minimum(b_hi, recent_start)
     if p_lo < p_hi:
@@ -700,36 +672,30 @@ def _oscar_decode_kernel(
         # needed only after its scores and softmax, are loaded at the start of its own step (beside
         # the next block's codes), not carried: that leaves the registers q_corr takes, and the
         # 168-register launch does not spill in this loop.
-        kc, vc, ks, km, _, _ = _load_int2_block(codes_ptr, params_ptr, bt_ptr, p_lo, h, stride_cb, Q, N)
+        kc, vc, ks, km, _, _ = _load_int2_block(pages, p_lo, h, Q, N)
         for i in gl.static_range(2, PREFETCH):
-            _prefetch_int2_block(codes_ptr, bt_ptr, gl.minimum(p_lo + i, p_hi - 1), h, stride_cb, Q)
+            _prefetch_int2_block(pages, gl.minimum(p_lo + i, p_hi - 1), h, Q)
         for blk in range(p_lo, p_hi):
             if PREFETCH > 1:
-                _prefetch_int2_block(codes_ptr, bt_ptr, gl.minimum(blk + PREFETCH, p_hi - 1), h, stride_cb, Q)
-            vs, vm = _load_v_params(params_ptr, bt_ptr, blk, h, stride_cb, Q)
-            kc2, vc2, ks2, km2, _, _ = _load_int2_block(codes_ptr, params_ptr, bt_ptr,
-                                                        gl.minimum(blk + 1, p_hi - 1), h, stride_cb, Q, N)
-            m_i, l_i, a_min, o0, o1, o2, o3 = _attend_int2_block(
-                m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr, kc, vc, ks, km, vs, vm, None,
-                qk_scale, blk, mean, Q, N, False, CORRECT, KEY_MEAN)
+                _prefetch_int2_block(pages, gl.minimum(blk + PREFETCH, p_hi - 1), h, Q)
+            vs, vm = _load_v_params(pages, blk, h, Q)
+            kc2, vc2, ks2, km2, _, _ = _load_int2_block(pages, gl.minimum(blk + 1, p_hi - 1), h, Q, N)
+            state = _attend_int2_block(state, query, (kc, vc, ks, km, vs, vm), None, qk_scale, blk, mean, Q, N, False,
+                                       CORRECT, KEY_MEAN)
             kc, vc, ks, km = kc2, vc2, ks2, km2
     for blk in range(gl.maximum(b_lo, recent_start), b_hi):
-        m_i, l_i, a_min, o0, o1, o2, o3 = _attend_window_block(
-            m_i, l_i, a_min, o0, o1, o2, o3, qs0, qs1, qs2, qs3, q_sum, q_corr, blk, seq_len, last, ring, h,
-            qk_scale, codes_ptr, params_ptr, bt_ptr, window_pos_ptr, stride_cb, mean, Q, N, SINK, RECENT, CORRECT,
-            KEY_MEAN)
+        state = _attend_window_block(state, query, blk, seq_len, last, ring, h, qk_scale, pages, window_pos_ptr, mean,
+                                     Q, N, SINK, RECENT, CORRECT, KEY_MEAN)
+    m_i, l_i, a_min, o0, o1, o2, o3 = state
 
     # Back from INT2 units; the min term adds the same amount to every dim of a head.
     d = gl.arange(0, Q, layout=gl.SliceLayout(1, ACC))
     n = gl.arange(0, N, layout=COLS)
-    _store_output(o0, n, d, out_ptr, part_out_ptr, part_lse_ptr, l_i, m_i, a_min, UNIT_0, r, h, split, num_splits,
-                  stride_ot, stride_oh, 0, G, HQ, D, SPLIT)
-    _store_output(o1, n, d, out_ptr, part_out_ptr, part_lse_ptr, l_i, m_i, a_min, UNIT_1, r, h, split, num_splits,
-                  stride_ot, stride_oh, 1, G, HQ, D, SPLIT)
-    _store_output(o2, n, d, out_ptr, part_out_ptr, part_lse_ptr, l_i, m_i, a_min, UNIT_2, r, h, split, num_splits,
-                  stride_ot, stride_oh, 2, G, HQ, D, SPLIT)
-    _store_output(o3, n, d, out_ptr, part_out_ptr, part_lse_ptr, l_i, m_i, a_min, UNIT_3, r, h, split, num_splits,
-                  stride_ot, stride_oh, 3, G, HQ, D, SPLIT)
+    dest = (out_ptr, part_out_ptr, stride_ot, stride_oh, r, h, split, num_splits)
+    _store_output(o0, n, d, l_i, a_min, UNIT_0, dest, 0, G, HQ, D, SPLIT)
+    _store_output(o1, n, d, l_i, a_min, UNIT_1, dest, 1, G, HQ, D, SPLIT)
+    _store_output(o2, n, d, l_i, a_min, UNIT_2, dest, 2, G, HQ, D, SPLIT)
+    _store_output(o3, n, d, l_i, a_min, UNIT_3, dest, 3, G, HQ, D, SPLIT)
     if SPLIT:
         lse = gl.where(l_i > 0, m_i + gl.log2(gl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         part = ((r * HQ + h * G + n) * num_splits + split).to(gl.int64)
@@ -753,61 +719,21 @@ def split_shares(n_blocks: int, active: int, ring_tiles: int, ring_cost: int) ->
             for s in range(active)]
 
 
-def decode_launch(num_reqs: int) -> DecodeLaunch:
-    """The launch of a decode batch of ``num_reqs`` requests (``DECODE_LAUNCH``'s bucket)."""
-    return launch_bucket(DECODE_LAUNCH, num_reqs)
-
-
-def decode_ring_cost(num_reqs: int, fixed_splits: int = 0) -> int:
-    """INT2 blocks a ring tile counts as when a batch of ``num_reqs`` requests splits their keys:
-    ``DECODE_LAUNCH``'s, or ``FIXED_SPLITS_RING_COST`` for every batch when the split count is
-    fixed (``fixed_splits`` > 0)."""
-    return FIXED_SPLITS_RING_COST if fixed_splits else decode_launch(num_reqs).ring_cost
-
-
-def decode_splits(num_reqs: int, num_kv_heads: int, num_sms: int, ctas_per_sm: int | None = None,
-                  max_splits: int | None = None, whole_wave: bool | None = None) -> int:
-    """Most splits a decode batch of ``num_reqs`` requests uses (>= 1): enough one-warp programs
-    for ``ctas_per_sm`` per SM, rounded up to a power of two, or (``whole_wave``) as many as fit
-    in one wave of that many (a count that need not be a power of two: at 8 x 32K, 64 splits made
-    4,096 programs, 2.6 waves at the 12 an SM 168 registers allow), at most ``max_splits`` (else
-    ``MAX_DECODE_SPLITS``). ``ctas_per_sm`` and ``whole_wave`` left None: ``DECODE_LAUNCH``'s."""
-    launch = decode_launch(num_reqs)
-    programs = (ctas_per_sm or launch.ctas_per_sm) * num_sms
-    per_split = max(1, num_reqs * num_kv_heads)
-    wave = launch.whole_wave if whole_wave is None else whole_wave
-    want = programs // per_split if wave else triton.next_power_of_2(triton.cdiv(programs, per_split))
-    return max(1, min(max_splits or MAX_DECODE_SPLITS, want))
-
-
-def decode_split_rows(max_num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Rows of split scratch any decode batch up to ``max_num_reqs`` needs (``requests * splits``)."""
-    return max(n * decode_splits(n, num_kv_heads, num_sms) for n in range(1, max_num_reqs + 1))
-
-
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, sink: int) -> bool:
     """Whether this kernel serves the shape: 16-bit models, head_dim 64 or 128, up to 16 query
     heads per KV head, rings whose pages hold 8 entries (a sink that is a multiple of 8)."""
     g = num_heads // num_kv_heads
     return (dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128) and 1 <= g <= 16
-            and num_heads % num_kv_heads == 0 and sink % _WINDOW_ENTRIES == 0)
+            and num_heads % num_kv_heads == 0 and sink % WINDOW_ENTRIES.value == 0)
 
 
 def oscar_decode(
     out: torch.Tensor,
     q_rot: torch.Tensor,
-    cache: torch.Tensor,
-    windows: torch.Tensor,
-    window_pages: torch.Tensor,
-    window_pos: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    ring_slots: torch.Tensor,
-    num_reqs: int,
+    *,
+    cache: MixedCache,
+    batch: BatchLayout,
     scale: float,
-    sink: int,
-    recent: int,
-    param_dtype: torch.dtype = torch.float16,
     num_splits: int = 1,
     part_out: torch.Tensor | None = None,
     part_lse: torch.Tensor | None = None,
@@ -818,7 +744,7 @@ def oscar_decode(
     q: torch.Tensor | None = None,
     key_mean: dict | None = None,
 ) -> torch.Tensor:
-    """Decode attention of ``num_reqs`` requests, one query each (row r of ``q_rot``
+    """Decode attention of ``batch``'s requests, one query each (row r of ``q_rot``
     ``[>= num_reqs, Hq, d]``, key-rotated basis), over positions ``[0, seq_lens[r])`` of the
     cache, this step's token already written. Writes ``out`` ``[>= num_reqs, Hq, d]``.
 
@@ -833,19 +759,19 @@ def oscar_decode(
     less their block's mean (``key_mean_operands``), which needs the queries before the key
     rotation, ``q`` (``q_rot``'s shape).
     """
+    num_reqs = batch.num_reqs
     if num_reqs == 0:
         return out
     hq, d = q_rot.shape[1], q_rot.shape[2]
-    hkv = cache.shape[1]
-    if not supports(hq, hkv, d, q_rot.dtype, sink) or num_splits < 1:
-        raise ValueError(f"oscar_decode does not serve {hq}/{hkv} heads of {d} in {q_rot.dtype}, sink {sink}, "
+    hkv = cache.pages.shape[1]
+    if not supports(hq, hkv, d, q_rot.dtype, cache.sink) or num_splits < 1:
+        raise ValueError(f"oscar_decode does not serve {hq}/{hkv} heads of {d} in {q_rot.dtype}, sink {cache.sink}, "
                          f"{num_splits} splits (see supports())")
-    check_int2_cache(cache, d)
     coef = logit_coef(logit_correction, scale)
     g = hq // hkv
-    win = window_args(windows, window_pages, window_pos, hkv, d, sink, recent)
-    if win.pop("WIN_E") != _WINDOW_ENTRIES:
-        raise ValueError(f"oscar_decode reads rings of {_WINDOW_ENTRIES} entries per page")
+    c = cache_args(cache, hkv, d)
+    if c["WIN_E"] != WINDOW_ENTRIES.value:
+        raise ValueError(f"oscar_decode reads rings of {WINDOW_ENTRIES.value} entries per page")
     n_pad = 8 if g <= 8 else 16
     if key_mean is not None and (q is None or q.shape[1:] != q_rot.shape[1:]):
         raise ValueError("the decode kernel adds a key mean from the queries before the key rotation: pass q")
@@ -858,15 +784,16 @@ def oscar_decode(
     split = num_splits > 1
     if split:
         part_out, part_lse = split_scratch(part_out, part_lse, num_reqs * hq * num_splits, d)
+    q_mean = q_rot if q is None else q
+    # Runtime arguments by position, constexprs by name (tests read the launch so).
     _oscar_decode_kernel[(num_reqs, hkv, num_splits)](
-        out, part_out if split else out, part_lse if split else out, q_rot, cache, param_view(cache, param_dtype),
-        win["window_k_ptr"], win["window_v_ptr"], window_pages, window_pos, block_table, seq_lens, ring_slots,
-        num_splits, scale * LOG2E, coef,
-        q_rot.stride(0), q_rot.stride(1), out.stride(0), out.stride(1), block_table.stride(0), cache.stride(0),
-        win["stride_wp"], win["stride_page"],
-        q_rot if q is None else q, *(q_rot if q is None else q).stride()[:2],
-        mean["key_mean"], mean["mean_pairs"], mean["cos_sin"], mean["cos_sin"].stride(0),
-        HKV=hkv, G=g, N=n_pad, D=d, SINK=sink, RECENT=recent, SPLIT=split, PREFETCH=prefetch,
+        out, part_out if split else out, part_lse if split else out, q_rot, c["codes_ptr"], c["params_ptr"],
+        c["window_k_ptr"], c["window_v_ptr"], c["window_pages_ptr"], c["window_pos_ptr"], batch.block_table,
+        batch.seq_lens, batch.ring_slots, num_splits, scale * LOG2E, coef, q_rot.stride(0), q_rot.stride(1),
+        out.stride(0), out.stride(1), batch.block_table.stride(0), c["stride_cb"], c["stride_wp"], c["stride_page"],
+        q_mean, q_mean.stride(0), q_mean.stride(1), mean["key_mean"], mean["mean_pairs"], mean["cos_sin"],
+        mean["cos_sin"].stride(0),
+        HKV=hkv, G=g, N=n_pad, D=d, SINK=cache.sink, RECENT=cache.recent, SPLIT=split, PREFETCH=prefetch,
         RING_COST=ring_cost or table.ring_cost, CORRECT=coef != 0.0, KEY_MEAN=key_mean is not None, num_warps=1,
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )

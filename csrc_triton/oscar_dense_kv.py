@@ -14,7 +14,7 @@ runs plain causal attention over ``[prefix ; chunk]``. Request ``r`` owns rows
 Everything stays in the rotated basis, so the queries that go with it are ``q_rot``.
 
 A prefill that reads as decode does (``prefill_read="decode"``) fills two such buffers per chunk
-(``oscar_attention.oscar_decode_read_prefill``): the BF16 rows of its window, from position
+(``oscar_vllm.serving.prefill.oscar_decode_read_prefill``): the BF16 rows of its window, from position
 ``first_pos[r]`` on (row ``cu_k[r] + p - first_pos[r]``), before the chunk is written; and, after
 the write, every position but the last ``drop_last`` from the INT2 pages, the ring only for the
 sink (``ring_recent=False``, with a ``cu_q`` of empty chunks: every position counts as cached).
@@ -40,11 +40,13 @@ import triton.language as tl
 
 from csrc_triton.paged_layout import (
     BLOCK_SIZE,
-    check_int2_cache,
+    BatchLayout,
+    MixedCache,
+    cache_args,
     check_rope_table,
-    param_view,
+    int2_params_at,
+    int2_region_bytes,
     to_bf16_rne,
-    window_args,
     window_index,
     v_token,
     window_page,
@@ -107,7 +109,7 @@ def _oscar_dense_kv_kernel(
     MEAN_K: tl.constexpr,  # rows of the mean's basis: twice the pairs it has, a power of two >= 16
 ):
     Q: tl.constexpr = D // 4
-    REGION: tl.constexpr = BLOCK_SIZE * (D // 2 + 8)
+    REGION: tl.constexpr = int2_region_bytes(D, BLOCK_SIZE)
     r = tl.program_id(0)
     blk = tl.program_id(1)
     h = tl.program_id(2)
@@ -133,7 +135,7 @@ def _oscar_dense_kv_kernel(
         base = tl.load(block_table_ptr + r * stride_bt + blk).to(tl.int64) * stride_cb + h * REGION
         k_codes = tl.load(codes_ptr + base + tok[:, None] * Q + j[None, :])  # [BS, Q] token-major
         v_codes = tl.load(codes_ptr + base + BLOCK_SIZE * Q + j[None, :] * BLOCK_SIZE + col[:, None])
-        p_ptr = params_ptr + (base + 2 * BLOCK_SIZE * Q) // 2 + tok
+        p_ptr = params_ptr + (base + int2_params_at(D, BLOCK_SIZE)) // 2 + tok
         k_scale = tl.load(p_ptr).to(tl.float32)[:, None]
         k_min = tl.load(p_ptr + BLOCK_SIZE).to(tl.float32)[:, None]
         v_scale = tl.load(p_ptr + 2 * BLOCK_SIZE).to(tl.float32)[:, None]
@@ -162,8 +164,8 @@ def _oscar_dense_kv_kernel(
                 k += tl.sum(turn[:, None] * basis, axis=0)[None, :]
             v = ((v_codes >> (2 * i)) & 3).to(tl.float32) * v_scale + v_min
             k = tl.where(use_ring, tl.load(window_k_ptr + k_off + i * Q, mask=use_ring, other=0.0).to(tl.float32), k)
-            v = tl.where(use_ring, tl.load(window_v_ptr + v_off + i * Q * WIN_E, mask=use_ring, other=0.0).to(tl.float32),
-                         v)
+            v_ring = tl.load(window_v_ptr + v_off + i * Q * WIN_E, mask=use_ring, other=0.0)
+            v = tl.where(use_ring, v_ring.to(tl.float32), v)
             _store_rows(k_out_ptr, out_off + i * Q, cached[:, None], k, OUT_BF16)
             _store_rows(v_out_ptr, out_off + i * Q, cached[:, None], v, OUT_BF16)
 
@@ -184,20 +186,11 @@ def oscar_dense_kv(
     v_out: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
-    cache: torch.Tensor,
-    windows: torch.Tensor,
-    window_pages: torch.Tensor,
-    window_pos: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_q: torch.Tensor,
+    *,
+    cache: MixedCache,
+    batch: BatchLayout,
     cu_k: torch.Tensor,
-    ring_slots: torch.Tensor,
-    num_reqs: int,
     max_seq_len: int,
-    sink: int,
-    recent: int,
-    param_dtype: torch.dtype = torch.float16,
     first_pos: torch.Tensor | None = None,
     drop_last: int = 0,
     ring_recent: bool = True,
@@ -206,19 +199,20 @@ def oscar_dense_kv(
 ) -> None:
     """Fill rows ``[0, cu_k[num_reqs])`` of ``k_out``/``v_out`` ``[>= total_k, Hkv, d]``.
 
-    ``k_new``/``v_new`` ``[T, Hkv, d]``: the step's keys (rotated) and values, ``cu_q`` their
+    ``k_new``/``v_new`` ``[T, Hkv, d]``: the step's keys (rotated) and values, ``batch.cu_q`` their
     request offsets; ``cu_k`` int32 ``[R + 1]`` the cumulative ``seq_lens``; ``max_seq_len`` at
     least the longest ``seq_lens`` entry (it sizes the grid; a larger value only idles programs).
-    The cache arguments as for the attention kernels. ``first_pos`` int32 ``[R]``: request ``r``
-    writes positions ``[first_pos[r], seq_lens[r] - drop_last)`` to rows from ``cu_k[r]`` (then
-    ``cu_k`` counts those); ``ring_recent=False``: only the sink comes from the ring.
-    ``mean_basis`` (:func:`key_mean_basis`) and ``cos_sin`` fp32 ``[P, d]`` (the RoPE table the
-    key mean was taken off with): INT2 keys are read plus their mean (``key_mean`` "on").
+    ``first_pos`` int32 ``[R]``: request ``r`` writes positions ``[first_pos[r], seq_lens[r] -
+    drop_last)`` to rows from ``cu_k[r]`` (then ``cu_k`` counts those); ``ring_recent=False``: only
+    the sink comes from the ring. ``mean_basis`` (:func:`key_mean_basis`) and ``cos_sin`` fp32
+    ``[P, d]`` (the RoPE table the key mean was taken off with): INT2 keys are read plus their mean
+    (``key_mean`` "on").
     """
+    num_reqs = batch.num_reqs
     if num_reqs == 0 or max_seq_len == 0:
         return
     _, hkv, d = k_new.shape
-    check_int2_cache(cache, d)
+    caches = cache_args(cache, hkv, d)
     if (mean_basis is None) != (cos_sin is None):
         raise ValueError("a key mean's basis needs its RoPE table and the table its basis: pass both or neither")
     if mean_basis is not None:
@@ -231,21 +225,20 @@ def oscar_dense_kv(
             raise ValueError(f"{name} must be contiguous [rows, {hkv}, {d}], got {tuple(x.shape)}")
     if k_new.stride(-1) != 1 or v_new.stride(-1) != 1:
         raise ValueError("k_new and v_new need unit stride along head_dim")
+    ring_slots = batch.ring_slots
     _oscar_dense_kv_kernel[(num_reqs, triton.cdiv(max_seq_len, BLOCK_SIZE), hkv)](
-        k_out_ptr=k_out, v_out_ptr=v_out, k_new_ptr=k_new, v_new_ptr=v_new, codes_ptr=cache,
-        params_ptr=param_view(cache, param_dtype),
-        **window_args(windows, window_pages, window_pos, hkv, d, sink, recent), block_table_ptr=block_table, seq_lens_ptr=seq_lens, cu_q_ptr=cu_q,
-        cu_k_ptr=cu_k, ring_slot_ptr=ring_slots, first_pos_ptr=ring_slots if first_pos is None else first_pos,
+        k_out_ptr=k_out, v_out_ptr=v_out, k_new_ptr=k_new, v_new_ptr=v_new, block_table_ptr=batch.block_table,
+        seq_lens_ptr=batch.seq_lens, cu_q_ptr=batch.cu_q, cu_k_ptr=cu_k, ring_slot_ptr=ring_slots,
+        first_pos_ptr=ring_slots if first_pos is None else first_pos,
         mean_basis_ptr=k_new if mean_basis is None else mean_basis.rows,
         mean_cols_ptr=ring_slots if mean_basis is None else mean_basis.columns,
         cos_sin_ptr=k_new if cos_sin is None else cos_sin,
         drop_last=drop_last,
         stride_nt=k_new.stride(0), stride_nh=k_new.stride(1), stride_vt=v_new.stride(0), stride_vh=v_new.stride(1),
-        stride_bt=block_table.stride(0), stride_cs=0 if cos_sin is None else cos_sin.stride(0),
-        stride_cb=cache.stride(0),
-        HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, SINK=sink, RECENT=recent, OUT_BF16=k_out.dtype == torch.bfloat16,
+        stride_bt=batch.block_table.stride(0), stride_cs=0 if cos_sin is None else cos_sin.stride(0),
+        HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, OUT_BF16=k_out.dtype == torch.bfloat16,
         HAS_FIRST=first_pos is not None, RING_RECENT=ring_recent, KEY_MEAN=mean_basis is not None,
-        MEAN_K=16 if mean_basis is None else mean_basis.rows.shape[0], num_warps=4,
+        MEAN_K=16 if mean_basis is None else mean_basis.rows.shape[0], num_warps=4, **caches,
     )
 
 

@@ -12,7 +12,7 @@ recent window needs no demotion pass, its reader simply stops trusting the ring 
 positions a later step can still need: the sink and the last ``recent`` positions of the
 sequence after this step.
 
-A program owns ``BLOCK_T`` tokens of one KV head (``WRITE_LAUNCH``), so the key rotation
+A program owns ``BLOCK_T`` tokens of one KV head (``paged_layout.WRITE_LAUNCH``), so the key rotation
 ``[d, d]`` is read once per tile and applied as one fp32 matrix product. Values arrive already
 rotated (the value rotation is folded into the model's weights). With a key mean
 (``oscar_vllm.core.key_mean``) both writes round each key less its block's mean (one vector for the
@@ -27,16 +27,20 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from csrc_triton.gluon_layout import decode_write_tiles
 from csrc_triton.paged_layout import (
     BLOCK_SIZE,
     KEY_MEAN_BLOCK,
-    check_int2_cache,
+    WRITE_LAUNCH,
+    BatchLayout,
+    MixedCache,
+    cache_args,
     check_key_mean,
     find_requests,
+    int2_params_at,
+    int2_region_bytes,
     launch_bucket,
-    param_view,
     to_bf16_rne,
-    window_args,
     window_index,
     v_column,
     window_page,
@@ -49,15 +53,6 @@ SEARCH_STEPS = 16  # bisection steps of the token -> request lookup: up to 65535
 # fitted ones (0.84-0.93) up to 11 at its head_dim 64. (The Triton write keeps its bisection: a
 # peeled search there spills, sm_90, 32 tokens on 8 warps.)
 PEEL_ROUNDS = gl.constexpr(32)
-# (tokens a program, warps) by tokens per call (the largest key <= tokens). A program is one long
-# dependent chain (rotate, two 31-step clip searches, quantize): with few programs (decode steps
-# where the Gluon decode write does not serve) the chain is the kernel's time and 16 warps on 16
-# tokens shorten it (H200, Qwen3-8B: 0.024 ms against 0.052 at 4 warps, 1-256 tokens). With many
-# (prefill) the instructions a token count: at 32 tokens and 8 warps each row's search stays in
-# one warp (tl.dot's layout gives a warp whole rows from 32 rows on), 16 barriers in all instead
-# of 122 and 26% fewer instructions a token than 16 tokens on 8 warps (sm_90, compile_check);
-# H200, 8K tokens: 0.310 ms against 0.406. `python -m benchmarks.kernels.oscar_write --launch 16x8 32x8`.
-WRITE_LAUNCH = {1: (16, 16), 2048: (32, 8)}
 
 
 @triton.jit
@@ -160,7 +155,7 @@ def _oscar_write_kernel(
     KEY_MEAN: tl.constexpr,
 ):
     Q: tl.constexpr = D // 4
-    REGION: tl.constexpr = BLOCK_SIZE * (D // 2 + 8)
+    REGION: tl.constexpr = int2_region_bytes(D, BLOCK_SIZE)
     h = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_mapping_ptr + t, mask=t < num_tokens, other=-1).to(tl.int64)
@@ -190,7 +185,7 @@ def _oscar_write_kernel(
              mask=live[:, None])
     tl.store(codes_ptr + base[:, None] + BLOCK_SIZE * Q + j * BLOCK_SIZE + v_column(tok)[:, None],
              _pack_quartered(codes_v, BLOCK_T, D), mask=live[:, None])
-    p = params_ptr + (base + 2 * BLOCK_SIZE * Q) // 2 + tok
+    p = params_ptr + (base + int2_params_at(D, BLOCK_SIZE)) // 2 + tok
     tl.store(p, _to_param(scale_k, PARAM_BF16), mask=live)
     tl.store(p + BLOCK_SIZE, _to_param(min_k, PARAM_BF16), mask=live)
     tl.store(p + 2 * BLOCK_SIZE, _to_param(scale_v, PARAM_BF16), mask=live)
@@ -254,57 +249,46 @@ def _write_windows(k_rot, v, r, r_ok, pos, seq_len, h, ring_slot_ptr, window_k_p
 def oscar_write(
     key: torch.Tensor,
     value: torch.Tensor,
+    *,
     rot_k: torch.Tensor,
     slot_mapping: torch.Tensor,
-    cu_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    ring_slots: torch.Tensor,
-    num_reqs: int,
-    cache: torch.Tensor,
-    windows: torch.Tensor,
-    window_pages: torch.Tensor,
-    window_pos: torch.Tensor,
+    cache: MixedCache,
+    batch: BatchLayout,
     clip_idx_k: int,
     clip_idx_v: int,
-    sink: int,
-    recent: int,
-    param_dtype: torch.dtype = torch.float16,
-    num_decodes: int = 0,
     launch: tuple[int, int] | None = None,
     key_mean: torch.Tensor | None = None,
     cos_sin: torch.Tensor | None = None,
 ) -> None:
-    """Write ``key``/``value`` ``[T, Hkv, d]`` into the INT2 ``cache`` and the BF16 windows.
+    """Write ``key``/``value`` ``[T, Hkv, d]`` of ``batch``'s requests into ``cache``: the INT2 pages
+    and the BF16 windows.
 
-    ``cache``: uint8 ``[num_blocks, Hkv, int2_region_bytes(d)]`` (``paged_layout``); the other
-    arguments as documented on the kernel; ``clip_idx_*`` as ``oscar_vllm.core.quant.clip_index``
-    gives them. Tokens whose slot is negative are skipped. ``num_decodes``: the batch's first
-    requests have one token each (a hint that skips the token -> request search; 0 is always right).
-    ``launch``: (tokens a program, warps), else from ``WRITE_LAUNCH``. ``key_mean`` fp32
-    ``[Hkv, d]`` with ``cos_sin`` ``[P, d]`` (vLLM's ``cos_sin_cache``, over every position written):
-    the INT2 pages round the keys less the mean turned to their positions.
+    ``rot_k``: the key rotation ``[d, d]`` or ``[Hkv, d, d]`` (fp32); ``slot_mapping`` int64 ``[T]``:
+    each token's cache slot, tokens whose slot is negative skipped; ``clip_idx_*`` as
+    ``oscar_vllm.core.quant.clip_index`` gives them. ``batch.num_decodes``: the batch's first
+    requests have one token each (a hint that skips the token -> request search; 0 is always right);
+    the block table is not read. ``launch``: (tokens a program, warps), else from ``WRITE_LAUNCH``.
+    ``key_mean`` fp32 ``[Hkv, d]`` with ``cos_sin`` ``[P, d]`` (vLLM's ``cos_sin_cache``, over every
+    position written): the INT2 pages round the keys less the mean turned to their positions.
     """
     t, hkv, d = key.shape
     if t == 0:
         return
-    check_int2_cache(cache, d)
+    caches = cache_args(cache, hkv, d)
     check_key_mean(key_mean, cos_sin, hkv, d)
-    if num_reqs >= 2**SEARCH_STEPS:
-        raise ValueError(f"at most {2**SEARCH_STEPS - 1} requests per batch, got {num_reqs}")
+    if batch.num_reqs >= 2**SEARCH_STEPS:
+        raise ValueError(f"at most {2**SEARCH_STEPS - 1} requests per batch, got {batch.num_reqs}")
     block_t, num_warps = launch or launch_bucket(WRITE_LAUNCH, t)
     _oscar_write_kernel[(triton.cdiv(t, block_t), hkv)](
-        key_ptr=key, value_ptr=value, rot_k_ptr=rot_k.contiguous(), slot_mapping_ptr=slot_mapping, cu_q_ptr=cu_q,
-        seq_lens_ptr=seq_lens, ring_slot_ptr=ring_slots, codes_ptr=cache, params_ptr=param_view(cache, param_dtype),
-        **window_args(windows, window_pages, window_pos, hkv, d, sink, recent),
+        key_ptr=key, value_ptr=value, rot_k_ptr=rot_k.contiguous(), slot_mapping_ptr=slot_mapping,
+        cu_q_ptr=batch.cu_q, seq_lens_ptr=batch.seq_lens, ring_slot_ptr=batch.ring_slots,
         key_mean_ptr=key if key_mean is None else key_mean, cos_sin_ptr=key if cos_sin is None else cos_sin,
-        num_tokens=t, num_reqs=num_reqs, num_decodes=num_decodes, clip_idx_k=clip_idx_k, clip_idx_v=clip_idx_v,
-        stride_cs=0 if cos_sin is None else cos_sin.stride(0),
+        num_tokens=t, num_reqs=batch.num_reqs, num_decodes=batch.num_decodes, clip_idx_k=clip_idx_k,
+        clip_idx_v=clip_idx_v, stride_cs=0 if cos_sin is None else cos_sin.stride(0),
         stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
-        stride_cb=cache.stride(0),
-        ROT_HEAD_STRIDE=d * d if rot_k.dim() == 3 else 0,
-        HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE, SINK=sink, RECENT=recent,
-        PARAM_BF16=param_dtype == torch.bfloat16, BLOCK_T=block_t, SEARCH_STEPS=SEARCH_STEPS,
-        KEY_MEAN=key_mean is not None, num_warps=num_warps,
+        ROT_HEAD_STRIDE=d * d if rot_k.dim() == 3 else 0, HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE,
+        PARAM_BF16=cache.param_dtype == torch.bfloat16, BLOCK_T=block_t, SEARCH_STEPS=SEARCH_STEPS,
+        KEY_MEAN=key_mean is not None, num_warps=num_warps, **caches,
     )
 
 
@@ -478,7 +462,7 @@ def _oscar_write_decode_kernel(
 ):
     NW: gl.constexpr = gl.num_warps()
     Q: gl.constexpr = D // 4
-    REGION: gl.constexpr = 64 * (D // 2 + 8)
+    REGION: gl.constexpr = int2_region_bytes(D)
     h = gl.program_id(1)
     t0 = gl.program_id(0) * TP
 
@@ -560,7 +544,7 @@ def _oscar_write_decode_kernel(
     code_at = gl.where(is_k[:, None], blk_tok[:, None] * Q + jb[None, :], 64 * Q + jb[None, :] * 64 + v_col[:, None])
     gl.store(codes_ptr + base[:, None] + code_at, packed, mask=live[:, None])
     # Scales then mins, K's 64 tokens then V's.
-    p = params_ptr + (base + 128 * Q) // 2 + blk_tok + gl.where(is_k, 0, 128)
+    p = params_ptr + (base + int2_params_at(D)) // 2 + blk_tok + gl.where(is_k, 0, 128)
     gl.store(p, _gl_to_param(scale, PARAM_BF16), mask=live)
     gl.store(p + 64, _gl_to_param(x_min, PARAM_BF16), mask=live)
 
@@ -580,76 +564,49 @@ def _oscar_write_decode_kernel(
     gl.store(window_pos_ptr + ring * (SINK + RECENT) + entry, pos, mask=keep & is_k & (h == 0))
 
 
-# Query rows of a decode write program's MMA tile, by tokens in the call (the largest key <=
-# tokens): the program takes rows // G tokens, which share one load of R (64 KB at head_dim 128,
-# two bf16 terms, from L2: the kernel's largest cost at 256 tokens, where two terms instead of three
-# took 36% off). 16 rows is one m16 tile (4 tokens at G = 4).
-DECODE_WRITE_LAUNCH = {1: 16}
-
-
-def decode_write_tiles(g: int, d: int, tokens: int = 1, query_rows: int | None = None) -> dict:
-    """A decode write program's tiling for ``g`` query heads a KV head and a call of ``tokens``:
-    ``TP`` tokens (as many as keep its queries within ``query_rows``, else ``DECODE_WRITE_LAUNCH``'s
-    rows), ``QM``/``KM`` the queries' and keys' MMA rows (the keys' with room for the values' rows
-    after them), and ``num_warps``, a warp per K or V row (at most one per 8 dims: the MMA tiles'
-    width; rows beyond it share a warp). H200, Qwen3-8B: 11 µs at 1 and 32 tokens, 28 and 27 with a
-    16-row tile's rows a warp (``benchmarks/kernels/oscar_write.py``)."""
-    rows = query_rows or launch_bucket(DECODE_WRITE_LAUNCH, tokens)
-    # At most 16 tokens: every warp holds the keys' whole A operand (the warps split R's columns).
-    tp = max(1, min(16, rows // triton.next_power_of_2(g)))
-    return dict(TP=tp, QM=max(16, triton.next_power_of_2(tp * g)), KM=max(16, 2 * tp),
-                num_warps=min(max(4, 2 * tp), 16, d // 8))
-
-
 def oscar_write_decode(
     key: torch.Tensor,
     value: torch.Tensor,
     query: torch.Tensor,
     q_rot: torch.Tensor,
+    *,
     rot_t: torch.Tensor,
     slot_mapping: torch.Tensor,
-    seq_lens: torch.Tensor,
-    ring_slots: torch.Tensor,
-    cache: torch.Tensor,
-    windows: torch.Tensor,
-    window_pages: torch.Tensor,
-    window_pos: torch.Tensor,
+    cache: MixedCache,
+    batch: BatchLayout,
     clip_idx_k: int,
     clip_idx_v: int,
-    sink: int,
-    recent: int,
-    param_dtype: torch.dtype = torch.float16,
     num_warps: int | None = None,
     query_rows: int | None = None,
     key_mean: torch.Tensor | None = None,
     cos_sin: torch.Tensor | None = None,
 ) -> None:
-    """A decode batch's write, before its attention: token ``t`` (request ``t``) of ``key``/
-    ``value`` ``[T, Hkv, d]`` into the INT2 pages and its ring (as ``oscar_write``), and its
-    queries ``query`` ``[T, Hq, d]`` rotated into ``q_rot`` (same shape, in the same launch).
-    ``rot_t``: the key rotation as ``decode_rotation`` gives it. ``num_warps``, ``query_rows``:
-    instead of ``decode_write_tiles``' (benchmarks, tests). ``key_mean``, ``cos_sin``: the pages
-    round the keys less their mean before RoPE (as ``oscar_write``'s)."""
+    """A decode batch's write, before its attention: token ``t`` (request ``t`` of ``batch``, whose
+    ``seq_lens`` and ``ring_slots`` it reads) of ``key``/``value`` ``[T, Hkv, d]`` into the INT2 pages
+    and its ring (as ``oscar_write``), and its queries ``query`` ``[T, Hq, d]`` rotated into ``q_rot``
+    (same shape, in the same launch). ``rot_t``: the key rotation as ``decode_rotation`` gives it.
+    ``num_warps``, ``query_rows``: instead of ``decode_write_tiles``' (benchmarks, tests).
+    ``key_mean``, ``cos_sin``: the pages round the keys less their mean before RoPE (as
+    ``oscar_write``'s)."""
     t, hkv, d = key.shape
     if t == 0:
         return
-    check_int2_cache(cache, d)
+    caches = cache_args(cache, hkv, d)
     check_key_mean(key_mean, cos_sin, hkv, d)
     g = query.shape[1] // hkv
-    win = window_args(windows, window_pages, window_pos, hkv, d, sink, recent)
     tiles = decode_write_tiles(g, d, t, query_rows)
     if num_warps:
         tiles["num_warps"] = num_warps
     _oscar_write_decode_kernel[(triton.cdiv(t, tiles["TP"]), hkv)](
-        key, value, query, q_rot, rot_t, slot_mapping, seq_lens, ring_slots, cache, param_view(cache, param_dtype),
-        win["window_k_ptr"], win["window_v_ptr"], window_pages, window_pos, t, clip_idx_k, clip_idx_v,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1), query.stride(0), query.stride(1),
-        q_rot.stride(0), q_rot.stride(1), cache.stride(0), win["stride_wp"], win["stride_page"],
-        key if key_mean is None else key_mean, key if cos_sin is None else cos_sin,
-        0 if cos_sin is None else cos_sin.stride(0),
-        ROT_HEAD_STRIDE=d * d if rot_t.dim() == 4 else 0, HKV=hkv, G=g, D=d, SINK=sink, RECENT=recent,
-        WIN_E=win["WIN_E"], PARAM_BF16=param_dtype == torch.bfloat16, R_TERM=rot_t[0].numel(),
-        KEY_MEAN=key_mean is not None, **tiles,
+        key_ptr=key, value_ptr=value, query_ptr=query, q_rot_ptr=q_rot, rot_t_ptr=rot_t, slot_mapping_ptr=slot_mapping,
+        seq_lens_ptr=batch.seq_lens, ring_slot_ptr=batch.ring_slots, num_tokens=t, clip_idx_k=clip_idx_k,
+        clip_idx_v=clip_idx_v, stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0),
+        stride_vh=value.stride(1), stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=q_rot.stride(0),
+        stride_oh=q_rot.stride(1), key_mean_ptr=key if key_mean is None else key_mean,
+        cos_sin_ptr=key if cos_sin is None else cos_sin, stride_cs=0 if cos_sin is None else cos_sin.stride(0),
+        ROT_HEAD_STRIDE=d * d if rot_t.dim() == 4 else 0, HKV=hkv, G=g, D=d,
+        PARAM_BF16=cache.param_dtype == torch.bfloat16, R_TERM=rot_t[0].numel(), KEY_MEAN=key_mean is not None,
+        **caches, **tiles,
     )
 
 

@@ -31,7 +31,15 @@ others, and requests that share a cached prefix share its BF16 sink (``oscar_vll
 ``window_pos`` ``[num_rings, sink + recent]`` int32 holds the position each entry holds (-1:
 empty). A reader trusts an entry only when ``window_pos`` equals the position it wants, so a
 stale or missing entry falls back to the INT2 copy.
+
+The kernels' callers hand them a layer's cache as one ``MixedCache`` and a batch as one
+``BatchLayout``. This module also holds what every kernel file shares: the region's formula
+(``int2_region_bytes``, callable in Triton and Gluon code alike), the units the INT2 codes enter
+the tensor cores in (``UNIT_*``) and the Triton kernels' launch tables (the Gluon kernels' are in
+``gluon_layout``).
 """
+from typing import Callable, NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -43,8 +51,45 @@ KEY_MEAN_PAIRS = 16  # RoPE pairs of a KV head's key mean the kernels add back (
 # Keys are written less one mean vector per cache block: the KV head's block mean (key_mean.block_average)
 # turned to the block's first position, so a read adds one logit per block and query.
 KEY_MEAN_BLOCK = tl.constexpr(BLOCK_SIZE)
+# What one unit of quarter i's codes is worth: the kernels read code c of dims [iQ, (i+1)Q) as the
+# fp16 number c·4^i·2^-24 (a subnormal: the code masked in place), i.e. c·UNIT_i.
+UNIT_0 = tl.constexpr(2.0 ** -24)
+UNIT_1 = tl.constexpr(2.0 ** -22)
+UNIT_2 = tl.constexpr(2.0 ** -20)
+UNIT_3 = tl.constexpr(2.0 ** -18)
 
 
+class MixedCache(NamedTuple):
+    """A layer's cache as the kernels and their twins take it: the INT2 pages and the BF16 rings."""
+
+    pages: torch.Tensor  # uint8 [num_blocks, Hkv, int2_region_bytes(d)]: the INT2 pages
+    windows: torch.Tensor  # bf16 [num_pages, page_elems]: the ring pages (windows_view of pages when serving)
+    window_pages: torch.Tensor  # int32 [rings, pages per ring]: the page of each ring's entries
+    window_pos: torch.Tensor  # int32 [rings, sink + recent]: the position each ring entry holds (-1: none)
+    sink: int
+    recent: int
+    param_dtype: torch.dtype = torch.float16  # the scales' and mins' 16-bit type
+
+
+class BatchLayout(NamedTuple):
+    """A batch as the kernels and their twins take it: requests in vLLM's order, decodes first."""
+
+    block_table: torch.Tensor  # int32 [R, max_blocks]
+    seq_lens: torch.Tensor  # int32 [R]: sequence lengths, this step's tokens included
+    cu_q: torch.Tensor  # int32 [R + 1]: query start offsets, from 0
+    ring_slots: torch.Tensor  # int32 [R]: each request's ring (a row of window_pages and window_pos)
+    num_reqs: int
+    num_decodes: int = 0  # the first requests, one query token each
+    max_query_len: int | None = None  # at least the longest query (the host orchestration needs it)
+
+    def requests(self, lo: int, hi: int, max_query_len: int | None = None) -> "BatchLayout":
+        """Requests ``[lo, hi)`` as a batch of their own (query offsets from 0 again, on the device)."""
+        cu_q = self.cu_q[lo:hi + 1] if lo == 0 else self.cu_q[lo:hi + 1] - self.cu_q[lo]
+        return BatchLayout(self.block_table[lo:hi], self.seq_lens[lo:hi], cu_q, self.ring_slots[lo:hi], hi - lo,
+                           max(0, min(hi, self.num_decodes) - lo), max_query_len or self.max_query_len)
+
+
+@triton.constexpr_function
 def int2_slot_bytes(head_dim: int) -> int:
     """Bytes of one (token, KV head): K and V codes plus four 16-bit parameters."""
     if head_dim % 4:
@@ -52,12 +97,20 @@ def int2_slot_bytes(head_dim: int) -> int:
     return head_dim // 2 + PARAM_BYTES
 
 
+@triton.constexpr_function
 def int2_region_bytes(head_dim: int, block_size: int = BLOCK_SIZE) -> int:
-    """Bytes of one (block, KV head) region."""
+    """Bytes of one (block, KV head) region (called in a Triton or Gluon kernel: a constexpr)."""
     return block_size * int2_slot_bytes(head_dim)
 
 
-def int2_cache_shape(num_blocks: int, num_kv_heads: int, head_dim: int, block_size: int = BLOCK_SIZE) -> tuple[int, int, int]:
+@triton.constexpr_function
+def int2_params_at(head_dim: int, block_size: int = BLOCK_SIZE) -> int:
+    """Where a region's parameters start, in bytes: after its K and V codes."""
+    return 2 * block_size * (head_dim // 4)
+
+
+def int2_cache_shape(num_blocks: int, num_kv_heads: int, head_dim: int,
+                     block_size: int = BLOCK_SIZE) -> tuple[int, int, int]:
     return (num_blocks, num_kv_heads, int2_region_bytes(head_dim, block_size))
 
 
@@ -106,7 +159,8 @@ def window_pages_per_request(sink: int, recent: int, num_kv_heads: int, head_dim
 
 def window_args(windows: torch.Tensor, window_pages: torch.Tensor, window_pos: torch.Tensor, num_kv_heads: int,
                 head_dim: int, sink: int, recent: int) -> dict:
-    """The window arguments of every kernel that reads or writes the rings, checked."""
+    """The window arguments of every kernel that reads or writes the rings, checked (``cache_args``
+    adds the pages')."""
     per_page = window_entries_per_page(windows.shape[-1], num_kv_heads, head_dim, sink)
     if (windows.dtype != torch.bfloat16 or windows.dim() != 2 or windows.stride(1) != 1
             or window_pages.dtype != torch.int32 or window_pages.stride(1) != 1
@@ -116,7 +170,8 @@ def window_args(windows: torch.Tensor, window_pages: torch.Tensor, window_pos: t
         raise ValueError(
             f"windows {tuple(windows.shape)} {windows.dtype}, pages {tuple(window_pages.shape)} {window_pages.dtype}, "
             f"positions {tuple(window_pos.shape)} {window_pos.dtype} do not hold rings of {sink} + {recent} entries "
-            f"of {num_kv_heads} x {head_dim} (bf16 [num_pages, page_elems], int32 [rings, pages], int32 [rings, entries])"
+            f"of {num_kv_heads} x {head_dim} "
+            "(bf16 [num_pages, page_elems], int32 [rings, pages], int32 [rings, entries])"
         )
     # The kernels are compiled with the values as 16-byte aligned as the keys (Triton's pointer
     # specialization): an odd offset would compile a slower variant while serving.
@@ -140,11 +195,77 @@ def param_view(cache: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
     return cache.view(param_dtype)
 
 
+def cache_args(cache: MixedCache, num_kv_heads: int, head_dim: int) -> dict:
+    """The cache arguments every kernel takes alike, checked: the pages (``codes_ptr``, their 16-bit
+    view ``params_ptr``, ``stride_cb``), the rings (``window_args``), ``SINK`` and ``RECENT``."""
+    check_int2_cache(cache.pages, head_dim)
+    return dict(codes_ptr=cache.pages, params_ptr=param_view(cache.pages, cache.param_dtype),
+                stride_cb=cache.pages.stride(0), SINK=cache.sink, RECENT=cache.recent,
+                **window_args(cache.windows, cache.window_pages, cache.window_pos, num_kv_heads, head_dim, cache.sink,
+                              cache.recent))
+
+
 def launch_bucket(table: dict, n: int):
     """The entry of a launch table for size ``n``: the largest key <= ``n`` (the smallest key
     below all of them)."""
     keys = sorted(table)
     return table[max([k for k in keys if k <= n] or keys[:1])]
+
+
+def split_count(programs: int, per_split: int, cap: int, whole_wave: bool = False) -> int:
+    """Splits of a decode batch's keys, 1 to ``cap``, for ``programs`` programs in all when one
+    split is ``per_split`` (requests x KV heads) of them: enough for them, rounded up to a power
+    of two, or (``whole_wave``) as many as fit in them."""
+    per_split = max(1, per_split)
+    want = programs // per_split if whole_wave else triton.next_power_of_2(triton.cdiv(programs, per_split))
+    return max(1, min(cap, want))
+
+
+def split_rows(splits: Callable[[int], int], max_num_reqs: int) -> int:
+    """Rows of split scratch (``requests * splits``) any batch up to ``max_num_reqs`` needs, each
+    batch of ``n`` splitting ``splits(n)`` ways."""
+    return max(n * splits(n) for n in range(1, max_num_reqs + 1))
+
+
+# ---------------------------------------------------------------- the Triton kernels' launches
+
+# Decode (oscar_attention's fallback decode): (num_warps, num_stages, CTAs per SM the split count
+# aims for), by batch bucket. From `python -m benchmarks.kernels.oscar_attention sweep` on the H200
+# (results/kernels/sweep_decode.md): one request gains from more, smaller programs; from 8 requests
+# on, one warp per program issues the fewest instructions per block and two programs per SM already
+# keep it busy.
+DECODE_LAUNCH = {
+    1: (2, 3, 8),
+    8: (1, 3, 2),
+}
+MAX_DECODE_SPLITS = 64
+# Prefill (q-blocks over the cached prefix): (BLOCK_M, num_warps, num_stages).
+PREFILL_LAUNCH = (128, 8, 2)
+# At head_dim 64 (quarter tiles of 16) Triton's warpgroup MMA path (BLOCK_M >= 64) computed
+# wrong results and faulted on the H200, with or without the PTX unpacking; the decode kernel's
+# 16-row tiles were right at every launch tried: below head_dim 128 prefill uses those.
+SMALL_HEAD_PREFILL_LAUNCH = (16, 4, 3)
+# The Triton write (oscar_write): (tokens a program, warps) by tokens per call (the largest key <=
+# tokens). A program is one long dependent chain (rotate, two 31-step clip searches, quantize): with
+# few programs (decode steps where the Gluon decode write does not serve) the chain is the kernel's
+# time and 16 warps on 16 tokens shorten it (H200, Qwen3-8B: 0.024 ms against 0.052 at 4 warps, 1-256
+# tokens). With many (prefill) the instructions a token count: at 32 tokens and 8 warps each row's
+# search stays in one warp (tl.dot's layout gives a warp whole rows from 32 rows on), 16 barriers in
+# all instead of 122 and 26% fewer instructions a token than 16 tokens on 8 warps (sm_90,
+# compile_check); H200, 8K tokens: 0.310 ms against 0.406.
+# `python -m benchmarks.kernels.oscar_write --launch 16x8 32x8`.
+WRITE_LAUNCH = {1: (16, 16), 2048: (32, 8)}
+
+
+def decode_splits(num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Most splits a decode batch of ``num_reqs`` requests uses on the Triton decode (a power of two, >= 1)."""
+    programs = launch_bucket(DECODE_LAUNCH, num_reqs)[2] * num_sms
+    return split_count(programs, num_reqs * num_kv_heads, MAX_DECODE_SPLITS)
+
+
+def decode_split_rows(max_num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Rows of split scratch any Triton decode batch up to ``max_num_reqs`` needs (``tokens * splits``)."""
+    return split_rows(lambda n: decode_splits(n, num_kv_heads, num_sms), max_num_reqs)
 
 
 def split_scratch(part_out: torch.Tensor | None, part_lse: torch.Tensor | None, rows: int,

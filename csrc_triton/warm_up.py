@@ -5,10 +5,10 @@ launch table's warps and stages, split or not, merge or own keys, the split coun
 two in the merge). Left to first use, that happens while requests wait, seconds per variant (the
 Qwen3-8B shape's 15, the Gluon decode kernels' among them, took 32.9 s on the H200), and the
 prefill-side variants are not reached by vLLM's own warm-up or graph capture (a prefix-cache
-hit over many requests is the first to need the INT2 prefill kernel). The kernels leave the sizes that change per step unspecialized
-(``do_not_specialize``), so these launches on scratch tensors of one block compile exactly what
-serving launches. The logit correction λ is a runtime float (Triton specializes no float): the
-launches here, at λ = 0, compile what serving runs at any λ.
+hit over many requests is the first to need the INT2 prefill kernel). The kernels leave the sizes
+that change per step unspecialized (``do_not_specialize``), so these launches on scratch tensors of
+one block compile exactly what serving launches. The logit correction λ is a runtime float
+(Triton specializes no float): the launches here, at λ = 0, compile what serving runs at any λ.
 
 Nothing here writes to the cache or the windows: the attention kernels only read them, and
 the write kernel is given padding slots (``-1``), which it skips.
@@ -20,22 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import triton
 
-from csrc_triton.oscar_attention import (
-    DECODE_LAUNCH,
-    decode_splits,
-    oscar_decode_attention,
-    oscar_prefill_attention,
-)
-from csrc_triton import oscar_decode as gluon_decode
+from csrc_triton import gluon_layout
+from csrc_triton.oscar_attention import oscar_decode_attention, oscar_prefill_attention
+from csrc_triton.oscar_decode import oscar_decode
 from csrc_triton.oscar_dense_kv import KeyMeanBasis, oscar_dense_kv
-from csrc_triton.oscar_write import (
-    DECODE_WRITE_LAUNCH,
-    WRITE_LAUNCH,
-    decode_rotation,
-    oscar_write,
-    oscar_write_decode,
-)
-from csrc_triton.paged_layout import launch_bucket
+from csrc_triton.oscar_write import decode_rotation, oscar_write, oscar_write_decode
+from csrc_triton.paged_layout import DECODE_LAUNCH, WRITE_LAUNCH, BatchLayout, MixedCache, decode_splits, launch_bucket
 
 
 def decode_variants(max_num_seqs: int, num_kv_heads: int, num_sms: int, fixed_splits: int = 0) -> dict[tuple, int]:
@@ -57,25 +47,20 @@ def gluon_decode_variants(max_num_seqs: int, num_kv_heads: int, num_sms: int,
     launch at that count compiles what every count it rounds compiles."""
     variants: dict[tuple, int] = {}
     for n in range(1, max_num_seqs + 1):
-        launch = gluon_decode.decode_launch(n)
-        splits = fixed_splits or gluon_decode.decode_splits(n, num_kv_heads, num_sms)
-        key = (launch.maxnreg, launch.prefetch, gluon_decode.decode_ring_cost(n, fixed_splits),
+        launch = gluon_layout.decode_launch(n)
+        splits = fixed_splits or gluon_layout.decode_splits(n, num_kv_heads, num_sms)
+        key = (launch.maxnreg, launch.prefetch, gluon_layout.decode_ring_cost(n, fixed_splits),
                triton.next_power_of_2(splits))
         variants.setdefault(key, n)
     return variants
 
 
 def warm_up_kernels(
-    cache: torch.Tensor,
-    windows: torch.Tensor,
-    window_pages: torch.Tensor,
-    window_pos: torch.Tensor,
+    *,
+    cache: MixedCache,
     rot_k: torch.Tensor,
     num_heads: int,
     dtype: torch.dtype,
-    sink: int,
-    recent: int,
-    param_dtype: torch.dtype,
     max_num_seqs: int,
     max_num_tokens: int,
     num_sms: int,
@@ -92,7 +77,7 @@ def warm_up_kernels(
 ) -> int:
     """Launch each kernel variant once on one-block scratch inputs; returns the launches.
 
-    ``cache``, ``window*``, ``rot_k``: a layer's own (read, never written). ``dtype``: the
+    ``cache``, ``rot_k``: a layer's own (read, never written). ``dtype``: the
     model's; ``merge_self``: prefill merges FlashAttention's own-keys pass (else the INT2
     kernel attends to the chunk itself); ``dense``: the dense-prefix prefill path exists;
     ``gluon``: decode batches write first and take ``oscar_decode`` (else the Triton decode kernel);
@@ -107,8 +92,8 @@ def warm_up_kernels(
     ``dense_mean_basis``: its dense fill's basis of it (``key_mean_basis``), which that fill takes with
     ``dense``.
     """
-    dev = cache.device
-    hkv, d = cache.shape[1], rot_k.shape[-1]
+    dev = cache.pages.device
+    hkv, d = cache.pages.shape[1], rot_k.shape[-1]
     i32 = dict(dtype=torch.int32, device=dev)
     mean = key_mean or {}
     if gluon and mean and decode_key_mean is None:
@@ -119,64 +104,55 @@ def warm_up_kernels(
     def rows(n: int, heads: int) -> torch.Tensor:
         return torch.zeros(n, heads, d, dtype=dtype, device=dev)
 
-    def batch(n: int, q_len: int):
+    def batch(n: int, q_len: int) -> BatchLayout:
         """``n`` requests of ``q_len`` new tokens after one cached token, all in block 0, ring 0."""
-        block_table = torch.zeros(n, 1, **i32)
-        seq_lens = torch.full((n,), q_len + 1, **i32)
-        cu_q = torch.arange(0, n * q_len + 1, q_len, **i32)
-        return block_table, seq_lens, cu_q, torch.zeros(n, **i32)
+        return BatchLayout(torch.zeros(n, 1, **i32), torch.full((n,), q_len + 1, **i32),
+                           torch.arange(0, n * q_len + 1, q_len, **i32), torch.zeros(n, **i32), n,
+                           num_decodes=n if q_len == 1 else 0, max_query_len=q_len)
 
-    def split_parts(n: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.empty(n * num_heads * splits * d, dtype=torch.float32, device=dev),
-                torch.empty(n * num_heads * splits, dtype=torch.float32, device=dev))
+    def split_parts(n: int, splits: int) -> dict:
+        return dict(part_out=torch.empty(n * num_heads * splits * d, dtype=torch.float32, device=dev),
+                    part_lse=torch.empty(n * num_heads * splits, dtype=torch.float32, device=dev))
 
     def decode_write(t: int) -> None:  # padding slots: it writes nothing
         padding = torch.full((t,), -1, dtype=torch.int64, device=dev)
-        _, seq_lens, _, ring_slots = batch(t, 1)
         q = rows(t, num_heads)
-        oscar_write_decode(rows(t, hkv), rows(t, hkv), q, q.clone(), decode_rotation(rot_k), padding, seq_lens,
-                           ring_slots, cache, windows, window_pages, window_pos, 0, 0, sink, recent, param_dtype, **mean)
+        oscar_write_decode(rows(t, hkv), rows(t, hkv), q, q.clone(), rot_t=decode_rotation(rot_k), slot_mapping=padding,
+                           cache=cache, batch=batch(t, 1), clip_idx_k=0, clip_idx_v=0, **mean)
 
     def gluon_decode_attention(n: int, splits: int, ring_cost: int) -> None:
         q = rows(n, num_heads)
-        block_table, seq_lens, _, ring_slots = batch(n, 1)
-        gluon_decode.oscar_decode(q.clone(), q, cache, windows, window_pages, window_pos, block_table, seq_lens,
-                                  ring_slots, n, 1.0, sink, recent, param_dtype, splits, *split_parts(n, splits),
-                                  logit_correction=logit_correction, ring_cost=ring_cost, q=q if mean else None,
-                                  key_mean=decode_key_mean if mean else None)
+        oscar_decode(q.clone(), q, cache=cache, batch=batch(n, 1), scale=1.0, num_splits=splits,
+                     **split_parts(n, splits), logit_correction=logit_correction, ring_cost=ring_cost,
+                     q=q if mean else None, key_mean=decode_key_mean if mean else None)
 
     def triton_decode_attention(n: int, splits: int) -> None:
         q = rows(n, num_heads)
-        oscar_decode_attention(q.clone(), q, q, rows(n, hkv), rows(n, hkv), cache, windows, window_pages,
-                               window_pos, *batch(n, 1), n, 1.0, sink, recent, param_dtype, splits,
-                               *split_parts(n, splits), **mean)
+        oscar_decode_attention(q.clone(), q, q, rows(n, hkv), rows(n, hkv), cache=cache, batch=batch(n, 1), scale=1.0,
+                               num_splits=splits, **split_parts(n, splits), **mean)
 
     q_len = 2
 
     def prefill_attention() -> None:
         q = rows(q_len, num_heads)
         self_lse = torch.zeros(num_heads, q_len, dtype=torch.float32, device=dev) if merge_self else None
-        oscar_prefill_attention(q.clone(), q, q, rows(q_len, hkv), rows(q_len, hkv), cache, windows, window_pages,
-                                window_pos, *batch(1, q_len), 1, 1.0, sink, recent, param_dtype, self_lse=self_lse,
-                                **mean)
+        oscar_prefill_attention(q.clone(), q, q, rows(q_len, hkv), rows(q_len, hkv), cache=cache, batch=batch(1, q_len),
+                                scale=1.0, self_lse=self_lse, **mean)
 
     def dense_fill(**kw) -> None:
-        block_table, seq_lens, cu_q, ring_slots = batch(1, q_len)
         cu_k = torch.tensor([0, q_len + 1], **i32)
-        oscar_dense_kv(rows(q_len + 1, hkv), rows(q_len + 1, hkv), rows(q_len, hkv), rows(q_len, hkv), cache,
-                       windows, window_pages, window_pos, block_table, seq_lens, cu_q, cu_k, ring_slots, 1, q_len + 1,
-                       sink, recent, param_dtype, **kw)
+        oscar_dense_kv(rows(q_len + 1, hkv), rows(q_len + 1, hkv), rows(q_len, hkv), rows(q_len, hkv), cache=cache,
+                       batch=batch(1, q_len), cu_k=cu_k, max_seq_len=q_len + 1, **kw)
 
     def prefill_write(t: int) -> None:  # padding slots: it writes nothing
         padding = torch.full((t,), -1, dtype=torch.int64, device=dev)
-        _, seq_lens, cu_q, ring_slots = batch(t, 1)
-        oscar_write(rows(t, hkv), rows(t, hkv), rot_k, padding, cu_q, seq_lens, ring_slots, t, cache, windows,
-                    window_pages, window_pos, 0, 0, sink, recent, param_dtype, t, **mean)
+        oscar_write(rows(t, hkv), rows(t, hkv), rot_k=rot_k, slot_mapping=padding, cache=cache, batch=batch(t, 1),
+                    clip_idx_k=0, clip_idx_v=0, **mean)
 
     launches: list[Callable[[], None]] = []
     if gluon:
         launches += [functools.partial(decode_write, t)
-                     for t in sorted(k for k in DECODE_WRITE_LAUNCH if k <= max_num_seqs)]
+                     for t in sorted(k for k in gluon_layout.DECODE_WRITE_LAUNCH if k <= max_num_seqs)]
         launches += [functools.partial(gluon_decode_attention, n, splits, ring_cost) for (_, _, ring_cost, splits), n
                      in gluon_decode_variants(max_num_seqs, hkv, num_sms, fixed_splits).items()]
     else:
@@ -188,10 +164,10 @@ def warm_up_kernels(
                         if mean else dense_fill)
     if decode_read:  # its window's rows, and the INT2 rows after the write
         launches += [functools.partial(dense_fill, first_pos=torch.zeros(1, **i32)),
-                     functools.partial(dense_fill, drop_last=recent, ring_recent=False)]
+                     functools.partial(dense_fill, drop_last=cache.recent, ring_recent=False)]
     launches += [functools.partial(prefill_write, t)
                  for t in sorted(k for k in WRITE_LAUNCH if k <= max(1, max_num_tokens))]
-    launch_all(launches, threads if cache.is_cuda else 1)
+    launch_all(launches, threads if dev.type == "cuda" else 1)
     return len(launches)
 
 

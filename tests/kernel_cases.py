@@ -120,20 +120,14 @@ def prepare(d, hkv, g, sink, recent, prefix, new, dtype, seed=0, entries_per_pag
         k, v = random_rows((t, hkv, d), dtype, 10), random_rows((t, hkv, d), dtype, 11)
         if key_mean is not None:
             k = key_mean.keys_at(k, token_positions(st.cu_q, st.seq_lens, len(st.reqs))[1])
-        oscar_write_reference(k, v, rot, st.slot_mapping, st.cu_q, st.seq_lens, st.ring_slots, len(st.reqs),
-                              pc.cache, pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent,
-                              key_mean=key_mean and key_mean.twin)
+        oscar_write_reference(k, v, rot_k=rot, slot_mapping=st.slot_mapping, cache=pc.mixed(), batch=st.batch(),
+                              clip_ratio_k=CLIP_K, clip_ratio_v=CLIP_V, key_mean=key_mean and key_mean.twin)
     step = pc.schedule(dict(enumerate(new)))
     t = int(step.cu_q[-1])
     q = random_rows((t, hkv * g, d), dtype, 12)
     k, v = random_rows((t, hkv, d), dtype, 13), random_rows((t, hkv, d), dtype, 14)
     q_rot = (q.float() @ rot).to(dtype)
     return pc, step, q, q_rot, k, v
-
-
-def cache_args(pc, step):
-    return (pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table, step.seq_lens, step.cu_q,
-            step.ring_slots)
 
 
 def dense_twin(scale):

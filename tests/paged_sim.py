@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from csrc_triton.paged_layout import BLOCK_SIZE, int2_cache_shape, window_pages_per_ring
+from csrc_triton.paged_layout import BLOCK_SIZE, BatchLayout, MixedCache, int2_cache_shape, window_pages_per_ring
 
 
 @dataclass
@@ -22,6 +22,11 @@ class Step:
     ring_slots: torch.Tensor  # int32 [R]
     token_index: torch.Tensor  # int64 [T]: position of each token in its request's sequence
     max_query_len: int
+
+    def batch(self, num_decodes: int = 0) -> BatchLayout:
+        """The step as the kernels and their twins take it (its first ``num_decodes`` requests decodes)."""
+        return BatchLayout(self.block_table, self.seq_lens, self.cu_q, self.ring_slots, len(self.reqs), num_decodes,
+                           self.max_query_len)
 
 
 WINDOW_ENTRIES_PER_PAGE = 3  # few, so that rings span many pages and entries cross page edges
@@ -56,8 +61,14 @@ class PagedCache:
                                   device=device)
         self.window_pos = torch.full((rings, sink + recent), -1, dtype=torch.int32, device=device)
         self.block_size = block_size
+        self.sink, self.recent = sink, recent
         self.done = [0] * num_reqs
         self.device = device
+
+    def mixed(self, param_dtype: torch.dtype = torch.float16) -> MixedCache:
+        """The cache as the kernels and their twins take it (the tensors themselves: writes land here)."""
+        return MixedCache(self.cache, self.windows, self.window_pages, self.window_pos, self.sink, self.recent,
+                          param_dtype)
 
     def clone(self) -> "PagedCache":
         other = object.__new__(PagedCache)

@@ -17,7 +17,14 @@ from pathlib import Path
 import torch
 import triton
 
-from csrc_triton.paged_layout import BLOCK_SIZE, cache_page_elems, int2_cache_shape, window_pages_per_ring
+from csrc_triton.paged_layout import (
+    BLOCK_SIZE,
+    BatchLayout,
+    MixedCache,
+    cache_page_elems,
+    int2_cache_shape,
+    window_pages_per_ring,
+)
 from oscar_vllm.reference.paged import layout_views
 
 L2_BYTES = 60 << 20  # H200; reads are spread over 4x this before a buffer is read again
@@ -129,9 +136,14 @@ class PagedInt2:
     cu_q: torch.Tensor
     ring_slots: torch.Tensor
 
-    def args(self):
-        return (self.cache, self.windows, self.window_pages, self.window_pos, self.block_table, self.seq_lens,
-                self.cu_q, self.ring_slots)
+    def mixed(self, sink: int, recent: int, param_dtype: torch.dtype = torch.float16) -> MixedCache:
+        """The cache as the kernels take it."""
+        return MixedCache(self.cache, self.windows, self.window_pages, self.window_pos, sink, recent, param_dtype)
+
+    def batch(self, num_decodes: int = 0, max_query_len: int | None = None) -> BatchLayout:
+        """The batch as the kernels take it."""
+        return BatchLayout(self.block_table, self.seq_lens, self.cu_q, self.ring_slots, self.seq_lens.shape[0],
+                           num_decodes, max_query_len)
 
 
 def make_int2_batch(ctx: list[int], q_lens: list[int], hkv: int, d: int, sink: int, recent: int,

@@ -26,15 +26,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from csrc_triton import oscar_attention, oscar_decode, oscar_dense_kv, oscar_write
-from csrc_triton.paged_layout import KEY_MEAN_PAIRS
+from csrc_triton import gluon_layout, oscar_attention, oscar_decode, oscar_dense_kv, oscar_write
+from csrc_triton.paged_layout import KEY_MEAN_PAIRS, WRITE_LAUNCH
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 # Integer arguments a launch passes as multiples of 16 (Triton specializes those).
 ALIGNED_INTS = {"stride_cb", "stride_qt", "stride_rt", "stride_kt", "stride_vt", "stride_ot", "stride_qh",
                 "stride_rh", "stride_oh", "stride_kh", "stride_vh", "stride_bt", "stride_nt", "stride_nh",
                 "stride_page", "stride_qt", "stride_ot", "stride_mt", "stride_mh", "stride_cs"}
-PREFILL_WRITE = oscar_write.WRITE_LAUNCH[max(oscar_write.WRITE_LAUNCH)]  # (tokens, warps) of the largest calls
+PREFILL_WRITE = WRITE_LAUNCH[max(WRITE_LAUNCH)]  # (tokens, warps) of the largest calls
 WIN_E = 8  # window entries per page at 8 KV heads x head_dim 128, sink 64 (paged_layout.window_entries_per_page)
 TYPES = {
     "out_ptr": "*bf16", "self_lse_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
@@ -84,7 +84,7 @@ def write_consts(args) -> dict:
 
 
 def gluon_decode_consts(args) -> dict:
-    launch = oscar_decode.decode_launch(8 if args.maxnreg else 1)
+    launch = gluon_layout.decode_launch(8 if args.maxnreg else 1)
     return dict(HKV=8, G=args.g, N=8 if args.g <= 8 else 16, D=args.d, SINK=64, RECENT=256, SPLIT=True,
                 PREFETCH=launch.prefetch if args.prefetch is None else args.prefetch,
                 RING_COST=launch.ring_cost if args.ring_cost is None else args.ring_cost, CORRECT=args.correct,
@@ -92,7 +92,7 @@ def gluon_decode_consts(args) -> dict:
 
 
 def write_decode_consts(args) -> dict:
-    tiles = oscar_write.decode_write_tiles(args.g, args.d, query_rows=args.query_rows)
+    tiles = gluon_layout.decode_write_tiles(args.g, args.d, query_rows=args.query_rows)
     del tiles["num_warps"]
     return dict(ROT_HEAD_STRIDE=0, HKV=8, G=args.g, D=args.d, SINK=64, RECENT=256, WIN_E=WIN_E,
                 PARAM_BF16=args.bf16_params, R_TERM=args.d * args.d, KEY_MEAN=args.key_mean, **tiles)
@@ -145,7 +145,8 @@ def main() -> None:
     p.add_argument("--prefetch", type=int,
                    help="gluon_decode: INT2 blocks prefetched into L2 ahead (default: DECODE_LAUNCH's for the cap)")
     p.add_argument("--ring-cost", type=int,
-                   help="gluon_decode: INT2 blocks a ring tile counts as in the split partition (default: DECODE_LAUNCH's)")
+                   help="gluon_decode: INT2 blocks a ring tile counts as in the split partition "
+                        "(default: DECODE_LAUNCH's)")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--dump", help="write the SASS here")
     args = p.parse_args()
@@ -158,14 +159,15 @@ def main() -> None:
         "write_decode": (oscar_write._oscar_write_decode_kernel, write_decode_consts),
     }[args.kernel]
     # As the launch wrappers choose, unless --num-warps says otherwise.
-    write_warps = oscar_write.decode_write_tiles(args.g, args.d, query_rows=args.query_rows)["num_warps"]
+    write_warps = gluon_layout.decode_write_tiles(args.g, args.d, query_rows=args.query_rows)["num_warps"]
     default_warps = {"gluon_decode": 1, "write_decode": write_warps, "write": PREFILL_WRITE[1]}.get(args.kernel, 4)
     num_warps = args.num_warps or default_warps
     k = compile_kernel(fn, consts(args), num_warps, args.num_stages, args.maxnreg)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
-        usage = subprocess.run([BIN / "cuobjdump", "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        usage = subprocess.run([BIN / "cuobjdump", "--dump-resource-usage", f.name],
+                               capture_output=True, text=True).stdout
         sass = subprocess.run([BIN / "cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
     if args.dump:
         Path(args.dump).write_text(sass)

@@ -8,7 +8,7 @@ paged caches, FA3 and Triton baseline calls, the plot) are here.
     python -m benchmarks.kernels.oscar_attention sweep   --out results/kernels/sweep
 
 ``sweep`` times every decode launch choice (unpacking, warps, stages, splits) and prefill
-tile and prints the table ``csrc_triton/oscar_attention.py`` keeps (``DECODE_LAUNCH``).
+tile and prints the table ``csrc_triton/paged_layout.py`` keeps (``DECODE_LAUNCH``).
 """
 from __future__ import annotations
 
@@ -21,18 +21,16 @@ from pathlib import Path
 import torch
 import triton
 
-from csrc_triton.oscar_attention import (
-    DECODE_LAUNCH,
-    MAX_DECODE_SPLITS,
+from csrc_triton import paged_layout
+from csrc_triton.oscar_attention import oscar_decode_attention, oscar_prefill_attention
+from csrc_triton.oscar_dense_kv import oscar_dense_kv
+from csrc_triton.paged_layout import DECODE_LAUNCH, MAX_DECODE_SPLITS, launch_bucket
+from oscar_vllm.serving.prefill import (
     DecodeReadPrefill,
     DensePrefill,
-    oscar_decode_attention,
     oscar_decode_read_prefill,
     oscar_dense_prefill_attention,
-    oscar_prefill_attention,
 )
-from csrc_triton.oscar_dense_kv import oscar_dense_kv
-from csrc_triton.paged_layout import launch_bucket
 
 from .common import (
     SHAPES,
@@ -125,8 +123,9 @@ def decode_data(ctx: list[int], hkv: int, hq: int, d: int, copies: int, seed: in
 
 
 def split_count(n: int, hkv: int, ctas: int) -> int:
+    """The Triton decode's split count for ``n`` requests at ``ctas`` programs an SM (``decode_splits``' rule)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return max(1, min(MAX_DECODE_SPLITS, triton.next_power_of_2(triton.cdiv(ctas * sms, n * hkv))))
+    return paged_layout.split_count(ctas * sms, n * hkv, MAX_DECODE_SPLITS)
 
 
 def decode_calls(data: list[tuple], ctas: int | None = None, launch=None, use_asm=None) -> tuple[list, int]:
@@ -138,8 +137,8 @@ def decode_calls(data: list[tuple], ctas: int | None = None, launch=None, use_as
     part_out = torch.empty(n * hq * splits * d, device="cuda")
     part_lse = torch.empty(n * hq * splits, device="cuda")
     calls = [lambda b=b, q=q, k=k, v=v, out=out: oscar_decode_attention(
-        out, q, q, k, v, *b.args(), n, d ** -0.5, SINK, RECENT, num_splits=splits, part_out=part_out,
-        part_lse=part_lse, launch=launch, use_asm=use_asm) for b, q, k, v, out in data]
+        out, q, q, k, v, cache=b.mixed(SINK, RECENT), batch=b.batch(n), scale=d ** -0.5, num_splits=splits,
+        part_out=part_out, part_lse=part_lse, launch=launch, use_asm=use_asm) for b, q, k, v, out in data]
     return calls, splits
 
 
@@ -174,18 +173,19 @@ def prefill(args, bw: float, env: dict) -> list[dict]:
                                      _fa3_dense(fa, scale))
                 cu_k = torch.tensor([0, rows_kv], dtype=torch.int32, device="cuda")
                 row["dense_kv_ms"] = time_calls([lambda b=b: oscar_dense_kv(
-                    dense.k_buf, dense.v_buf, k, v, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table,
-                    b.seq_lens, b.cu_q, cu_k, b.ring_slots, 1, rows_kv, SINK, RECENT)], rep_ms=100)
+                    dense.k_buf, dense.v_buf, k, v, cache=b.mixed(SINK, RECENT), batch=b.batch(), cu_k=cu_k,
+                    max_seq_len=rows_kv)], rep_ms=100)
                 # Written: bf16 K and V of every row; read: the INT2 prefix, the ring, the chunk.
                 row["dense_kv_GBps"] = (rows_kv * hkv * d * 4 + int2_bytes_read([prefix], hkv, d, SINK, RECENT)
                                         + chunk * hkv * d * 4) / row["dense_kv_ms"] / 1e6
                 row["oscar_ms"] = time_calls([lambda b=b: oscar_dense_prefill_attention(
-                    out, q, v, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table, b.seq_lens, b.cu_q,
-                    b.ring_slots, 1, chunk, SINK, RECENT, dense)], rep_ms=100)
+                    out, q, v, cache=b.mixed(SINK, RECENT), batch=b.batch(max_query_len=chunk), dense=dense)],
+                    rep_ms=100)
                 del dense
                 lse = torch.full((hq, chunk), float("-inf"), device="cuda")
                 row["int2_kernel_ms"] = row["fa3_own_ms"] + time_calls([lambda b=b: oscar_prefill_attention(
-                    out, q, q, k, v, *b.args(), 1, scale, SINK, RECENT, self_lse=lse)], rep_ms=100)
+                    out, q, q, k, v, cache=b.mixed(SINK, RECENT), batch=b.batch(), scale=scale, self_lse=lse)],
+                    rep_ms=100)
             row["decode_read_ms"] = time_calls([decode_read_call(b, q, k, v, out, chunk, prefix, scale)], rep_ms=100)
             cache = Bf16Paged([prefix], [chunk], hkv, d, seed=1)
             row["fa3_ms"] = time_calls([fa3_call(fa, cache, q, out, scale)], rep_ms=100)
@@ -226,8 +226,8 @@ def decode_read_call(b, q, k, v, out, chunk: int, prefix: int, scale: float):
     buf = [torch.empty(n_int2 + n_window, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     plan = DecodeReadPrefill(k, *buf, n_int2, n_int2, n_window, n_window, seq, write=lambda: None,
                              attention=_flash_attention(scale, torch.bfloat16, unsplit=True), merge=merge_attn_states)
-    return lambda: oscar_decode_read_prefill(out, q, v, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table,
-                                             b.seq_lens, b.cu_q, b.ring_slots, 1, chunk, SINK, RECENT, plan)
+    return lambda: oscar_decode_read_prefill(out, q, v, cache=b.mixed(SINK, RECENT), batch=b.batch(max_query_len=chunk),
+                                             plan=plan)
 
 
 def _fa3_dense(fa, scale):
@@ -277,8 +277,8 @@ def _compile_prefill(var: tuple) -> str:
         q = torch.randn(300, s.num_heads, s.head_dim, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(300, s.num_kv_heads, s.head_dim, device="cuda", dtype=torch.bfloat16)
         lse = torch.zeros(s.num_heads, 300, device="cuda")
-        oscar_prefill_attention(torch.empty_like(q), q, q, k, k, *b.args(), 1, 0.088, SINK, RECENT, self_lse=lse,
-                                launch=launch, use_asm=asm)
+        oscar_prefill_attention(torch.empty_like(q), q, q, k, k, cache=b.mixed(SINK, RECENT), batch=b.batch(),
+                                scale=0.088, self_lse=lse, launch=launch, use_asm=asm)
         torch.cuda.synchronize()
         return ""
     except Exception as e:  # noqa: BLE001
@@ -360,8 +360,9 @@ def prefill_sweep(args, bw: float, env: dict) -> None:
         if err:
             print(f"prefill variant {launch} asm={asm} failed: {err}", flush=True)
             continue
-        ms = time_calls([lambda: oscar_prefill_attention(out, q, q, k, k, *b.args(), 1, 0.088, SINK, RECENT,
-                                                         self_lse=lse, launch=launch, use_asm=asm)], rep_ms=100)
+        ms = time_calls([lambda: oscar_prefill_attention(out, q, q, k, k, cache=b.mixed(SINK, RECENT), batch=b.batch(),
+                                                         scale=0.088, self_lse=lse, launch=launch, use_asm=asm)],
+                        rep_ms=100)
         rows.append({"block_m": launch[0], "num_warps": launch[1], "num_stages": launch[2], "use_asm": asm,
                      "ms": ms, "TFLOPs": flops / ms / 1e9})
         print(rows[-1], flush=True)

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import itertools
 from pathlib import Path
 
 import torch
 
+from csrc_triton import gluon_layout
 from csrc_triton import oscar_decode as od
 
 from .common import (SHAPES, copies_for, copy_bandwidth_gbs, environment, int2_bytes_read, make_int2_batch, time_calls,
@@ -74,11 +76,18 @@ def gluon_calls(data: list[tuple], ctas: int | None = None, maxnreg: int | None 
     launch = ({} if maxnreg == -1 else {"maxnreg": maxnreg}) | ({} if prefetch is None else {"prefetch": prefetch}) \
         | ({} if ring_cost is None else {"ring_cost": ring_cost}) \
         | ({} if key_mean is None else {"key_mean": key_mean})
-    calls = [lambda b=b, q=q, out=out: module.oscar_decode(
-        out, q, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table, b.seq_lens, b.ring_slots, n,
-        d ** -0.5, SINK, RECENT, num_splits=splits, part_out=part_out, part_lse=part_lse,
-        logit_correction=logit_correction, **launch, **({} if key_mean is None else {"q": q})) for b, q, out in data]
-    return calls, splits
+    objects = "batch" in inspect.signature(module.oscar_decode).parameters
+
+    def call(b, q, out):
+        kw = dict(num_splits=splits, part_out=part_out, part_lse=part_lse, logit_correction=logit_correction,
+                  **launch, **({} if key_mean is None else {"q": q}))
+        if objects:
+            return module.oscar_decode(out, q, cache=b.mixed(SINK, RECENT), batch=b.batch(n), scale=d ** -0.5, **kw)
+        # a baseline from before the cache and batch objects (against --baseline OLD.py)
+        return module.oscar_decode(out, q, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table,
+                                   b.seq_lens, b.ring_slots, n, d ** -0.5, SINK, RECENT, **kw)
+
+    return [lambda b=b, q=q, out=out: call(b, q, out) for b, q, out in data], splits
 
 
 def decode(args, bw: float, env: dict) -> list[dict]:
@@ -101,7 +110,7 @@ def decode(args, bw: float, env: dict) -> list[dict]:
                 row["oscar_ms"] = time_calls(calls)
                 if args.fixed_splits:
                     calls, _ = gluon_calls(data, splits=args.fixed_splits,
-                                           ring_cost=od.decode_ring_cost(n, args.fixed_splits))
+                                           ring_cost=gluon_layout.decode_ring_cost(n, args.fixed_splits))
                     row["oscar_fixed_ms"] = time_calls(calls)
                     row["fixed_vs_chosen"] = row["oscar_fixed_ms"] / row["oscar_ms"]
                 if args.key_mean:
@@ -187,7 +196,7 @@ def sweep(args, bw: float, env: dict) -> None:
     ref, ok = None, []
     for var in variants:
         maxnreg, ctas, cap, prefetch, ring_cost, wave = var
-        splits = od.decode_splits(len(check[0][1]), hkv, sms, ctas, cap, whole_wave=wave)
+        splits = gluon_layout.decode_splits(len(check[0][1]), hkv, sms, ctas, cap, whole_wave=wave)
         calls, _ = gluon_calls(check, maxnreg=maxnreg, splits=splits, prefetch=prefetch, ring_cost=ring_cost)
         calls[0]()
         out = check[0][2].float()
@@ -201,7 +210,7 @@ def sweep(args, bw: float, env: dict) -> None:
         data = gluon_data(lens, hkv, hq, d, copies_for(nbytes))
         timed = {}
         for maxnreg, ctas, cap, prefetch, ring_cost, wave in ok:
-            splits = od.decode_splits(n, hkv, sms, ctas, cap, whole_wave=wave)
+            splits = gluon_layout.decode_splits(n, hkv, sms, ctas, cap, whole_wave=wave)
             key = (maxnreg, prefetch, splits, ring_cost)
             if key not in timed:
                 calls, _ = gluon_calls(data, maxnreg=maxnreg, splits=splits, prefetch=prefetch, ring_cost=ring_cost)
@@ -209,14 +218,14 @@ def sweep(args, bw: float, env: dict) -> None:
             ms = timed[key]
             rows.append({"batch": n, "context": ctx, "maxnreg": maxnreg or "none", "ctas_per_sm": ctas,
                          "max_splits": cap, "split_rounding": "wave" if wave else "pow2", "prefetch": prefetch,
-                         "ring_cost": ring_cost or od.decode_launch(n)[3], "splits": splits, "ms": ms,
+                         "ring_cost": ring_cost or gluon_layout.decode_launch(n)[3], "splits": splits, "ms": ms,
                          "GBps": nbytes / ms / 1e6, "pct_copy": 100 * nbytes / ms / 1e6 / bw})
             print(rows[-1], flush=True)
         del data
         torch.cuda.empty_cache()
     write_reports(Path(args.out), "sweep_gluon_decode", rows, env, f"Gluon decode launch sweep, {s.name}",
-                  ["batch", "context", "maxnreg", "ctas_per_sm", "max_splits", "split_rounding", "prefetch", "ring_cost",
-                   "splits", "ms", "GBps", "pct_copy"],
+                  ["batch", "context", "maxnreg", "ctas_per_sm", "max_splits", "split_rounding", "prefetch",
+                   "ring_cost", "splits", "ms", "GBps", "pct_copy"],
                   [f"copy bandwidth: {bw:,.0f} GB/s",
                    "prefetch: INT2 blocks ahead brought into L2 (0: none); max_splits: the cap on the split count; "
                    "ring_cost: INT2 blocks a ring tile counts as in the split partition (1: all alike); "
@@ -291,13 +300,14 @@ def main() -> None:
     p.add_argument("--max-gb", type=float, default=40.0, help="skip shapes whose BF16 cache exceeds this")
     # The sweep's default axes are DECODE_LAUNCH's own values: a sweep with no axes named times the
     # table's choices against each other at every batch (name others to look beyond them).
-    launch = list(od.DECODE_LAUNCH.values())
+    launch = list(gluon_layout.DECODE_LAUNCH.values())
     p.add_argument("--maxnreg", nargs="+", type=lambda v: None if v == "none" else int(v),
                    default=sorted({x.maxnreg for x in launch}, key=lambda v: -1 if v is None else v),
                    help="sweep: register caps ('none': uncapped; default: the launch table's)")
     p.add_argument("--ctas", nargs="+", type=int, default=sorted({x.ctas_per_sm for x in launch}),
                    help="sweep: one-warp programs per SM aimed for (default: the launch table's)")
-    p.add_argument("--max-splits", nargs="+", type=int, default=[od.MAX_DECODE_SPLITS], help="sweep: split caps")
+    p.add_argument("--max-splits", nargs="+", type=int, default=[gluon_layout.MAX_DECODE_SPLITS],
+                   help="sweep: split caps")
     p.add_argument("--prefetch", nargs="+", type=int, default=sorted({x.prefetch for x in launch}),
                    help="sweep: INT2 blocks prefetched into L2 ahead (default: the launch table's)")
     p.add_argument("--split-rounding", nargs="+", choices=["pow2", "wave"],

@@ -61,8 +61,8 @@ def main() -> None:
             mean = key_mean_operands(hkv, d, prefix + chunk)
 
             def fill(**kw):
-                oscar_dense_kv(k_out, v_out, k, v, b.cache, b.windows, b.window_pages, b.window_pos, b.block_table,
-                               b.seq_lens, b.cu_q, cu_k, b.ring_slots, n, prefix + chunk, SINK, RECENT, **kw)
+                oscar_dense_kv(k_out, v_out, k, v, cache=b.mixed(SINK, RECENT), batch=b.batch(), cu_k=cu_k,
+                               max_seq_len=prefix + chunk, **kw)
 
             ms = time_calls([fill], rep_ms=100)
             key_mean_ms = time_calls([lambda: fill(**mean)], rep_ms=100)

@@ -81,20 +81,20 @@ def main() -> None:
             def rotate_queries():
                 return (q.float() @ rot).to(q.dtype)
 
-            for launch, query_rows in [(la, qr) for la in args.launch for qr in (args.query_rows if decodes else [None])]:
+            for launch, query_rows in [(la, qr) for la in args.launch
+                                       for qr in (args.query_rows if decodes else [None])]:
                 block_t, warps = parse_launch(launch)
                 if block_t if decodes else (warps and not block_t):
                     continue  # a choice for the other kernel
                 label = launch if query_rows is None else f"{launch}, {query_rows} query rows"
                 row = {"shape": s.name, "tokens": t, "requests": len(q_lens), "launch": label}
-                split = lambda lc=(block_t, warps) if block_t else None: oscar_write(  # noqa: E731
-                    k, v, rot, slots, b.cu_q, b.seq_lens, b.ring_slots, len(q_lens), b.cache, b.windows,
-                    b.window_pages, b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT,
-                    num_decodes=decodes, launch=lc)
+                clips = dict(clip_idx_k=clip_index(0.96, d), clip_idx_v=clip_index(0.92, d))
+                cache, batch = b.mixed(SINK, RECENT), b.batch(num_decodes=decodes)
+                split = lambda lc=((block_t, warps) if block_t else None): oscar_write(  # noqa: E731
+                    k, v, rot_k=rot, slot_mapping=slots, cache=cache, batch=batch, **clips, launch=lc)
                 if decodes:
                     row["oscar_ms"] = time_calls([lambda w=warps, qr=query_rows: oscar_write_decode(
-                        k, v, q, q_rot, rot_t, slots, b.seq_lens, b.ring_slots, b.cache, b.windows,
-                        b.window_pages, b.window_pos, clip_index(0.96, d), clip_index(0.92, d), SINK, RECENT,
+                        k, v, q, q_rot, rot_t=rot_t, slot_mapping=slots, cache=cache, batch=batch, **clips,
                         num_warps=w, query_rows=qr)])
                     row["split_path_ms"] = time_calls([lambda: (split(), rotate_queries())])
                 else:

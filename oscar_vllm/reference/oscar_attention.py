@@ -6,7 +6,15 @@ import torch
 from oscar_vllm.core.key_mean import KeyMean
 from oscar_vllm.core.quant import dequantize_int2, Int2Rows
 from oscar_vllm.reference.oscar_write import window_index
-from oscar_vllm.reference.paged import block_size_of, layout_views, read_ring, rotated_key_mean, v_column
+from oscar_vllm.reference.paged import (
+    BatchLike,
+    MixedCacheLike,
+    block_size_of,
+    layout_views,
+    read_ring,
+    rotated_key_mean,
+    v_column,
+)
 
 
 def read_int2_slots(cache: torch.Tensor, slots: torch.Tensor, head_dim: int,
@@ -45,45 +53,37 @@ def oscar_attention_reference(
     q_rot: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cache: torch.Tensor,
-    windows: torch.Tensor,
-    window_pages: torch.Tensor,
-    window_pos: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_q: torch.Tensor,
-    ring_slots: torch.Tensor,
-    num_reqs: int,
+    *,
+    cache: MixedCacheLike,
+    batch: BatchLike,
     scale: float,
-    sink: int,
-    recent: int,
-    param_dtype: torch.dtype = torch.float16,
     logit_correction: float = 0.0,
     key_mean: KeyMean | None = None,
     rot_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 ``[T, Hq, d]``: what :func:`csrc_triton.oscar_attention.oscar_attention` writes, its
-    INT2 kernels (the prefix's INT2 keys' logits lowered by ``logit_correction_bias``; with
+    """fp32 ``[T, Hq, d]``: what :func:`oscar_vllm.serving.prefill.oscar_attention` writes through
+    the INT2 kernels (the prefix's INT2 keys' logits lowered by ``logit_correction_bias``; with
     ``key_mean``, its INT2 keys read plus their mean turned to their positions, rotated by ``rot_k``)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    bs = block_size_of(cache, d)
+    sink, recent, param_dtype = cache.sink, cache.recent, cache.param_dtype
+    bs = block_size_of(cache.pages, d)
     out = torch.zeros(t, hq, d, dtype=torch.float32)
-    for r in range(num_reqs):
-        q0, q1 = int(cu_q[r]), int(cu_q[r + 1])
+    for r in range(batch.num_reqs):
+        q0, q1 = int(batch.cu_q[r]), int(batch.cu_q[r + 1])
         if q1 == q0:
             continue
-        ctx = int(seq_lens[r]) - (q1 - q0)
+        ctx = int(batch.seq_lens[r]) - (q1 - q0)
         kp = torch.arange(ctx)
-        slots = block_table[r].long().cpu()[kp // bs] * bs + kp % bs
-        k_lo, v_lo = read_int2_slots(cache, slots, d, param_dtype)
+        slots = batch.block_table[r].long().cpu()[kp // bs] * bs + kp % bs
+        k_lo, v_lo = read_int2_slots(cache.pages, slots, d, param_dtype)
         if key_mean is not None:
             k_lo = k_lo + rotated_key_mean(key_mean, rot_k, kp)
-        ring = int(ring_slots[r])
+        ring = int(batch.ring_slots[r])
         idx = window_index(kp, sink, recent)
-        held = window_pos[ring].long().cpu()[idx] == kp
-        k_hi, v_hi = read_ring(windows, window_pages, ring, idx, hkv, d, sink)
+        held = cache.window_pos[ring].long().cpu()[idx] == kp
+        k_hi, v_hi = read_ring(cache.windows, cache.window_pages, ring, idx, hkv, d, sink)
         # The window as the step finds it, the same for every query of a chunk.
         hi = (held & ((kp < sink) | (ctx - kp < recent)))[None, :]  # [1, ctx]
 
@@ -94,7 +94,7 @@ def oscar_attention_reference(
         qq = q[q0:q1].float().cpu().transpose(0, 1)
         s_lo = (qr @ heads(k_lo).transpose(1, 2)) * scale
         if logit_correction:
-            k_scale = read_int2_key_scales(cache, slots, d, param_dtype).repeat_interleave(g, dim=1)
+            k_scale = read_int2_key_scales(cache.pages, slots, d, param_dtype).repeat_interleave(g, dim=1)
             s_lo = s_lo - logit_correction_bias(qr, k_scale, logit_correction, scale)
         s_prefix = torch.where(hi, (qr @ heads(k_hi).transpose(1, 2)) * scale, s_lo)
         s_new = (qq @ heads(k[q0:q1]).transpose(1, 2)) * scale

@@ -1,15 +1,42 @@
 """The paged INT2 layout of ``csrc_triton/paged_layout.py`` as PyTorch views, for the twins.
 
 Torch only: the block size follows from the cache's region size and the head dimension, so the
-twins read the layout on their own rather than through the kernels' module.
+twins read the layout on their own rather than through the kernels' module. For the same reason
+they take the kernels' parameter objects (``csrc_triton.paged_layout.MixedCache`` and
+``BatchLayout``) by their fields alone: any object with the fields of ``MixedCacheLike`` and
+``BatchLike`` will do.
 """
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
 from oscar_vllm.core.key_mean import KeyMean
 
 PARAM_BYTES = 8  # K scale, K min, V scale, V min, 16 bits each
+
+
+class MixedCacheLike(Protocol):
+    """A layer's cache: ``csrc_triton.paged_layout.MixedCache``'s fields."""
+
+    pages: torch.Tensor  # uint8 [num_blocks, Hkv, region]
+    windows: torch.Tensor  # bf16 [num_pages, page_elems]
+    window_pages: torch.Tensor  # int32 [rings, pages per ring]
+    window_pos: torch.Tensor  # int32 [rings, sink + recent]
+    sink: int
+    recent: int
+    param_dtype: torch.dtype
+
+
+class BatchLike(Protocol):
+    """A batch: ``csrc_triton.paged_layout.BatchLayout``'s fields the twins read."""
+
+    block_table: torch.Tensor  # int32 [R, max_blocks]
+    seq_lens: torch.Tensor  # int32 [R]
+    cu_q: torch.Tensor  # int32 [R + 1]
+    ring_slots: torch.Tensor  # int32 [R]
+    num_reqs: int
 
 
 def block_size_of(cache: torch.Tensor, head_dim: int) -> int:

@@ -2,8 +2,9 @@
 windows, in the attention-aware rotated basis.
 
 Order as in vLLM's own backends: metadata, builder, backend, impl. The kernels live in
-``csrc_triton/``; what ties the backend into vLLM beyond this interface (the KV spec, the
-request rows and their window pages, the weight fold) is in ``vllm_hooks``.
+``csrc_triton/``, which paths a batch's requests take through them in ``prefill``; what ties the
+backend into vLLM beyond this interface (the KV spec, the request rows and their window pages,
+the weight fold) is in ``vllm_hooks``.
 
 Window state: each layer owns its ``window_pos`` (which position each ring entry holds); the
 builder owns what all layers share, each request row's window pages (``window_pages``, given by
@@ -33,21 +34,20 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from csrc_triton import gluon_layout
 from csrc_triton import oscar_attention as triton_decode
 from csrc_triton import oscar_decode as gluon_decode
-from csrc_triton.oscar_attention import (
-    DecodeReadPrefill,
-    DensePrefill,
-    oscar_attention,
-    oscar_decode_read_prefill,
-    oscar_prefill_batch,
-    pack_requests,
-)
 from csrc_triton.oscar_decode import oscar_decode
 from csrc_triton.oscar_dense_kv import KeyMeanBasis, key_mean_basis
 from csrc_triton.oscar_write import decode_rotation, oscar_write, oscar_write_decode
 from csrc_triton.paged_layout import (
-    BLOCK_SIZE, KEY_MEAN_PAIRS, int2_cache_shape, window_pages_per_request, windows_view,
+    BLOCK_SIZE,
+    KEY_MEAN_PAIRS,
+    BatchLayout,
+    MixedCache,
+    int2_cache_shape,
+    window_pages_per_request,
+    windows_view,
 )
 from csrc_triton.warm_up import warm_up_kernels
 from oscar_vllm.core.fold import RotationFoldError
@@ -58,6 +58,14 @@ from oscar_vllm.reference.oscar_write import window_index
 from oscar_vllm.serving.gpu import decode_kernel_for, gpu_problem, supports_capability
 from oscar_vllm.serving.plugin import check_vllm_version
 from oscar_vllm.serving.preflight import check_in_worker
+from oscar_vllm.serving.prefill import (
+    DecodeReadPrefill,
+    DensePrefill,
+    oscar_attention,
+    oscar_decode_read_prefill,
+    oscar_prefill_batch,
+    pack_requests,
+)
 from oscar_vllm.serving.window_pages import WindowPagesError
 
 check_vllm_version()
@@ -243,7 +251,7 @@ class OscarAttentionMetadataBuilder(AttentionMetadataBuilder[OscarAttentionMetad
             num_reqs=m.num_reqs,
             num_decodes=num_decodes,
             decode_splits=self.decode_splits(num_decodes),
-            decode_ring_cost=gluon_decode.decode_ring_cost(num_decodes, self.fixed_splits),
+            decode_ring_cost=gluon_layout.decode_ring_cost(num_decodes, self.fixed_splits),
             prefill_has_prefix=prefill_has_prefix,
             prefill_shapes=shapes,
             query_start_loc=m.query_start_loc,
@@ -536,9 +544,12 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
             raise RuntimeError("OSCAR layer has no rotation: the model was not prepared")
         sched = vllm_config.scheduler_config
         return warm_up_kernels(
-            kv_cache, windows_view(kv_cache), window_pages, self.window_pos, self.rot_k, self.num_heads,
-            vllm_config.model_config.dtype, self.sink, self.recent, self.param_dtype, sched.max_num_seqs,
-            sched.max_num_batched_tokens, torch.cuda.get_device_properties(kv_cache.device).multi_processor_count,
+            cache=MixedCache(kv_cache, windows_view(kv_cache), window_pages, self.window_pos, self.sink, self.recent,
+                             self.param_dtype),
+            rot_k=self.rot_k,
+            num_heads=self.num_heads, dtype=vllm_config.model_config.dtype, max_num_seqs=sched.max_num_seqs,
+            max_num_tokens=sched.max_num_batched_tokens,
+            num_sms=torch.cuda.get_device_properties(kv_cache.device).multi_processor_count,
             merge_self=self.own_keys_attention is not None, dense=self.dense_kv is not None, gluon=self.gluon_decode,
             decode_read=self.decode_read, fixed_splits=self.settings.decode_splits,
             threads=self.settings.warm_up_threads, logit_correction=self.logit_correction,
@@ -572,44 +583,45 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         k = key[:n].view(n, self.num_kv_heads, self.head_size)
         v = value[:n].view(n, self.num_kv_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
-        windows = windows_view(kv_cache)
+        # The layer's cache (its pages, their bf16 view holding the rings, the builder's ring pages and
+        # the layer's ring positions) and the batch, as every kernel takes them.
+        cache = MixedCache(kv_cache, windows_view(kv_cache), md.window_pages, self.window_pos, self.sink, self.recent,
+                           self.param_dtype)
+        batch = BatchLayout(md.block_table, md.seq_lens, md.query_start_loc, md.ring_slots, md.num_reqs,
+                            md.num_decodes, md.max_query_len)
         if self.gluon_decode:
-            return self._forward_write_first(md, q, k, v, out, kv_cache, windows, output)
+            return self._forward_write_first(md, batch, q, k, v, out, cache, output)
         if self.decode_read and md.num_decodes < md.num_reqs:
-            return self._forward_decode_read(md, q, k, v, out, kv_cache, windows, output)
+            return self._forward_decode_read(md, batch, q, k, v, out, cache, output)
         # Attention first, then the write: this step reads the windows as they were (a ring entry
         # it overwrites may still be in a query's window). No request reads blocks another
         # request of its batch fills: the scheduler's prefix-cache hits end before them
         # (oscar_vllm.serving.window_pages).
-        oscar_attention(
-            out, q, self.rotate(q), k, v, kv_cache, windows, md.window_pages, self.window_pos,
-            md.block_table, md.seq_lens, md.query_start_loc, md.ring_slots, md.num_decodes, md.num_reqs,
-            md.max_query_len, self.scale, self.sink, self.recent, self.param_dtype, md.decode_splits,
-            md.part_out, md.part_lse, self.own_keys_attention, md.prefill_has_prefix, self.dense_prefill(md, k),
-            self.logit_correction, **self.key_mean,
-        )
-        oscar_write(k, v, self.rot_k, md.slot_mapping[:n], md.query_start_loc, md.seq_lens, md.ring_slots, md.num_reqs,
-                    kv_cache, windows, md.window_pages, self.window_pos, self.clip_idx_k, self.clip_idx_v, self.sink,
-                    self.recent, self.param_dtype, md.num_decodes, **self.key_mean)
+        oscar_attention(out, q, self.rotate(q), k, v, cache=cache, batch=batch, scale=self.scale,
+                        decode_splits=md.decode_splits, part_out=md.part_out, part_lse=md.part_lse,
+                        own_keys_attention=self.own_keys_attention, prefill_has_prefix=md.prefill_has_prefix,
+                        dense=self.dense_prefill(md, k), logit_correction=self.logit_correction, **self.key_mean)
+        oscar_write(k, v, rot_k=self.rot_k, slot_mapping=md.slot_mapping[:n], cache=cache, batch=batch,
+                    clip_idx_k=self.clip_idx_k, clip_idx_v=self.clip_idx_v, **self.key_mean)
         return output
 
-    def _forward_write_first(self, md: OscarAttentionMetadata, q, k, v, out, kv_cache, windows, output):
+    def _forward_write_first(self, md: OscarAttentionMetadata, batch: BatchLayout, q, k, v, out, cache: MixedCache,
+                             output):
         """Decode tokens are written first (their queries rotated in the same launch), so the
         decode kernel finds each step's token in its ring; a decode token only overwrites the ring
         entry of the position that just left its window. Prefill chunks still attend first, then
         write: a chunk's tokens would overwrite entries its own first queries read."""
-        n, nd, num_reqs = md.num_actual_tokens, md.num_decodes, md.num_reqs
+        n, nd, num_reqs = md.num_actual_tokens, batch.num_decodes, batch.num_reqs
         q_rot = torch.empty_like(q)
         if nd:
-            oscar_write_decode(k[:nd], v[:nd], q[:nd], q_rot[:nd], self.rot_t, md.slot_mapping[:nd],
-                               md.seq_lens[:nd], md.ring_slots[:nd], kv_cache, windows, md.window_pages, self.window_pos,
-                               self.clip_idx_k, self.clip_idx_v, self.sink, self.recent, self.param_dtype,
+            decodes = batch.requests(0, nd)
+            oscar_write_decode(k[:nd], v[:nd], q[:nd], q_rot[:nd], rot_t=self.rot_t, slot_mapping=md.slot_mapping[:nd],
+                               cache=cache, batch=decodes, clip_idx_k=self.clip_idx_k, clip_idx_v=self.clip_idx_v,
                                **self.key_mean)
-            oscar_decode(out[:nd], q_rot[:nd], kv_cache, windows, md.window_pages, self.window_pos, md.block_table,
-                         md.seq_lens, md.ring_slots, nd, self.scale, self.sink, self.recent, self.param_dtype,
-                         md.decode_splits, md.part_out, md.part_lse, logit_correction=self.logit_correction,
-                         ring_cost=md.decode_ring_cost, q=q[:nd] if self.key_mean else None,
-                         key_mean=self.decode_key_mean)
+            oscar_decode(out[:nd], q_rot[:nd], cache=cache, batch=decodes, scale=self.scale,
+                         num_splits=md.decode_splits, part_out=md.part_out, part_lse=md.part_lse,
+                         logit_correction=self.logit_correction, ring_cost=md.decode_ring_cost,
+                         q=q[:nd] if self.key_mean else None, key_mean=self.decode_key_mean)
         if nd < num_reqs:
             # Prefill queries read the INT2 cache only over a cached prefix (or, without
             # FlashAttention, for their own keys too): a fresh prompt's chunk skips the rotation,
@@ -617,48 +629,46 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
             if md.prefill_has_prefix or self.own_keys_attention is None or self.decode_read:
                 q_rot[nd:] = self.rotate(q[nd:])
             if self.decode_read:
-                self.decode_read_prefill(md, q_rot, k, v, out, kv_cache, windows)
+                self.decode_read_prefill(md, batch, q_rot, k, v, out, cache)
                 return output
-            oscar_prefill_batch(
-                out, q, q_rot, k, v, kv_cache, windows, md.window_pages, self.window_pos, md.block_table, md.seq_lens,
-                md.query_start_loc, md.ring_slots, nd, num_reqs, md.max_query_len, self.scale, self.sink, self.recent,
-                self.param_dtype, self.own_keys_attention, md.prefill_has_prefix, self.dense_prefill(md, k),
-                self.logit_correction, **self.key_mean)
-            cu_q = md.query_start_loc[nd:num_reqs + 1] - nd
-            oscar_write(k[nd:n], v[nd:n], self.rot_k, md.slot_mapping[nd:n], cu_q, md.seq_lens[nd:num_reqs],
-                        md.ring_slots[nd:num_reqs], num_reqs - nd, kv_cache, windows, md.window_pages, self.window_pos,
-                        self.clip_idx_k, self.clip_idx_v, self.sink, self.recent, self.param_dtype, **self.key_mean)
+            oscar_prefill_batch(out, q, q_rot, k, v, cache=cache, batch=batch, scale=self.scale,
+                                own_keys_attention=self.own_keys_attention, prefill_has_prefix=md.prefill_has_prefix,
+                                dense=self.dense_prefill(md, k), logit_correction=self.logit_correction,
+                                **self.key_mean)
+            oscar_write(k[nd:n], v[nd:n], rot_k=self.rot_k, slot_mapping=md.slot_mapping[nd:n], cache=cache,
+                        batch=batch.requests(nd, num_reqs), clip_idx_k=self.clip_idx_k, clip_idx_v=self.clip_idx_v,
+                        **self.key_mean)
         return output
 
-    def _forward_decode_read(self, md: OscarAttentionMetadata, q, k, v, out, kv_cache, windows, output):
+    def _forward_decode_read(self, md: OscarAttentionMetadata, batch: BatchLayout, q, k, v, out, cache: MixedCache,
+                             output):
         """The Triton decode path with prefill_read="decode": decodes attend, then are written (as
         in ``forward``); prefills read as decode does and write themselves."""
-        nd = md.num_decodes
+        nd = batch.num_decodes
         q_rot = self.rotate(q)
         if nd:
-            oscar_attention(
-                out, q, q_rot, k, v, kv_cache, windows, md.window_pages, self.window_pos, md.block_table, md.seq_lens,
-                md.query_start_loc, md.ring_slots, nd, nd, 1, self.scale, self.sink, self.recent, self.param_dtype,
-                md.decode_splits, md.part_out, md.part_lse, logit_correction=self.logit_correction,
-            )
-            oscar_write(k[:nd], v[:nd], self.rot_k, md.slot_mapping[:nd], md.query_start_loc[:nd + 1], md.seq_lens[:nd],
-                        md.ring_slots[:nd], nd, kv_cache, windows, md.window_pages, self.window_pos, self.clip_idx_k,
-                        self.clip_idx_v, self.sink, self.recent, self.param_dtype, nd)
-        self.decode_read_prefill(md, q_rot, k, v, out, kv_cache, windows)
+            decodes = batch.requests(0, nd, max_query_len=1)
+            oscar_attention(out, q, q_rot, k, v, cache=cache, batch=decodes, scale=self.scale,
+                            decode_splits=md.decode_splits, part_out=md.part_out, part_lse=md.part_lse,
+                            logit_correction=self.logit_correction)
+            oscar_write(k[:nd], v[:nd], rot_k=self.rot_k, slot_mapping=md.slot_mapping[:nd], cache=cache,
+                        batch=decodes, clip_idx_k=self.clip_idx_k, clip_idx_v=self.clip_idx_v)
+        self.decode_read_prefill(md, batch, q_rot, k, v, out, cache)
         return output
 
-    def decode_read_prefill(self, md: OscarAttentionMetadata, q_rot, k, v, out, kv_cache, windows) -> None:
+    def decode_read_prefill(self, md: OscarAttentionMetadata, batch: BatchLayout, q_rot, k, v, out,
+                            cache: MixedCache) -> None:
         """The batch's prefill requests, read as decode reads the cache and written
         (``oscar_decode_read_prefill``): in as few groups of consecutive requests as the dense
         buffers hold (one request always fits: they hold ``max_model_len +
         max_num_batched_tokens`` rows)."""
         if self.dense_kv is None or self.flash_attention is None:
             raise RuntimeError("OSCAR prefill_read 'decode' needs FlashAttention and the dense prefill buffers")
-        nd, num_reqs, n = md.num_decodes, md.num_reqs, md.num_actual_tokens
+        nd, num_reqs, n = batch.num_decodes, batch.num_reqs, md.num_actual_tokens
         shapes = md.prefill_shapes
         if not shapes:  # no host copy of the lengths this step: read them (a sync)
-            cu = md.query_start_loc[nd:num_reqs + 1]
-            shapes = tuple(zip((cu[1:] - cu[:-1]).tolist(), md.seq_lens[nd:num_reqs].tolist()))
+            cu = batch.cu_q[nd:num_reqs + 1]
+            shapes = tuple(zip((cu[1:] - cu[:-1]).tolist(), batch.seq_lens[nd:num_reqs].tolist()))
         recent = self.recent
         rows = [max(s - recent, 0) + min(s, q + recent - 1) for q, s in shapes]
         groups = pack_requests(rows, self.dense_kv[0].shape[0])
@@ -667,12 +677,10 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         for lo, hi in groups:
             part = shapes[lo:hi]
             toks = slice(nd + starts[lo], nd + starts[hi])
-            reqs = slice(nd + lo, nd + hi)
-            cu = md.query_start_loc[nd + lo:nd + hi + 1] - md.query_start_loc[nd + lo]
+            group = batch.requests(nd + lo, nd + hi, max_query_len=max(q for q, _ in part))
             write = functools.partial(
-                oscar_write, k[toks], v[toks], self.rot_k, md.slot_mapping[toks], cu, md.seq_lens[reqs],
-                md.ring_slots[reqs], hi - lo, kv_cache, windows, md.window_pages, self.window_pos, self.clip_idx_k,
-                self.clip_idx_v, self.sink, recent, self.param_dtype)
+                oscar_write, k[toks], v[toks], rot_k=self.rot_k, slot_mapping=md.slot_mapping[toks], cache=cache,
+                batch=group, clip_idx_k=self.clip_idx_k, clip_idx_v=self.clip_idx_v)
             n_int2 = [max(s - recent, 0) for _, s in part]
             n_window = [min(s, q + recent - 1) for q, s in part]
             plan = DecodeReadPrefill(
@@ -680,7 +688,4 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
                 rows_int2=sum(n_int2), max_int2=max(n_int2), rows_window=sum(n_window), max_window=max(n_window),
                 max_seq_len=max(s for _, s in part), write=write, attention=self.flash_attention,
                 merge=self.merge_attention)
-            oscar_decode_read_prefill(
-                out[toks], q_rot[toks], v[toks], kv_cache, windows, md.window_pages, self.window_pos,
-                md.block_table[reqs], md.seq_lens[reqs], cu, md.ring_slots[reqs], hi - lo, max(q for q, _ in part),
-                self.sink, recent, plan, self.param_dtype)
+            oscar_decode_read_prefill(out[toks], q_rot[toks], v[toks], cache=cache, batch=group, plan=plan)

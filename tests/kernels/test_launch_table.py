@@ -2,15 +2,15 @@
 ``python -m benchmarks.kernels.oscar_attention sweep``), not autotuning on the serving path."""
 import triton
 
-from csrc_triton.oscar_attention import (
+from csrc_triton.paged_layout import (
     DECODE_LAUNCH,
     MAX_DECODE_SPLITS,
     PREFILL_LAUNCH,
     SMALL_HEAD_PREFILL_LAUNCH,
     decode_split_rows,
     decode_splits,
+    launch_bucket,
 )
-from csrc_triton.paged_layout import launch_bucket
 
 
 def test_decode_table_covers_every_batch_with_valid_choices():
@@ -37,7 +37,7 @@ def test_split_scratch_covers_every_batch_size():
 
 
 def test_write_table_covers_every_token_count():
-    from csrc_triton.oscar_write import WRITE_LAUNCH
+    from csrc_triton.paged_layout import WRITE_LAUNCH
 
     assert min(WRITE_LAUNCH) == 1
     # tl.dot takes tiles of 16 rows and more; warps a power of two.
@@ -48,7 +48,7 @@ def test_gluon_decode_table_covers_every_batch_with_valid_choices():
     """The Gluon decode kernel's table: register cap (None: ptxas's choice), programs per SM, the
     L2 prefetch depth, a ring tile's weight and whether the split count fills one wave (then every
     program is resident at once); its split scratch covers every batch up to the largest."""
-    from csrc_triton import oscar_decode as od
+    from csrc_triton import gluon_layout as od
 
     assert min(od.DECODE_LAUNCH) == 1
     for n in range(1, 2049):

@@ -7,23 +7,22 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.oscar_attention import (
-    MAX_DECODE_SPLITS,
-    DensePrefill,
-    _codes,
-    decode_splits,
-    oscar_attention,
-    oscar_decode_attention,
-    oscar_prefill_attention,
-)
+from csrc_triton.oscar_attention import _codes, oscar_decode_attention, oscar_prefill_attention
 from csrc_triton.oscar_write import oscar_write
-from csrc_triton.paged_layout import window_args, window_entries_per_page
+from csrc_triton.paged_layout import (
+    MAX_DECODE_SPLITS,
+    BatchLayout,
+    decode_splits,
+    window_args,
+    window_entries_per_page,
+)
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
 from oscar_vllm.core.quant import clip_index
 from oscar_vllm.reference.oscar_attention import causal_attention_reference, oscar_attention_reference
+from oscar_vllm.serving.prefill import DensePrefill, oscar_attention
 from kernel_cases import (
     CASES, CLIP_K, CLIP_V, DEVICE, KEY_MEAN_BF16_MAX, KEY_MEAN_FP32_ATOL, ON_GPU, KeyMeanCase,
-    assert_close_to_reference, cache_args, case_id, dense_twin, fp32_atol, padded, prepare, random_rotation,
+    assert_close_to_reference, case_id, dense_twin, fp32_atol, padded, prepare, random_rotation,
     random_rows,
 )
 from paged_sim import PagedCache
@@ -51,15 +50,14 @@ def test_prefill_kernel_matches_reference(case, own_keys, dtype, lam):
     d, hkv, g, sink, recent, prefix, new = case
     pc, step, q, q_rot, k, v = prepare(*case, dtype)
     scale = 1 / math.sqrt(d)
-    n = len(new)
     out = torch.full_like(q, float("nan"))
     lse = None
     if own_keys == "merged":
         lse = own_keys_twin(scale)(q, k, v, step.cu_q, step.max_query_len, out)
-    oscar_prefill_attention(out, q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent, self_lse=lse,
+    cache, batch = pc.mixed(), step.batch()
+    oscar_prefill_attention(out, q, q_rot, k, v, cache=cache, batch=batch, scale=scale, self_lse=lse,
                             logit_correction=lam)
-    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
-                                      logit_correction=lam)
+    want = oscar_attention_reference(q, q_rot, k, v, cache=cache, batch=batch, scale=scale, logit_correction=lam)
     assert_close_to_reference(out, want, dtype, fp32_atol=fp32_atol(case))
 
 
@@ -74,10 +72,10 @@ def test_decode_kernel_matches_reference(case, splits, dtype, lam):
     out = torch.full_like(q, float("nan"))
     part_out = torch.full((t * hq * splits * d,), float("nan"), device=DEVICE)
     part_lse = torch.full((t * hq * splits,), float("nan"), device=DEVICE)
-    oscar_decode_attention(out, q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
-                           num_splits=splits, part_out=part_out, part_lse=part_lse, logit_correction=lam)
-    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
-                                      logit_correction=lam)
+    cache, batch = pc.mixed(), step.batch(num_decodes=n)
+    oscar_decode_attention(out, q, q_rot, k, v, cache=cache, batch=batch, scale=scale, num_splits=splits,
+                           part_out=part_out, part_lse=part_lse, logit_correction=lam)
+    want = oscar_attention_reference(q, q_rot, k, v, cache=cache, batch=batch, scale=scale, logit_correction=lam)
     assert_close_to_reference(out, want, dtype, fp32_atol=fp32_atol(case))
 
 
@@ -90,25 +88,25 @@ def test_kernels_read_int2_keys_plus_their_mean(case, dtype):
     d, hkv, g, sink, recent, prefix, new = case
     km = KeyMeanCase(hkv, d, max(prefix) + max(new) + 1)
     pc, step, q, q_rot, k, v = prepare(*case, dtype, key_mean=km)
-    t, hq, n, scale = q.shape[0], hkv * g, len(new), 1 / math.sqrt(d)
+    t, hq, scale = q.shape[0], hkv * g, 1 / math.sqrt(d)
     rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
-    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
-                                      logit_correction=1.0, key_mean=km.twin, rot_k=rot)
+    cache, batch = pc.mixed(), step.batch()
+    want = oscar_attention_reference(q, q_rot, k, v, cache=cache, batch=batch, scale=scale, logit_correction=1.0,
+                                     key_mean=km.twin, rot_k=rot)
     out = torch.full_like(q, float("nan"))
     if max(new) == 1:
         splits = 4
         part_out = torch.full((t * hq * splits * d,), float("nan"), device=DEVICE)
         part_lse = torch.full((t * hq * splits,), float("nan"), device=DEVICE)
-        oscar_decode_attention(out, q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
-                               num_splits=splits, part_out=part_out, part_lse=part_lse, logit_correction=1.0,
-                               key_mean=km.mean, cos_sin=km.table)
+        oscar_decode_attention(out, q, q_rot, k, v, cache=cache, batch=batch, scale=scale, num_splits=splits,
+                               part_out=part_out, part_lse=part_lse, logit_correction=1.0, key_mean=km.mean,
+                               cos_sin=km.table)
     else:
         lse = own_keys_twin(scale)(q, k, v, step.cu_q, step.max_query_len, out)
-        oscar_prefill_attention(out, q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent, self_lse=lse,
+        oscar_prefill_attention(out, q, q_rot, k, v, cache=cache, batch=batch, scale=scale, self_lse=lse,
                                 logit_correction=1.0, key_mean=km.mean, cos_sin=km.table)
     assert_close_to_reference(out, want, dtype, fp32_atol=KEY_MEAN_FP32_ATOL, bf16_max=KEY_MEAN_BF16_MAX)
-    without = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
-                                        logit_correction=1.0)
+    without = oscar_attention_reference(q, q_rot, k, v, cache=cache, batch=batch, scale=scale, logit_correction=1.0)
     assert (without - want).abs().max() > 100 * KEY_MEAN_FP32_ATOL
 
 
@@ -130,16 +128,16 @@ def test_mixed_batch_splits_decodes_from_prefills(lam):
     case = (64, 2, 2, 4, 8, [90, 150, 0, 70], [1, 1, 33, 5])
     d, hkv, g, sink, recent, prefix, new = case
     pc, step, q, q_rot, k, v = prepare(*case, torch.bfloat16)
-    hq, n, scale = hkv * g, len(new), 1 / math.sqrt(d)
+    hq, scale = hkv * g, 1 / math.sqrt(d)
     out = torch.full_like(q, float("nan"))
     splits = 4
     part_out = torch.full((2 * hq * splits * d,), float("nan"), device=DEVICE)
     part_lse = torch.full((2 * hq * splits,), float("nan"), device=DEVICE)
-    oscar_attention(out, q, q_rot, k, v, *cache_args(pc, step), 2, n, step.max_query_len, scale, sink, recent,
-                    decode_splits=splits, part_out=part_out, part_lse=part_lse, own_keys_attention=own_keys_twin(scale),
+    cache, batch = pc.mixed(), step.batch(num_decodes=2)
+    oscar_attention(out, q, q_rot, k, v, cache=cache, batch=batch, scale=scale, decode_splits=splits,
+                    part_out=part_out, part_lse=part_lse, own_keys_attention=own_keys_twin(scale),
                     logit_correction=lam)
-    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
-                                      logit_correction=lam)
+    want = oscar_attention_reference(q, q_rot, k, v, cache=cache, batch=batch, scale=scale, logit_correction=lam)
     assert_close_to_reference(out, want, torch.bfloat16)
 
 
@@ -161,14 +159,13 @@ def test_a_decode_batch_padded_as_full_cuda_graphs_pad_it(key_mean):
     null_row = next(r for r in range(pc.window_pos.shape[0]) if r not in step.ring_slots.tolist())
     mean = dict(key_mean=km.mean, cos_sin=km.table) if km else {}
 
-    def step_on(cache: PagedCache, rows: int, q, q_rot, k, v, block_table, seq_lens, slots, rings) -> torch.Tensor:
+    def step_on(pages: PagedCache, rows: int, q, q_rot, k, v, block_table, seq_lens, slots, rings) -> torch.Tensor:
         cu = torch.arange(rows + 1, dtype=step.cu_q.dtype, device=DEVICE)
-        oscar_write(k, v, rot, slots, cu, seq_lens, rings, rows, cache.cache, cache.windows, cache.window_pages,
-                    cache.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent, num_decodes=rows,
-                    **mean)
+        cache, batch = pages.mixed(), BatchLayout(block_table, seq_lens, cu, rings, rows, num_decodes=rows)
+        oscar_write(k, v, rot_k=rot, slot_mapping=slots, cache=cache, batch=batch, clip_idx_k=clip_index(CLIP_K, d),
+                    clip_idx_v=clip_index(CLIP_V, d), **mean)
         out = torch.full_like(q, float("nan"))
-        oscar_decode_attention(out, q, q_rot, k, v, cache.cache, cache.windows, cache.window_pages, cache.window_pos,
-                               block_table, seq_lens, cu, rings, rows, scale, sink, recent, num_splits=splits,
+        oscar_decode_attention(out, q, q_rot, k, v, cache=cache, batch=batch, scale=scale, num_splits=splits,
                                part_out=torch.full((rows * hq * splits * d,), float("nan"), device=DEVICE),
                                part_lse=torch.full((rows * hq * splits,), float("nan"), device=DEVICE), **mean)
         return out
@@ -192,17 +189,17 @@ def test_fixed_splits_decode_a_request_alike_in_any_batch():
     d, hkv, g, sink, recent, prefix, new = case
     pc, step, q, q_rot, k, v = prepare(*case, torch.bfloat16)
     hq, scale = hkv * g, 1 / math.sqrt(d)
-    cache, windows, window_pages, window_pos, block_table, seq_lens, cu_q, ring_slots = cache_args(pc, step)
+    cache = pc.mixed()
 
     def decode(rows: slice, splits: int) -> torch.Tensor:
         n = len(range(*rows.indices(len(prefix))))
         out = torch.full_like(q[rows], float("nan"))
         part_out = torch.full((n * hq * splits * d,), float("nan"), device=DEVICE)
         part_lse = torch.full((n * hq * splits,), float("nan"), device=DEVICE)
-        oscar_decode_attention(out, q[rows], q_rot[rows], k[rows], v[rows], cache, windows, window_pages, window_pos,
-                               block_table[rows], seq_lens[rows], torch.arange(n + 1, dtype=cu_q.dtype, device=DEVICE),
-                               ring_slots[rows], n, scale, sink, recent, num_splits=splits, part_out=part_out,
-                               part_lse=part_lse)
+        batch = BatchLayout(step.block_table[rows], step.seq_lens[rows],
+                            torch.arange(n + 1, dtype=step.cu_q.dtype, device=DEVICE), step.ring_slots[rows], n, n)
+        oscar_decode_attention(out, q[rows], q_rot[rows], k[rows], v[rows], cache=cache, batch=batch, scale=scale,
+                               num_splits=splits, part_out=part_out, part_lse=part_lse)
         return out
 
     for splits in (4, 16):
@@ -277,10 +274,10 @@ def test_reference_reads_the_ring_only_where_it_holds_the_position():
     """Emptying the ring turns every window key into its INT2 copy: the output moves."""
     case = (64, 1, 2, 4, 8, [40], [1])
     pc, step, q, q_rot, k, v = prepare(*case, torch.float32)
-    args = (step.block_table, step.seq_lens, step.cu_q, step.ring_slots, 1, 0.125, 4, 8)
-    full = oscar_attention_reference(q, q_rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, *args)
-    empty = torch.full_like(pc.window_pos, -1)
-    lo = oscar_attention_reference(q, q_rot, k, v, pc.cache, pc.windows, pc.window_pages, empty, *args)
+    cache, batch = pc.mixed(), step.batch()
+    full = oscar_attention_reference(q, q_rot, k, v, cache=cache, batch=batch, scale=0.125)
+    empty = cache._replace(window_pos=torch.full_like(pc.window_pos, -1))
+    lo = oscar_attention_reference(q, q_rot, k, v, cache=empty, batch=batch, scale=0.125)
     assert (full - lo).abs().max() > 1e-3
 
 
@@ -309,9 +306,8 @@ def run_batch(out, q, q_rot, k, v, pc, step, scale, sink, recent, dense_k_rot=No
         dense = DensePrefill(dense_k_rot[num_decodes:], torch.full((rows, *k.shape[1:]), float("nan"), device=q.device),
                              torch.full((rows, *k.shape[1:]), float("nan"), device=q.device),
                              int(step.seq_lens.max()), dense_twin(scale))
-    oscar_attention(out, q, q_rot, k, v, *cache_args(pc, step), num_decodes, len(q_lens), step.max_query_len,
-                    scale, sink, recent, decode_splits=4, part_out=part_out, part_lse=part_lse, dense=dense,
-                    logit_correction=lam)
+    oscar_attention(out, q, q_rot, k, v, cache=pc.mixed(), batch=step.batch(num_decodes), scale=scale,
+                    decode_splits=4, part_out=part_out, part_lse=part_lse, dense=dense, logit_correction=lam)
 
 
 # The dense path has no logit correction (FlashAttention takes no per-key bias): λ with the INT2 kernels only.
@@ -345,9 +341,8 @@ def test_pipeline_matches_mixed_cache_reference(case, prefill, lam):
         q, k, v = cat(qs), cat(ks), cat(vs)
         out = torch.full_like(q, float("nan"))
         run_batch(out, q, q @ rot, k, v, pc, step, scale, sink, recent, k @ rot if prefill == "dense" else None, lam)
-        oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(new),
-                    pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                    clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent)
+        oscar_write(k, v, rot_k=rot, slot_mapping=step.slot_mapping, cache=pc.mixed(), batch=step.batch(),
+                    clip_idx_k=clip_index(CLIP_K, d), clip_idx_v=clip_index(CLIP_V, d))
         for i, r in enumerate(new):
             a, b = int(step.cu_q[i]), int(step.cu_q[i + 1])
             outs[r][starts[r]: starts[r] + new[r]] = out[a:b].cpu()
@@ -374,8 +369,8 @@ def _request_zero_written(d, hkv, sink, recent):
     rot = random_rotation(d).to(DEVICE)
     step = pc.schedule({0: 192})
     k, v = random_rows((192, hkv, d), torch.float32, 1), random_rows((192, hkv, d), torch.float32, 2)
-    oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, 1, pc.cache,
-                pc.windows, pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink, recent)
+    oscar_write(k, v, rot_k=rot, slot_mapping=step.slot_mapping, cache=pc.mixed(), batch=step.batch(),
+                clip_idx_k=clip_index(CLIP_K, d), clip_idx_v=clip_index(CLIP_V, d))
     return pc, rot
 
 
@@ -388,11 +383,11 @@ def _prefill_request_one(pc, rot, done, hkv, g, sink, recent):
     q = random_rows((5, hkv * g, d), torch.float32, 3)
     k, v = random_rows((5, hkv, d), torch.float32, 4), random_rows((5, hkv, d), torch.float32, 5)
     out = torch.full_like(q, float("nan"))
-    args = cache_args(pc, step)
-    oscar_prefill_attention(out, q, q @ rot, k, v, *args, 1, 0.125, sink, recent)
-    want = oscar_attention_reference(q, q @ rot, k, v, *args, 1, 0.125, sink, recent)
+    cache, batch = pc.mixed(), step.batch()
+    oscar_prefill_attention(out, q, q @ rot, k, v, cache=cache, batch=batch, scale=0.125)
+    want = oscar_attention_reference(q, q @ rot, k, v, cache=cache, batch=batch, scale=0.125)
     torch.testing.assert_close(out.float().cpu(), want, rtol=1e-4, atol=1e-4)
-    return q, k, v, args, want
+    return q, k, v, (cache, batch), want
 
 
 def test_prefix_cache_hit_never_reads_another_requests_window():
@@ -411,8 +406,9 @@ def test_prefix_cache_hit_never_reads_another_requests_window():
     # emptied row is what keeps request 0's data out.
     stale = pc.window_pos.clone()
     stale[pc.ring_slots[1], : sink + recent] = torch.arange(sink + recent, dtype=torch.int32)
-    other = oscar_attention_reference(q, q @ rot, k, v, pc.cache, pc.windows, pc.window_pages, stale,
-                                      *args[4:], 1, 0.125, sink, recent)
+    cache, batch = args
+    other = oscar_attention_reference(q, q @ rot, k, v, cache=cache._replace(window_pos=stale), batch=batch,
+                                      scale=0.125)
     assert (other - want).abs().max() > 1e-3
 
 
@@ -434,20 +430,20 @@ def test_a_hit_reads_the_shared_sink_pages_in_bf16(new):
     q = random_rows((new, hkv * g, d), torch.float32, 3)
     k, v = random_rows((new, hkv, d), torch.float32, 4), random_rows((new, hkv, d), torch.float32, 5)
     out = torch.full_like(q, float("nan"))
-    args = cache_args(pc, step)
+    cache, batch = pc.mixed(), step.batch(num_decodes=1 if new == 1 else 0)
     if new == 1:
         part_out = torch.full((hkv * g * 4 * d,), float("nan"), device=DEVICE)
         part_lse = torch.full((hkv * g * 4,), float("nan"), device=DEVICE)
-        oscar_decode_attention(out, q, q @ rot, k, v, *args, 1, 0.125, sink, recent, num_splits=4,
+        oscar_decode_attention(out, q, q @ rot, k, v, cache=cache, batch=batch, scale=0.125, num_splits=4,
                                part_out=part_out, part_lse=part_lse)
     else:
-        oscar_prefill_attention(out, q, q @ rot, k, v, *args, 1, 0.125, sink, recent)
-    want = oscar_attention_reference(q, q @ rot, k, v, *args, 1, 0.125, sink, recent)
+        oscar_prefill_attention(out, q, q @ rot, k, v, cache=cache, batch=batch, scale=0.125)
+    want = oscar_attention_reference(q, q @ rot, k, v, cache=cache, batch=batch, scale=0.125)
     torch.testing.assert_close(out.float().cpu(), want, rtol=1e-4, atol=1e-4)
     int2_sink = pc.window_pos.clone()
     int2_sink[ring1] = -1
-    other = oscar_attention_reference(q, q @ rot, k, v, pc.cache, pc.windows, pc.window_pages, int2_sink,
-                                      *args[4:], 1, 0.125, sink, recent)
+    other = oscar_attention_reference(q, q @ rot, k, v, cache=cache._replace(window_pos=int2_sink), batch=batch,
+                                      scale=0.125)
     assert (other - want).abs().max() > 1e-3
 
 
@@ -485,8 +481,9 @@ def test_a_hit_reads_the_ring_it_copied_from_an_ended_request():
     q, k, v, args, want = _prefill_request_one(pc, rot, 192, hkv, g, sink, recent)
     int2 = pc.window_pos.clone()
     int2[ring1, sink:] = -1
-    other = oscar_attention_reference(q, q @ rot, k, v, pc.cache, pc.windows, pc.window_pages, int2,
-                                      *args[4:], 1, 0.125, sink, recent)
+    cache, batch = args
+    other = oscar_attention_reference(q, q @ rot, k, v, cache=cache._replace(window_pos=int2), batch=batch,
+                                      scale=0.125)
     assert (other - want).abs().max() > 1e-3, "the ring's BF16 positions differ from their INT2 copies"
     with pytest.raises(WindowPagesError, match="ring source pages"):
         OscarAttentionMetadataBuilder.assign_windows(builder, [ring1], [pc.window_pages[ring1].tolist()],
@@ -499,7 +496,7 @@ def test_merge_splits_weighs_partials_by_their_log_sum_exp(num_splits):
     leave NaN partial outputs that must not be read, whole chunks of them included, and a row
     whose splits all lack keys gives zeros. Counts that are not powers of two (a split count
     sized to whole waves of programs) read no split past their own: the next row's follows."""
-    from csrc_triton.oscar_attention import merge_splits
+    from csrc_triton.merge_splits import merge_splits
 
     t, hq, d = 3, 2, 64
     g = torch.Generator().manual_seed(num_splits)

@@ -7,18 +7,19 @@ import math
 import pytest
 import torch
 
-from csrc_triton.oscar_decode import (
-    DECODE_LAUNCH, MAX_DECODE_SPLITS, decode_launch, decode_ring_cost, decode_splits, key_mean_operands, split_shares,
-    supports,
+from csrc_triton.gluon_layout import (
+    DECODE_LAUNCH, MAX_DECODE_SPLITS, decode_launch, decode_ring_cost, decode_splits,
 )
+from csrc_triton.oscar_decode import key_mean_operands, split_shares, supports
+from csrc_triton.paged_layout import BatchLayout
 from oscar_vllm.core.mixed_cache import LayerCacheSpec, RowQuantizer, mixed_cache_attention
 from oscar_vllm.core.quant import clip_index
 from oscar_vllm.reference.oscar_attention import oscar_attention_reference
 from oscar_vllm.reference.oscar_decode import oscar_decode_reference
 from oscar_vllm.reference.oscar_write import oscar_write_reference
 from kernel_cases import (
-    CASES, CLIP_K, CLIP_V, DEVICE, KEY_MEAN_BF16_MAX, ON_GPU, KeyMeanCase, assert_close_to_reference, cache_args,
-    case_id, prepare, random_rotation, random_rows, vllm_rope_table,
+    CASES, CLIP_K, CLIP_V, DEVICE, KEY_MEAN_BF16_MAX, ON_GPU, KeyMeanCase, assert_close_to_reference,
+    case_id, prepare, random_rotation, random_rows,
 )
 from paged_sim import PagedCache
 
@@ -61,20 +62,18 @@ def check_decode_kernel(case, splits, dtype, lam, key_mean=False, **launch):
     mean_args = dict(key_mean=km.mean, cos_sin=km.table) if km else {}
 
     def write(k, v, rot, step, pc):
-        oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(prefix), pc.cache,
-                    pc.windows, pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink,
-                    recent, num_decodes=len(prefix), **mean_args)
+        oscar_write(k, v, rot_k=rot, slot_mapping=step.slot_mapping, cache=pc.mixed(), batch=step.batch(len(prefix)),
+                    clip_idx_k=clip_index(CLIP_K, d), clip_idx_v=clip_index(CLIP_V, d), **mean_args)
 
     pc, step, q, q_rot, rot = decode_step(case, dtype, write, km)
     n, hq, scale = len(prefix), hkv * g, 1 / math.sqrt(d)
     out = torch.full_like(q, float("nan"))
     part_out = torch.full((n * hq * splits * d,), float("nan"), device=q.device)
     part_lse = torch.full((n * hq * splits,), float("nan"), device=q.device)
-    oscar_decode(out, q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table, step.seq_lens,
-                 step.ring_slots, n, scale, sink, recent, num_splits=splits, part_out=part_out, part_lse=part_lse,
-                 logit_correction=lam, **(dict(q=q, key_mean=km.operands()) if km else {}), **launch)
-    reference = functools.partial(oscar_decode_reference, q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                                  step.block_table, step.seq_lens, step.ring_slots, n, scale, sink, recent,
+    cache, batch = pc.mixed(), step.batch(n)
+    oscar_decode(out, q_rot, cache=cache, batch=batch, scale=scale, num_splits=splits, part_out=part_out,
+                 part_lse=part_lse, logit_correction=lam, **(dict(q=q, key_mean=km.operands()) if km else {}), **launch)
+    reference = functools.partial(oscar_decode_reference, q_rot, cache=cache, batch=batch, scale=scale,
                                   logit_correction=lam)
     want = reference(key_mean=km and km.twin, rot_k=rot)
     assert_close_to_reference(out, want, torch.bfloat16, bf16_max=KEY_MEAN_BF16_MAX if km else 1e-2)
@@ -144,9 +143,8 @@ def test_fixed_splits_decode_a_request_alike_in_any_batch():
     case = (d, hkv, g, sink, recent, prefix)
 
     def write(k, v, rot, step, pc):
-        oscar_write(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(prefix), pc.cache,
-                    pc.windows, pc.window_pages, pc.window_pos, clip_index(CLIP_K, d), clip_index(CLIP_V, d), sink,
-                    recent, num_decodes=len(prefix))
+        oscar_write(k, v, rot_k=rot, slot_mapping=step.slot_mapping, cache=pc.mixed(), batch=step.batch(len(prefix)),
+                    clip_idx_k=clip_index(CLIP_K, d), clip_idx_v=clip_index(CLIP_V, d))
 
     pc, step, q, q_rot, _ = decode_step(case, torch.bfloat16, write)
     hq, scale = hkv * g, 1 / math.sqrt(d)
@@ -156,10 +154,11 @@ def test_fixed_splits_decode_a_request_alike_in_any_batch():
         out = torch.full_like(q[rows], float("nan"))
         part_out = torch.full((n * hq * splits * d,), float("nan"), device=q.device)
         part_lse = torch.full((n * hq * splits,), float("nan"), device=q.device)
-        oscar_decode(out, q_rot[rows].contiguous(), pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                     step.block_table[rows].contiguous(), step.seq_lens[rows].contiguous(),
-                     step.ring_slots[rows].contiguous(), n, scale, sink, recent, num_splits=splits, part_out=part_out,
-                     part_lse=part_lse, ring_cost=ring_cost or decode_ring_cost(n, splits))
+        batch = BatchLayout(step.block_table[rows].contiguous(), step.seq_lens[rows].contiguous(),
+                            torch.arange(n + 1, dtype=torch.int32, device=q.device),
+                            step.ring_slots[rows].contiguous(), n, n)
+        oscar_decode(out, q_rot[rows].contiguous(), cache=pc.mixed(), batch=batch, scale=scale, num_splits=splits,
+                     part_out=part_out, part_lse=part_lse, ring_cost=ring_cost or decode_ring_cost(n, splits))
         return out
 
     assert decode_launch(1)[3] != decode_launch(len(prefix))[3]
@@ -182,13 +181,12 @@ def test_reference_reads_the_written_token_as_attention_reads_it_unwritten(case,
     # Gentle queries, so that no key's weight rounds to zero (the token's included).
     q, q_rot = q * 0.05, q_rot * 0.05
     n, scale = len(prefix), 1 / math.sqrt(d)
-    before = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
-                                       logit_correction=lam)
+    cache, batch = pc.mixed(), step.batch(n)
+    before = oscar_attention_reference(q, q_rot, k, v, cache=cache, batch=batch, scale=scale, logit_correction=lam)
     rot = random_rotation(d, seed=0).to(q.device)
-    oscar_write_reference(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, n, pc.cache,
-                          pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
-    after = oscar_decode_reference(q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
-                                   step.seq_lens, step.ring_slots, n, scale, sink, recent, logit_correction=lam)
+    oscar_write_reference(k, v, rot_k=rot, slot_mapping=step.slot_mapping, cache=cache, batch=batch,
+                          clip_ratio_k=CLIP_K, clip_ratio_v=CLIP_V)
+    after = oscar_decode_reference(q_rot, cache=cache, batch=batch, scale=scale, logit_correction=lam)
     assert_close_to_reference(after, before, torch.bfloat16)
     # Not the same function: the token's key is rounded to BF16 in the ring.
     assert not torch.equal(after, before)
@@ -213,9 +211,10 @@ def test_references_correct_logits_as_the_mixed_cache_reference(lam, key_mean):
     vs = [random_rows((n, hkv, d), torch.float32, 30 + r) for r, n in enumerate(lens)]
     qs = [random_rows((n, hkv * g, d), torch.float32, 40 + r) for r, n in enumerate(lens)]
     prefill = pc.schedule({r: n - 1 for r, n in enumerate(lens)})
-    oscar_write_reference(torch.cat([k[:-1] for k in ks]), torch.cat([v[:-1] for v in vs]), rot, prefill.slot_mapping,
-                          prefill.cu_q, prefill.seq_lens, prefill.ring_slots, len(lens), pc.cache, pc.windows,
-                          pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent, key_mean=mean)
+    cache = pc.mixed()
+    oscar_write_reference(torch.cat([k[:-1] for k in ks]), torch.cat([v[:-1] for v in vs]), rot_k=rot,
+                          slot_mapping=prefill.slot_mapping, cache=cache, batch=prefill.batch(), clip_ratio_k=CLIP_K,
+                          clip_ratio_v=CLIP_V, key_mean=mean)
     step = pc.schedule({r: 1 for r in range(len(lens))})
     q, k, v = (torch.cat([x[-1:] for x in xs]) for xs in (qs, ks, vs))
     n, scale = len(lens), 1 / math.sqrt(d)
@@ -223,12 +222,12 @@ def test_references_correct_logits_as_the_mixed_cache_reference(lam, key_mean):
                           logit_correction=lam, key_mean=mean)
     want = torch.cat([mixed_cache_attention(qs[r].cpu()[-1:], ks[r].cpu(), vs[r].cpu(), spec, sink, recent, scale)
                       for r in range(n)])
-    in_hand = oscar_attention_reference(q, q @ rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
+    batch = step.batch(n)
+    in_hand = oscar_attention_reference(q, q @ rot, k, v, cache=cache, batch=batch, scale=scale,
                                         logit_correction=lam, key_mean=mean, rot_k=rot)
-    oscar_write_reference(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, n, pc.cache,
-                          pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent, key_mean=mean)
-    decode = functools.partial(oscar_decode_reference, q @ rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                               step.block_table, step.seq_lens, step.ring_slots, n, scale, sink, recent)
+    oscar_write_reference(k, v, rot_k=rot, slot_mapping=step.slot_mapping, cache=cache, batch=batch,
+                          clip_ratio_k=CLIP_K, clip_ratio_v=CLIP_V, key_mean=mean)
+    decode = functools.partial(oscar_decode_reference, q @ rot, cache=cache, batch=batch, scale=scale)
     written = decode(logit_correction=lam, key_mean=mean, rot_k=rot)
     # Both read the step's key in BF16 from the ring: the same numbers but for the order of sums.
     torch.testing.assert_close(written, want, rtol=1e-4, atol=1e-4)
@@ -269,8 +268,8 @@ def test_logit_correction_reaches_the_kernel_as_a_runtime_float(monkeypatch, lam
     d, hkv, g, sink, recent, prefix = 64, 2, 2, 8, 16, [100, 37]
     pc, step, q, q_rot, _, _ = prepare(d, hkv, g, sink, recent, prefix, [1, 1], torch.bfloat16, entries_per_page=8)
     scale = 1 / math.sqrt(d)
-    od.oscar_decode(torch.empty_like(q_rot), q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                    step.block_table, step.seq_lens, step.ring_slots, 2, scale, sink, recent, logit_correction=lam)
+    od.oscar_decode(torch.empty_like(q_rot), q_rot, cache=pc.mixed(), batch=step.batch(2), scale=scale,
+                    logit_correction=lam)
     (_, args, kwargs), = launches
     assert "logit_coef" not in kwargs
     coef = args[names.index("logit_coef")]
@@ -278,8 +277,7 @@ def test_logit_correction_reaches_the_kernel_as_a_runtime_float(monkeypatch, lam
     assert coef == pytest.approx(lam / 24 * scale * scale * math.log2(math.e))
     for bad in (-0.5, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="logit_correction must be a finite number >= 0"):
-            od.oscar_decode(torch.empty_like(q_rot), q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                            step.block_table, step.seq_lens, step.ring_slots, 2, scale, sink, recent,
+            od.oscar_decode(torch.empty_like(q_rot), q_rot, cache=pc.mixed(), batch=step.batch(2), scale=scale,
                             logit_correction=bad)
 
 
@@ -302,13 +300,11 @@ def test_split_scratch_too_short_for_the_batch_is_refused(monkeypatch, path):
 
     def decode(out_rows, lse_rows):
         scratch = dict(part_out=torch.empty(out_rows * d, device=DEVICE), part_lse=torch.empty(lse_rows, device=DEVICE))
-        cache = (pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table, step.seq_lens)
+        layout = dict(cache=pc.mixed(), batch=step.batch(n), scale=1 / math.sqrt(d), num_splits=splits)
         if path == "gluon":
-            od.oscar_decode(torch.empty_like(q_rot), q_rot, *cache, step.ring_slots, n, 1 / math.sqrt(d), sink,
-                            recent, num_splits=splits, **scratch)
+            od.oscar_decode(torch.empty_like(q_rot), q_rot, **layout, **scratch)
         else:
-            oa.oscar_decode_attention(torch.empty_like(q), q, q_rot, k, v, *cache, step.cu_q, step.ring_slots, n,
-                                      1 / math.sqrt(d), sink, recent, num_splits=splits, **scratch)
+            oa.oscar_decode_attention(torch.empty_like(q), q, q_rot, k, v, **layout, **scratch)
 
     for short in ((rows - 1, rows), (rows, rows - 1)):
         with pytest.raises(ValueError, match=f"needs part_out of >= {rows * d} and part_lse of >= {rows} "):
@@ -327,13 +323,12 @@ def test_key_mean_and_logit_correction_launch_as_compiled_variants_under_the_reg
     launches = record_launches(monkeypatch, od, "_oscar_decode_kernel")
     d, hkv, g, sink, recent = 64, 2, 2, 8, 16
     n = 8
-    assert od.decode_launch(n).maxnreg == 168
+    assert decode_launch(n).maxnreg == 168
     pc, step, q, q_rot, _, _ = prepare(d, hkv, g, sink, recent, [100] * n, [1] * n, torch.bfloat16,
                                        entries_per_page=8)
     km = KeyMeanCase(hkv, d, 256)
     for mean, lam in ((None, 0.5), (km.operands(), 0.0)):
-        od.oscar_decode(torch.empty_like(q_rot), q_rot, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                        step.block_table, step.seq_lens, step.ring_slots, n, 1 / math.sqrt(d), sink, recent,
+        od.oscar_decode(torch.empty_like(q_rot), q_rot, cache=pc.mixed(), batch=step.batch(n), scale=1 / math.sqrt(d),
                         logit_correction=lam, q=q, key_mean=mean)
     plain, with_mean = (kwargs for _, _, kwargs in launches)
     assert plain["maxnreg"] == 168 and plain["KEY_MEAN"] is False and plain["CORRECT"] is True

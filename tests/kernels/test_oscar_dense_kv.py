@@ -5,9 +5,6 @@ import math
 import pytest
 import torch
 
-from csrc_triton.oscar_attention import (
-    DecodeReadPrefill, DensePrefill, oscar_attention, oscar_decode_read_prefill, pack_requests,
-)
 from csrc_triton.oscar_dense_kv import key_mean_basis, oscar_dense_kv
 from csrc_triton.paged_layout import BLOCK_SIZE
 from oscar_vllm.core.key_mean import KeyMean
@@ -16,10 +13,13 @@ from oscar_vllm.reference.oscar_attention import (
 )
 from oscar_vllm.reference.oscar_dense_kv import oscar_dense_kv_reference
 from oscar_vllm.reference.oscar_write import oscar_write_reference
+from oscar_vllm.serving.prefill import (
+    DecodeReadPrefill, DensePrefill, oscar_attention, oscar_decode_read_prefill, pack_requests,
+)
 from paged_sim import PagedCache
 from oscar_vllm.reference.paged import rotated_key_mean
 from kernel_cases import (
-    CASES, CLIP_K, CLIP_V, DEVICE, DTYPES, KEY_MEAN_BF16_MAX, KeyMeanCase, assert_close_to_reference, cache_args,
+    CASES, CLIP_K, CLIP_V, DEVICE, DTYPES, KEY_MEAN_BF16_MAX, KeyMeanCase, assert_close_to_reference,
     case_id, decode_read_twins, dense_twin, prepare, random_rotation, random_rows,
 )
 
@@ -36,15 +36,14 @@ def test_dense_kv_matches_reference(case, out_dtype):
     """Every row bit-equal: INT2 rows round once (c·scale is exact), ring and new rows are copies."""
     d, hkv, g, sink, recent, prefix, new = case
     pc, step, q, q_rot, k, v = prepare(*case, torch.float32)
-    n = len(new)
     cu_k = cumulative(step.seq_lens)
     total = int(cu_k[-1])
     # Spare rows past the end: a write out of bounds shows as a non-NaN there.
     k_out = torch.full((total + 70, hkv, d), float("nan"), dtype=out_dtype, device=DEVICE)
     v_out = torch.full_like(k_out, float("nan"))
-    oscar_dense_kv(k_out, v_out, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
-                   step.seq_lens, step.cu_q, cu_k, step.ring_slots, n, int(step.seq_lens.max()) + 65, sink, recent)
-    want_k, want_v = oscar_dense_kv_reference(k, v, *cache_args(pc, step), n, sink, recent)
+    cache, batch = pc.mixed(), step.batch()
+    oscar_dense_kv(k_out, v_out, k, v, cache=cache, batch=batch, cu_k=cu_k, max_seq_len=int(step.seq_lens.max()) + 65)
+    want_k, want_v = oscar_dense_kv_reference(k, v, cache=cache, batch=batch)
     assert k_out[total:].isnan().all() and v_out[total:].isnan().all()
     torch.testing.assert_close(k_out[:total].cpu(), want_k.to(out_dtype), rtol=0, atol=0)
     torch.testing.assert_close(v_out[:total].cpu(), want_v.to(out_dtype), rtol=0, atol=0)
@@ -101,17 +100,15 @@ def test_dense_kv_reads_int2_keys_plus_their_mean(case, out_dtype, pairs):
         km.model = KeyMean.from_cos_sin_cache(km.mean.cpu(), km.table.cpu())
     pc, step, q, q_rot, k, v = prepare(*case, torch.float32, key_mean=km)
     rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
-    n = len(new)
     cu_k = cumulative(step.seq_lens)
     total = int(cu_k[-1])
     k_out = torch.full((total + 70, hkv, d), float("nan"), dtype=out_dtype, device=DEVICE)
     v_out = torch.full_like(k_out, float("nan"))
-    oscar_dense_kv(k_out, v_out, k, v, *cache_args(pc, step)[:7], cu_k, step.ring_slots, n,
-                   int(step.seq_lens.max()) + 65, sink, recent, mean_basis=key_mean_basis(km.mean, rot),
-                   cos_sin=km.table)
-    want_k, want_v = oscar_dense_kv_reference(k, v, *cache_args(pc, step), n, sink, recent, key_mean=km.twin,
-                                              rot_k=rot)
-    without_k, _ = oscar_dense_kv_reference(k, v, *cache_args(pc, step), n, sink, recent)
+    cache, batch = pc.mixed(), step.batch()
+    oscar_dense_kv(k_out, v_out, k, v, cache=cache, batch=batch, cu_k=cu_k, max_seq_len=int(step.seq_lens.max()) + 65,
+                   mean_basis=key_mean_basis(km.mean, rot), cos_sin=km.table)
+    want_k, want_v = oscar_dense_kv_reference(k, v, cache=cache, batch=batch, key_mean=km.twin, rot_k=rot)
+    without_k, _ = oscar_dense_kv_reference(k, v, cache=cache, batch=batch)
     assert k_out[total:].isnan().all() and v_out[total:].isnan().all()
     if out_dtype == torch.float32:
         torch.testing.assert_close(k_out[:total].cpu(), want_k, rtol=0, atol=DENSE_KEY_MEAN_FP32_ATOL)
@@ -126,17 +123,19 @@ def test_dense_kv_reads_int2_keys_plus_their_mean(case, out_dtype, pairs):
 def test_dense_kv_rejects_a_key_mean_basis_without_its_table():
     pc, step, q, q_rot, k, v = prepare(64, 1, 2, 4, 8, [70], [3], torch.float32)
     out = torch.empty(73, 1, 64, device=DEVICE)
-    args = (out, out.clone(), k, v, *cache_args(pc, step)[:7], cumulative(step.seq_lens), step.ring_slots, 1, 73, 4, 8)
+    args = (out, out.clone(), k, v)
+    kw = dict(cache=pc.mixed(), batch=step.batch(), cu_k=cumulative(step.seq_lens), max_seq_len=73)
     km = KeyMeanCase(1, 64, 73)
     with pytest.raises(ValueError, match="pass both or neither"):
-        oscar_dense_kv(*args, mean_basis=key_mean_basis(km.mean, random_rotation(64).to(DEVICE)))
+        oscar_dense_kv(*args, **kw, mean_basis=key_mean_basis(km.mean, random_rotation(64).to(DEVICE)))
     with pytest.raises(ValueError, match="must be a KeyMeanBasis"):
-        oscar_dense_kv(*args, mean_basis=torch.zeros(64, 1, 64, device=DEVICE), cos_sin=km.table)
+        oscar_dense_kv(*args, **kw, mean_basis=torch.zeros(64, 1, 64, device=DEVICE), cos_sin=km.table)
     basis = key_mean_basis(km.mean, random_rotation(64).to(DEVICE))
     with pytest.raises(ValueError, match=r"rows must be contiguous fp32 \[K, 1, 64\]"):
-        oscar_dense_kv(*args, mean_basis=basis._replace(rows=basis.rows[:, :, :32].contiguous()), cos_sin=km.table)
+        oscar_dense_kv(*args, **kw, mean_basis=basis._replace(rows=basis.rows[:, :, :32].contiguous()),
+                       cos_sin=km.table)
     with pytest.raises(ValueError, match=r"columns must be contiguous int32 \[1, 32\]"):
-        oscar_dense_kv(*args, mean_basis=basis._replace(columns=basis.columns.long()), cos_sin=km.table)
+        oscar_dense_kv(*args, **kw, mean_basis=basis._replace(columns=basis.columns.long()), cos_sin=km.table)
 
 
 @pytest.mark.parametrize("rows", ["window", "int2"])
@@ -147,24 +146,23 @@ def test_dense_kv_fills_the_decode_reads_rows(case, rows):
     sink only (a ``cu_q`` of empty chunks)."""
     d, hkv, g, sink, recent, prefix, new = case
     pc, step, q, q_rot, k, v = prepare(*case, torch.float32)
-    n, seq = len(new), step.seq_lens.long()
+    seq = step.seq_lens.long()
     q_len = (step.cu_q[1:] - step.cu_q[:-1]).long()
     if rows == "window":
         count = torch.minimum(seq, q_len + recent - 1)
         cu_q, kw = step.cu_q, dict(first_pos=(seq - count).to(torch.int32))
     else:  # after the chunk's write, as the prefill runs it
-        oscar_write_reference(k, v, random_rotation(d).to(DEVICE), step.slot_mapping, step.cu_q, step.seq_lens,
-                              step.ring_slots, n, pc.cache, pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V,
-                              sink, recent)
+        oscar_write_reference(k, v, rot_k=random_rotation(d).to(DEVICE), slot_mapping=step.slot_mapping,
+                              cache=pc.mixed(), batch=step.batch(), clip_ratio_k=CLIP_K, clip_ratio_v=CLIP_V)
         count = (seq - recent).clamp(min=0)
         cu_q, kw = torch.zeros_like(step.cu_q), dict(drop_last=recent, ring_recent=False)
     cu_k = cumulative(count)
     total = int(cu_k[-1])
     k_out = torch.full((total + 70, hkv, d), float("nan"), device=DEVICE)
     v_out = torch.full_like(k_out, float("nan"))
-    args = (pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table, step.seq_lens, cu_q)
-    oscar_dense_kv(k_out, v_out, k, v, *args, cu_k, step.ring_slots, n, int(seq.max()) + 65, sink, recent, **kw)
-    want_k, want_v = oscar_dense_kv_reference(k, v, *args, step.ring_slots, n, sink, recent, **kw)
+    cache, batch = pc.mixed(), step.batch()._replace(cu_q=cu_q)
+    oscar_dense_kv(k_out, v_out, k, v, cache=cache, batch=batch, cu_k=cu_k, max_seq_len=int(seq.max()) + 65, **kw)
+    want_k, want_v = oscar_dense_kv_reference(k, v, cache=cache, batch=batch, **kw)
     assert want_k.shape[0] == total and k_out[total:].isnan().all() and v_out[total:].isnan().all()
     torch.testing.assert_close(k_out[:total].cpu(), want_k, rtol=0, atol=0)
     torch.testing.assert_close(v_out[:total].cpu(), want_v, rtol=0, atol=0)
@@ -181,11 +179,12 @@ def run_decode_read(case, dtype, attention, merge, spare_rows=64):
     seq, q_len = step.seq_lens.long().cpu(), (step.cu_q[1:] - step.cu_q[:-1]).long().cpu()
     k_rot = (k.float() @ rot).to(dtype)
     # The reference's rows: BF16 as the window reads them (before the write), INT2 after it.
-    k_bf16, v_bf16 = oscar_dense_kv_reference(k_rot, v, *cache_args(pc, step), n, sink, recent)
+    cache, batch = pc.mixed(), step.batch()
+    k_bf16, v_bf16 = oscar_dense_kv_reference(k_rot, v, cache=cache, batch=batch)
 
     def write():
-        oscar_write_reference(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, n,
-                              pc.cache, pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
+        oscar_write_reference(k, v, rot_k=rot, slot_mapping=step.slot_mapping, cache=cache, batch=batch,
+                              clip_ratio_k=CLIP_K, clip_ratio_v=CLIP_V)
 
     n_int2, n_window = (seq - recent).clamp(min=0), torch.minimum(seq, q_len + recent - 1)
     rows = int(n_int2.sum() + n_window.sum()) + spare_rows
@@ -195,10 +194,9 @@ def run_decode_read(case, dtype, attention, merge, spare_rows=64):
         rows_int2=int(n_int2.sum()), max_int2=int(n_int2.max()), rows_window=int(n_window.sum()),
         max_window=int(n_window.max()), max_seq_len=int(seq.max()), write=write, attention=attention, merge=merge)
     out = torch.full_like(q, float("nan"))
-    oscar_decode_read_prefill(out, q_rot, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
-                              step.seq_lens, step.cu_q, step.ring_slots, n, step.max_query_len, sink, recent, plan)
-    k_int2, v_int2 = oscar_dense_kv_reference(k_rot, v, *cache_args(pc, step)[:6], torch.zeros_like(step.cu_q),
-                                              step.ring_slots, n, sink, recent, ring_recent=False)
+    oscar_decode_read_prefill(out, q_rot, v, cache=cache, batch=batch, plan=plan)
+    no_chunk = batch._replace(cu_q=torch.zeros_like(step.cu_q))
+    k_int2, v_int2 = oscar_dense_kv_reference(k_rot, v, cache=cache, batch=no_chunk, ring_recent=False)
     return out, decode_read_attention_reference(q_rot, k_bf16, v_bf16, k_int2, v_int2, step.seq_lens, step.cu_q, n,
                                                 scale, recent)
 
@@ -229,12 +227,13 @@ def test_decode_read_reference_reads_as_decode_whatever_the_chunks():
 
     def prefill(pc, lo, hi):
         step = pc.schedule({0: hi - lo})
-        args = cache_args(pc, step)
-        k_bf16, v_bf16 = oscar_dense_kv_reference(k_rot[lo:hi], v[lo:hi], *args, 1, sink, recent)
-        oscar_write_reference(k[lo:hi], v[lo:hi], rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, 1,
-                              pc.cache, pc.windows, pc.window_pages, pc.window_pos, CLIP_K, CLIP_V, sink, recent)
-        k_int2, v_int2 = oscar_dense_kv_reference(k_rot[lo:hi], v[lo:hi], *args[:6], torch.zeros_like(step.cu_q),
-                                                  step.ring_slots, 1, sink, recent, ring_recent=False)
+        cache, batch = pc.mixed(), step.batch()
+        k_bf16, v_bf16 = oscar_dense_kv_reference(k_rot[lo:hi], v[lo:hi], cache=cache, batch=batch)
+        oscar_write_reference(k[lo:hi], v[lo:hi], rot_k=rot, slot_mapping=step.slot_mapping, cache=cache, batch=batch,
+                              clip_ratio_k=CLIP_K, clip_ratio_v=CLIP_V)
+        k_int2, v_int2 = oscar_dense_kv_reference(k_rot[lo:hi], v[lo:hi], cache=cache,
+                                                  batch=batch._replace(cu_q=torch.zeros_like(step.cu_q)),
+                                                  ring_recent=False)
         chunk_read, _ = causal_attention_reference(q_rot[lo:hi], k_bf16, v_bf16, step.cu_q, cumulative(step.seq_lens),
                                                    1, scale)
         decode_read = decode_read_attention_reference(q_rot[lo:hi], k_bf16, v_bf16, k_int2, v_int2, step.seq_lens,
@@ -258,10 +257,10 @@ def test_dense_kv_reads_the_ring_only_in_the_window():
     """The ring holds the sink and the last ``recent`` positions; only those rows differ from INT2."""
     case = (64, 1, 2, 4, 8, [100], [5])
     pc, step, q, q_rot, k, v = prepare(*case, torch.float32)
-    args = (k, v, *cache_args(pc, step), 1, 4, 8)
-    with_ring, _ = oscar_dense_kv_reference(*args)
+    kw = dict(cache=pc.mixed(), batch=step.batch())
+    with_ring, _ = oscar_dense_kv_reference(k, v, **kw)
     pc.window_pos.fill_(-1)
-    without, _ = oscar_dense_kv_reference(*args)
+    without, _ = oscar_dense_kv_reference(k, v, **kw)
     moved = (with_ring - without).abs().amax(dim=(1, 2)) > 0
     assert moved.nonzero().flatten().tolist() == [0, 1, 2, 3] + list(range(93, 100))
 
@@ -279,7 +278,7 @@ def dense_prefill_against_reference(case, dtype, grouped: bool, roomy: bool = Fa
     km = KeyMeanCase(hkv, d, max(prefix) + max(new) + 1) if key_mean else None
     pc, step, q, q_rot, k, v = prepare(*case, dtype, key_mean=km)
     rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
-    t, hq, n, scale = q.shape[0], hkv * g, len(new), 1 / math.sqrt(d)
+    t, hq, scale = q.shape[0], hkv * g, 1 / math.sqrt(d)
     num_decodes = sum(1 for x in case[6] if x == 1)
     shapes = tuple((q_len, p + q_len) for p, q_len in zip(case[5][num_decodes:], case[6][num_decodes:]))
     rows = max(s for _, s in shapes) if grouped and not roomy else int(step.seq_lens.sum()) + 64
@@ -299,10 +298,11 @@ def dense_prefill_against_reference(case, dtype, grouped: bool, roomy: bool = Fa
     part_out = torch.empty(t * hq * 4 * d, device=DEVICE)
     part_lse = torch.empty(t * hq * 4, device=DEVICE)
     mean = dict(key_mean=km.mean, cos_sin=km.table) if km else {}
-    oscar_attention(out, q, q_rot, k, v, *cache_args(pc, step), num_decodes, n, step.max_query_len, scale, sink,
-                    recent, decode_splits=4, part_out=part_out, part_lse=part_lse, dense=dense, **mean)
-    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), n, scale, sink, recent,
-                                     key_mean=km and km.twin, rot_k=rot)
+    cache, batch = pc.mixed(), step.batch(num_decodes)
+    oscar_attention(out, q, q_rot, k, v, cache=cache, batch=batch, scale=scale, decode_splits=4, part_out=part_out,
+                    part_lse=part_lse, dense=dense, **mean)
+    want = oscar_attention_reference(q, q_rot, k, v, cache=cache, batch=batch, scale=scale, key_mean=km and km.twin,
+                                     rot_k=rot)
     # fp32: the chunk's own keys meet the queries rotated, (q R)·(k R), in the dense pass and
     # unrotated in the reference: on the H200, 2 of 3.9M outputs moved by up to 1.5e-4. bf16:
     # the dense rows are rounded to bf16 as well (the reference keeps fp32 INT2 values): on the
@@ -350,13 +350,13 @@ def test_a_dense_prefill_needs_the_basis_of_the_mean_the_kernels_add():
     buf = torch.zeros(1000, hkv, d, device=DEVICE)
     dense = DensePrefill(k_rot=k, k_buf=buf, v_buf=buf.clone(), max_seq_len=int(step.seq_lens.max()),
                          attention=dense_twin(1.0))
-    args = (torch.empty_like(q), q, q_rot, k, v, *cache_args(pc, step), 0, len(new), step.max_query_len, 1.0, sink,
-            recent)
+    args = (torch.empty_like(q), q, q_rot, k, v)
+    kw = dict(cache=pc.mixed(), batch=step.batch(), scale=1.0)
     with pytest.raises(ValueError, match="exactly when the INT2 kernels do"):
-        oscar_attention(*args, dense=dense, key_mean=km.mean, cos_sin=km.table)
+        oscar_attention(*args, **kw, dense=dense, key_mean=km.mean, cos_sin=km.table)
     dense.mean_basis, dense.cos_sin = key_mean_basis(km.mean, random_rotation(d).to(DEVICE)), km.table
     with pytest.raises(ValueError, match="exactly when the INT2 kernels do"):
-        oscar_attention(*args, dense=dense)
+        oscar_attention(*args, **kw, dense=dense)
 
 
 @pytest.mark.parametrize("case", GROUPED_CASES, ids=case_id)
@@ -378,8 +378,8 @@ def test_dense_kv_rejects_a_buffer_of_the_wrong_shape():
     pc, step, q, q_rot, k, v = prepare(64, 1, 2, 4, 8, [70], [3], torch.float32)
     bad = torch.empty(100, 2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="k_out must be contiguous"):
-        oscar_dense_kv(bad, bad, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
-                       step.seq_lens, step.cu_q, cumulative(step.seq_lens), step.ring_slots, 1, 73, 4, 8)
+        oscar_dense_kv(bad, bad, k, v, cache=pc.mixed(), batch=step.batch(), cu_k=cumulative(step.seq_lens),
+                       max_seq_len=73)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention needs a GPU")
@@ -415,11 +415,11 @@ def test_dense_prefill_through_flash_attention_ignores_rows_past_the_batch(prefi
                          prefill_shapes=tuple((n, p + n) for p, n in zip(prefix, new)))
     dense = OscarAttentionImpl.dense_prefill(impl, md, k)
     out = torch.full_like(q, float("nan"))
-    oscar_attention(out, q, q_rot, k, v, *cache_args(pc, step), 0, len(new), step.max_query_len, scale, sink,
-                    recent, dense=dense, **mean)
+    cache, batch = pc.mixed(), step.batch()
+    oscar_attention(out, q, q_rot, k, v, cache=cache, batch=batch, scale=scale, dense=dense, **mean)
     assert not out.isnan().any()
-    want = oscar_attention_reference(q, q_rot, k, v, *cache_args(pc, step), len(new), scale, sink, recent,
-                                     key_mean=km and km.twin, rot_k=rot)
+    want = oscar_attention_reference(q, q_rot, k, v, cache=cache, batch=batch, scale=scale, key_mean=km and km.twin,
+                                     rot_k=rot)
     # The twin's bounds (test_dense_prefill_matches_reference) with room for FlashAttention's
     # bf16 probabilities in p @ v; garbage read past the batch lands far outside them.
     assert_close_to_reference(out, want, dtype, bf16_max=3e-2, bf16_mean=1.2e-2)

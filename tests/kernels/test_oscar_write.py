@@ -10,7 +10,7 @@ import triton.language as tl
 
 from csrc_triton.oscar_write import _kth_smallest_abs, oscar_write
 from oscar_vllm.core.quant import clip_index, unpack_int2
-from csrc_triton.paged_layout import BLOCK_SIZE
+from csrc_triton.paged_layout import BLOCK_SIZE, BatchLayout
 from oscar_vllm.core.key_mean import KeyMean
 from oscar_vllm.reference.oscar_write import oscar_write_decode_reference, oscar_write_reference, token_positions
 from oscar_vllm.reference.paged import layout_views, window_views
@@ -50,16 +50,15 @@ def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, launc
         t = int(step.cu_q[-1])
         k = random_rows((t, hkv, d), dtype, seed=2 * i)
         v = random_rows((t, hkv, d), dtype, seed=2 * i + 1)
-        common = (step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, len(step.reqs))
         if key_mean:
             _, pos = token_positions(step.cu_q, step.seq_lens, len(step.reqs))
             k = (k.float() + model.turned(pos).to(DEVICE)).to(dtype)
-        num_decodes = next((i for i, n in enumerate(new.values()) if n > 1), len(new))
-        oscar_write(k, v, rot, *common, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                    clip_index(0.96, d), clip_index(0.92, d), sink, recent, param_dtype, num_decodes, launch,
-                    key_mean=mean, cos_sin=table)
-        oscar_write_reference(k, v, rot, *common, ref.cache, ref.windows, ref.window_pages, ref.window_pos,
-                              0.96, 0.92, sink, recent, param_dtype, key_mean=km)
+        batch = step.batch(num_decodes=next((i for i, n in enumerate(new.values()) if n > 1), len(new)))
+        oscar_write(k, v, rot_k=rot, slot_mapping=step.slot_mapping, cache=pc.mixed(param_dtype), batch=batch,
+                    clip_idx_k=clip_index(0.96, d), clip_idx_v=clip_index(0.92, d), launch=launch, key_mean=mean,
+                    cos_sin=table)
+        oscar_write_reference(k, v, rot_k=rot, slot_mapping=step.slot_mapping, cache=ref.mixed(param_dtype),
+                              batch=batch, clip_ratio_k=0.96, clip_ratio_v=0.92, key_mean=km)
     return pc, ref
 
 
@@ -138,7 +137,8 @@ DECODE_CASES = [
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels run on a GPU only")
 @pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-s{c[4]}-r{c[5]}-n{len(c[6])}-clip{c[7][0]}/{c[7][1]}")
+@pytest.mark.parametrize("case", DECODE_CASES,
+                         ids=lambda c: f"d{c[0]}-h{c[1]}x{c[2]}-s{c[4]}-r{c[5]}-n{len(c[6])}-clip{c[7][0]}/{c[7][1]}")
 def test_decode_write_matches_reference(case, param_dtype):
     check_decode_write(case, param_dtype)
 
@@ -183,26 +183,29 @@ def check_decode_write(case, param_dtype, query_rows=None, key_mean=None, pad=0)
     rot = random_rotation(d, hkv if per_head else None).to(DEVICE)
     todo = {r: p for r, p in enumerate(prefix) if p}
     st = pc.schedule(todo)
-    k, v = random_rows((int(st.cu_q[-1]), hkv, d), torch.bfloat16, 1), random_rows((int(st.cu_q[-1]), hkv, d), torch.bfloat16, 2)
-    oscar_write(k, v, rot, st.slot_mapping, st.cu_q, st.seq_lens, st.ring_slots, len(todo), pc.cache, pc.windows,
-                pc.window_pages, pc.window_pos, clip_index(0.96, d), clip_index(0.92, d), sink, recent, param_dtype)
+    t = int(st.cu_q[-1])
+    k, v = random_rows((t, hkv, d), torch.bfloat16, 1), random_rows((t, hkv, d), torch.bfloat16, 2)
+    oscar_write(k, v, rot_k=rot, slot_mapping=st.slot_mapping, cache=pc.mixed(param_dtype), batch=st.batch(),
+                clip_idx_k=clip_index(0.96, d), clip_idx_v=clip_index(0.92, d))
     ref = pc.clone()
     step = pc.schedule({r: 1 for r in range(n)})
     slot_mapping, seq_lens, ring_slots = (padded(step.slot_mapping, pad, -1), padded(step.seq_lens, pad, 0),
                                           padded(step.ring_slots, pad, 0))
     t = n + pad
+    cu_q = torch.arange(t + 1, dtype=torch.int32, device=DEVICE)
+    batch = BatchLayout(padded(step.block_table, pad, 0), seq_lens, cu_q, ring_slots, t, num_decodes=t, max_query_len=1)
     k, v = random_rows((t, hkv, d), torch.bfloat16, 3), random_rows((t, hkv, d), torch.bfloat16, 4)
     if km:
         k = km.keys_at(k, (seq_lens.long().cpu() - 1).clamp(min=0))
     q = random_rows((t, hkv * g, d), torch.bfloat16, 5)
     q_rot = torch.full_like(q, float("nan"))
-    oscar_write_decode(k, v, q, q_rot, decode_rotation(rot), slot_mapping, seq_lens, ring_slots,
-                       pc.cache, pc.windows, pc.window_pages, pc.window_pos, clip_index(clip_k, d),
-                       clip_index(clip_v, d), sink, recent, param_dtype, query_rows=query_rows,
+    oscar_write_decode(k, v, q, q_rot, rot_t=decode_rotation(rot), slot_mapping=slot_mapping,
+                       cache=pc.mixed(param_dtype), batch=batch, clip_idx_k=clip_index(clip_k, d),
+                       clip_idx_v=clip_index(clip_v, d), query_rows=query_rows,
                        **(dict(key_mean=km.mean, cos_sin=km.table) if key_mean == "write" else {}))
-    want = oscar_write_decode_reference(k, v, q, rot, slot_mapping, seq_lens, ring_slots, ref.cache,
-                                        ref.windows, ref.window_pages, ref.window_pos, clip_k, clip_v, sink, recent,
-                                        param_dtype, key_mean=km.twin if key_mean == "write" else None)
+    want = oscar_write_decode_reference(k, v, q, rot_k=rot, slot_mapping=slot_mapping, cache=ref.mixed(param_dtype),
+                                        batch=batch, clip_ratio_k=clip_k, clip_ratio_v=clip_v,
+                                        key_mean=km.twin if key_mean == "write" else None)
     assert_same_cache(pc, ref, d, hkv, sink, param_dtype)
     # The queries: bf16 operands in the tensor cores, as bf16 as the model's queries.
     err = (q_rot.float().cpu() - want).abs()
@@ -211,7 +214,7 @@ def check_decode_write(case, param_dtype, query_rows=None, key_mean=None, pad=0)
 
 
 def test_decode_write_tiles_follow_the_launch_table(monkeypatch):
-    import csrc_triton.oscar_write as ow
+    import csrc_triton.gluon_layout as ow
 
     # 4 query heads a KV head: 16 rows are 4 tokens on 8 warps (a K or V row each), 32 rows 8 on 16.
     assert ow.decode_write_tiles(4, 128) == dict(TP=4, QM=16, KM=16, num_warps=8)
@@ -290,9 +293,8 @@ def test_padding_tokens_are_skipped():
     step = pc.schedule({0: 5})
     step.slot_mapping[:] = -1
     k = random_rows((5, 1, 64), torch.float32, 0)
-    oscar_write(k, k, random_rotation(64).to(DEVICE), step.slot_mapping, step.cu_q, step.seq_lens,
-                step.ring_slots, 1, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                clip_index(0.96, 64), clip_index(0.92, 64), 2, 4)
+    oscar_write(k, k, rot_k=random_rotation(64).to(DEVICE), slot_mapping=step.slot_mapping, cache=pc.mixed(),
+                batch=step.batch(), clip_idx_k=clip_index(0.96, 64), clip_idx_v=clip_index(0.92, 64))
     assert torch.equal(before, pc.cache)
     assert bool((pc.window_pos == -1).all())
 

@@ -7,26 +7,28 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from csrc_triton.oscar_attention import (
+from csrc_triton import gluon_layout
+from csrc_triton import oscar_decode as gluon_decode
+from csrc_triton.gluon_layout import DECODE_LAUNCH as GLUON_DECODE_LAUNCH, FIXED_SPLITS_RING_COST
+from csrc_triton.merge_splits import _merge_splits_kernel
+from csrc_triton.oscar_attention import _oscar_attention_kernel
+from csrc_triton.oscar_dense_kv import _oscar_dense_kv_kernel, key_mean_basis, oscar_dense_kv
+from csrc_triton.oscar_write import _oscar_write_decode_kernel, _oscar_write_kernel, oscar_write
+from csrc_triton.paged_layout import (
     DECODE_LAUNCH,
-    DensePrefill,
-    _merge_splits_kernel,
-    _oscar_attention_kernel,
+    WRITE_LAUNCH,
+    BatchLayout,
     decode_split_rows,
     decode_splits,
-    oscar_attention,
+    launch_bucket,
 )
-from csrc_triton import oscar_decode as gluon_decode
-from csrc_triton.oscar_decode import DECODE_LAUNCH as GLUON_DECODE_LAUNCH, FIXED_SPLITS_RING_COST
-from csrc_triton.oscar_dense_kv import _oscar_dense_kv_kernel, key_mean_basis, oscar_dense_kv
-from csrc_triton.oscar_write import WRITE_LAUNCH, _oscar_write_decode_kernel, _oscar_write_kernel, oscar_write
-from csrc_triton.paged_layout import launch_bucket
 from csrc_triton.warm_up import decode_variants, gluon_decode_variants, launch_all, warm_up_kernels
 from kernel_cases import (
     CLIP_K, CLIP_V, DEVICE, ON_GPU, KeyMeanCase, prepare, random_rotation,
 )
 from oscar_vllm.core.quant import clip_index
 from oscar_vllm.core.settings import OscarSettings
+from oscar_vllm.serving.prefill import DensePrefill, oscar_attention
 from paged_sim import PagedCache
 
 KERNELS = (_oscar_attention_kernel, _merge_splits_kernel, _oscar_dense_kv_kernel, _oscar_write_kernel)
@@ -74,9 +76,8 @@ def test_warm_up_writes_nothing(dense, decode_read, key_mean):
     pc, rot = _layer()
     before = [t.clone() for t in (pc.cache, pc.windows, pc.window_pages, pc.window_pos)]
     km = KeyMeanCase(2, 64, 128)
-    n = warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, 4, torch.float32, 4, 8,
-                        torch.float16, max_num_seqs=9, max_num_tokens=64, num_sms=4, merge_self=True, dense=dense,
-                        decode_read=decode_read,
+    n = warm_up_kernels(cache=pc.mixed(), rot_k=rot, num_heads=4, dtype=torch.float32, max_num_seqs=9,
+                        max_num_tokens=64, num_sms=4, merge_self=True, dense=dense, decode_read=decode_read,
                         key_mean=dict(key_mean=km.mean, cos_sin=km.table) if key_mean else None,
                         dense_mean_basis=key_mean_basis(km.mean, rot) if key_mean else None)
     # 64 tokens: one write bucket of WRITE_LAUNCH; the decode read's two dense fills
@@ -91,9 +92,9 @@ def test_warm_up_of_the_gluon_key_mean_variants_takes_the_layers_operands():
     pc, rot = _layer()
     km = KeyMeanCase(2, 64, 128)
     with pytest.raises(ValueError, match="key_mean_operands"):
-        warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, 4, torch.bfloat16, 4, 8,
-                        torch.float16, max_num_seqs=9, max_num_tokens=64, num_sms=4, merge_self=True, dense=False,
-                        gluon=True, key_mean=dict(key_mean=km.mean, cos_sin=km.table))
+        warm_up_kernels(cache=pc.mixed(), rot_k=rot, num_heads=4, dtype=torch.bfloat16, max_num_seqs=9,
+                        max_num_tokens=64, num_sms=4, merge_self=True, dense=False, gluon=True,
+                        key_mean=dict(key_mean=km.mean, cos_sin=km.table))
 
 
 def test_warm_up_of_the_dense_key_mean_variant_takes_the_layers_basis():
@@ -102,8 +103,8 @@ def test_warm_up_of_the_dense_key_mean_variant_takes_the_layers_basis():
     pc, rot = _layer()
     km = KeyMeanCase(2, 64, 128)
     with pytest.raises(ValueError, match="key_mean_basis"):
-        warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, 4, torch.bfloat16, 4, 8,
-                        torch.float16, max_num_seqs=9, max_num_tokens=64, num_sms=4, merge_self=True, dense=True,
+        warm_up_kernels(cache=pc.mixed(), rot_k=rot, num_heads=4, dtype=torch.bfloat16, max_num_seqs=9,
+                        max_num_tokens=64, num_sms=4, merge_self=True, dense=True,
                         key_mean=dict(key_mean=km.mean, cos_sin=km.table))
 
 
@@ -155,8 +156,8 @@ def test_the_record_keys_a_launch_as_triton_does(monkeypatch):
 
     def fill(k_new, ring_slots=step.ring_slots):
         buf = [torch.empty(int(cu_k[-1]), 2, 64, device=DEVICE) for _ in range(2)]
-        oscar_dense_kv(*buf, k_new, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
-                       step.seq_lens, step.cu_q, cu_k, ring_slots, 3, int(step.seq_lens.max()), 4, 8)
+        oscar_dense_kv(*buf, k_new, v, cache=pc.mixed(), batch=step.batch()._replace(ring_slots=ring_slots), cu_k=cu_k,
+                       max_seq_len=int(step.seq_lens.max()))
 
     def at_offset(x, elements):  # x's values, `elements` into a fresh storage
         y = torch.empty(x.numel() + elements, dtype=x.dtype, device=x.device)[elements:].view(x.shape)
@@ -198,8 +199,8 @@ def test_warm_up_in_threads_compiles_what_one_thread_does(gluon, tmp_path, monke
         monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / f"threads{threads}"))
         for kernel in WARMED_UP:
             kernel.device_caches.clear()
-        n = warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, rot, hkv * g, torch.bfloat16, sink,
-                            recent, torch.float16, 256, 8192, num_sms, merge_self=True, dense=True, gluon=gluon,
+        n = warm_up_kernels(cache=pc.mixed(), rot_k=rot, num_heads=hkv * g, dtype=torch.bfloat16, max_num_seqs=256,
+                            max_num_tokens=8192, num_sms=num_sms, merge_self=True, dense=True, gluon=gluon,
                             decode_read=True, threads=threads)
         torch.cuda.synchronize()
         dev = torch.cuda.current_device()
@@ -236,7 +237,7 @@ class LayerLaunches:
         self.basis = dict(mean_basis=key_mean_basis(km.mean, self.rot), cos_sin=km.table) if km else {}
         self.operands = km.operands() if km and gluon else None
         # The Gluon decode's splits fill whole waves: its scratch has more rows than the Triton one's.
-        rows = self.max_seqs * fixed_splits or (gluon_decode.decode_split_rows if gluon else decode_split_rows)(
+        rows = self.max_seqs * fixed_splits or (gluon_layout.decode_split_rows if gluon else decode_split_rows)(
             self.max_seqs, self.hkv, NUM_SMS)
         hq = self.hkv * self.g
         self.part_out = torch.empty(rows * hq * self.d, dtype=torch.float32, device=DEVICE)
@@ -244,15 +245,15 @@ class LayerLaunches:
         self.clips, self.scale = (clip_index(CLIP_K, self.d), clip_index(CLIP_V, self.d)), self.d ** -0.5
 
     def warm_up(self, pc) -> None:
-        warm_up_kernels(pc.cache, pc.windows, pc.window_pages, pc.window_pos, self.rot, self.hkv * self.g, self.dtype,
-                        self.sink, self.recent, torch.float16, self.max_seqs, self.max_tokens, NUM_SMS,
+        warm_up_kernels(cache=pc.mixed(), rot_k=self.rot, num_heads=self.hkv * self.g, dtype=self.dtype,
+                        max_num_seqs=self.max_seqs, max_num_tokens=self.max_tokens, num_sms=NUM_SMS,
                         merge_self=self.merge_self, dense=True, gluon=self.gluon, decode_read=self.decode_read,
                         logit_correction=self.lam, key_mean=self.mean or None,
                         decode_key_mean=self.operands, dense_mean_basis=self.basis.get("mean_basis"),
                         fixed_splits=self.fixed_splits)
 
     def splits(self, nd: int) -> int:  # the builder's count (OscarAttentionMetadataBuilder)
-        kernel = gluon_decode.decode_splits if self.gluon else decode_splits
+        kernel = gluon_layout.decode_splits if self.gluon else decode_splits
         return self.fixed_splits or kernel(nd, self.hkv, NUM_SMS)
 
     def dense(self, k_prefill, rows: int, max_seq_len: int, shapes=()) -> DensePrefill:
@@ -261,42 +262,44 @@ class LayerLaunches:
                             lambda *args: None, shapes, **self.basis)
 
     def serve(self, pc, step, q, q_rot, k, v, nd: int, dense: DensePrefill | None = None) -> None:
-        from csrc_triton.oscar_attention import oscar_prefill_batch
         from csrc_triton.oscar_write import oscar_write_decode
+        from oscar_vllm.serving.prefill import oscar_prefill_batch
 
         num_reqs, t = len(step.seq_lens), int(step.cu_q[-1])
-        cache = (pc.cache, pc.windows, pc.window_pages, pc.window_pos)
-        common = (self.sink, self.recent, torch.float16)
+        cache = pc.mixed()
+        batch = BatchLayout(step.block_table, step.seq_lens, step.cu_q, step.ring_slots, num_reqs, nd,
+                            step.max_query_len)
+        clips = dict(clip_idx_k=self.clips[0], clip_idx_v=self.clips[1])
         out = torch.empty_like(q)
 
         def own_keys(q_p, k_p, v_p, cu, max_q, out_p):
             return torch.zeros(q_p.shape[1], q_p.shape[0], dtype=torch.float32, device=DEVICE)
 
         own = own_keys if self.merge_self else None
+        splits = dict(part_out=self.part_out, part_lse=self.part_lse)
         if not self.gluon:
             for dense_path in (None, dense) if nd < num_reqs else (None,):
-                oscar_attention(out, q, q_rot, k, v, *cache, step.block_table, step.seq_lens, step.cu_q,
-                                step.ring_slots, nd, num_reqs, step.max_query_len, self.scale, *common,
-                                self.splits(nd), self.part_out, self.part_lse, own, True,
-                                dense_path, logit_correction=self.lam, **self.mean)
-            oscar_write(k, v, self.rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, num_reqs, *cache,
-                        *self.clips, *common, nd, **self.mean)
+                oscar_attention(out, q, q_rot, k, v, cache=cache, batch=batch, scale=self.scale,
+                                decode_splits=self.splits(nd), **splits, own_keys_attention=own,
+                                prefill_has_prefix=True, dense=dense_path, logit_correction=self.lam, **self.mean)
+            oscar_write(k, v, rot_k=self.rot, slot_mapping=step.slot_mapping, cache=cache, batch=batch, **clips,
+                        **self.mean)
             return
         if nd:
-            oscar_write_decode(k[:nd], v[:nd], q[:nd], q_rot[:nd], self.rot_t, step.slot_mapping[:nd],
-                               step.seq_lens[:nd], step.ring_slots[:nd], *cache, *self.clips, *common, **self.mean)
+            decodes = batch.requests(0, nd)
+            oscar_write_decode(k[:nd], v[:nd], q[:nd], q_rot[:nd], rot_t=self.rot_t,
+                               slot_mapping=step.slot_mapping[:nd], cache=cache, batch=decodes, **clips, **self.mean)
             gluon_decode.oscar_decode(
-                out[:nd], q_rot[:nd], *cache, step.block_table, step.seq_lens, step.ring_slots, nd, self.scale,
-                *common, self.splits(nd), self.part_out, self.part_lse, logit_correction=self.lam,
-                ring_cost=gluon_decode.decode_ring_cost(nd, self.fixed_splits), q=q[:nd] if self.km else None,
-                key_mean=self.operands)
+                out[:nd], q_rot[:nd], cache=cache, batch=decodes, scale=self.scale, num_splits=self.splits(nd),
+                **splits, logit_correction=self.lam, ring_cost=gluon_layout.decode_ring_cost(nd, self.fixed_splits),
+                q=q[:nd] if self.km else None, key_mean=self.operands)
         if nd < num_reqs:
             for dense_path in (None, dense):
-                oscar_prefill_batch(out, q, q_rot, k, v, *cache, step.block_table, step.seq_lens, step.cu_q,
-                                    step.ring_slots, nd, num_reqs, step.max_query_len, self.scale, *common, own, True,
-                                    dense_path, self.lam, **self.mean)
-            oscar_write(k[nd:t], v[nd:t], self.rot, step.slot_mapping[nd:t], step.cu_q[nd:] - nd, step.seq_lens[nd:],
-                        step.ring_slots[nd:], num_reqs - nd, *cache, *self.clips, *common, **self.mean)
+                oscar_prefill_batch(out, q, q_rot, k, v, cache=cache, batch=batch, scale=self.scale,
+                                    own_keys_attention=own, prefill_has_prefix=True, dense=dense_path,
+                                    logit_correction=self.lam, **self.mean)
+            oscar_write(k[nd:t], v[nd:t], rot_k=self.rot, slot_mapping=step.slot_mapping[nd:t], cache=cache,
+                        batch=batch.requests(nd, num_reqs), **clips, **self.mean)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -324,12 +327,11 @@ def test_serving_after_warm_up_compiles_nothing(dtype, monkeypatch):
             seq, q_len = step.seq_lens[pre], cu[1:] - cu[:-1]
             buf = [torch.empty(2 * (sum(prefix) + sum(new)), layer.hkv, layer.d, dtype=dtype, device=DEVICE)
                    for _ in range(2)]
-            args = (pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table[pre], seq)
             fills = [(cu, dict(first_pos=(seq - torch.minimum(seq, q_len + layer.recent - 1)).to(torch.int32))),
                      (torch.zeros_like(cu), dict(drop_last=layer.recent, ring_recent=False))]
             for cu_q, kw in fills:
-                oscar_dense_kv(*buf, k[nd:], v[nd:], *args, cu_q, cu, step.ring_slots[pre], num_reqs - nd, max_seq,
-                               layer.sink, layer.recent, torch.float16, **kw)
+                batch = BatchLayout(step.block_table[pre], seq, cu_q, step.ring_slots[pre], num_reqs - nd)
+                oscar_dense_kv(*buf, k[nd:], v[nd:], cache=pc.mixed(), batch=batch, cu_k=cu, max_seq_len=max_seq, **kw)
     assert variants.counts() == compiled, f"compiled while serving: {compiled} -> {variants.counts()} ({WRITE_LAUNCH=})"
 
 

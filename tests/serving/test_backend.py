@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernel_cases import CLIP_K, CLIP_V, DEVICE, decode_read_twins, prepare, random_rotation
-from csrc_triton.paged_layout import KEY_MEAN_PAIRS
+from csrc_triton.paged_layout import KEY_MEAN_PAIRS, BatchLayout
 from oscar_vllm.core.quant import clip_index
 from oscar_vllm.reference.oscar_attention import decode_read_attention_reference
 from oscar_vllm.reference.oscar_dense_kv import oscar_dense_kv_reference
@@ -28,9 +28,9 @@ def test_decode_read_prefill_of_a_mixed_batch(buffer_rows, host_shapes):
     scale = 1 / math.sqrt(d)
     attention, merge = decode_read_twins(scale)
     k_rot = (k.float() @ rot)[1:]
-    pre = (pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table[1:], step.seq_lens[1:])
     cu = step.cu_q[1:] - step.cu_q[1]
-    k_bf16, v_bf16 = oscar_dense_kv_reference(k_rot, v[1:], *pre, cu, step.ring_slots[1:], 2, sink, recent)
+    cache, pre = pc.mixed(), BatchLayout(step.block_table[1:], step.seq_lens[1:], cu, step.ring_slots[1:], 2)
+    k_bf16, v_bf16 = oscar_dense_kv_reference(k_rot, v[1:], cache=cache, batch=pre)
     buffers = tuple(torch.full((buffer_rows, hkv, d), float("nan"), device=DEVICE) for _ in range(2))
     impl = SimpleNamespace(
         dense_kv=buffers, flash_attention=attention, merge_attention=merge, sink=sink, recent=recent,
@@ -42,26 +42,26 @@ def test_decode_read_prefill_of_a_mixed_batch(buffer_rows, host_shapes):
         seq_lens=step.seq_lens, block_table=step.block_table, slot_mapping=step.slot_mapping,
         ring_slots=step.ring_slots, window_pages=pc.window_pages)
     out = torch.full_like(q, float("nan"))
-    OscarAttentionImpl.decode_read_prefill(impl, md, q_rot, k, v, out, pc.cache, pc.windows)
+    batch = BatchLayout(step.block_table, step.seq_lens, step.cu_q, step.ring_slots, 3, num_decodes=1)
+    OscarAttentionImpl.decode_read_prefill(impl, md, batch, q_rot, k, v, out, cache)
     assert out[:1].isnan().all(), "the decode's output is the decode kernel's, not this path's"
     assert (pc.window_pos[step.ring_slots[2].long()] >= 0).sum() == sink + recent, "the prefills were written"
     assert buffers[0][:89].isfinite().all() and buffers[0][105 if buffer_rows == 400 else 89:].isnan().all()
-    k_int2, v_int2 = oscar_dense_kv_reference(k_rot, v[1:], *pre, torch.zeros_like(cu), step.ring_slots[1:], 2, sink,
-                                              recent, ring_recent=False)
+    k_int2, v_int2 = oscar_dense_kv_reference(k_rot, v[1:], cache=cache, batch=pre._replace(cu_q=torch.zeros_like(cu)),
+                                              ring_recent=False)
     want = decode_read_attention_reference(q_rot[1:], k_bf16, v_bf16, k_int2, v_int2, step.seq_lens[1:], cu, 2, scale,
                                            recent)
     torch.testing.assert_close(out[1:].cpu(), want, rtol=1e-4, atol=2e-4)
 
 
 def test_decode_read_refuses_rows_its_buffers_do_not_hold():
-    from csrc_triton.oscar_attention import DecodeReadPrefill, oscar_decode_read_prefill
+    from oscar_vllm.serving.prefill import DecodeReadPrefill, oscar_decode_read_prefill
 
     pc, step, q, q_rot, k, v = prepare(64, 1, 2, 4, 8, [50], [20], torch.float32)
     buf = torch.empty(88, 1, 64)
     plan = DecodeReadPrefill(k, buf, buf, 62, 62, 27, 27, 70, write=None, attention=None, merge=None)
     with pytest.raises(ValueError, match=r"needs 62 \+ 27 dense rows, the buffers hold 88"):
-        oscar_decode_read_prefill(q, q_rot, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos, step.block_table,
-                                  step.seq_lens, step.cu_q, step.ring_slots, 1, 20, 4, 8, plan)
+        oscar_decode_read_prefill(q, q_rot, v, cache=pc.mixed(), batch=step.batch(), plan=plan)
 
 
 @pytest.mark.parametrize("has_prefix", [False, True])
@@ -93,7 +93,7 @@ def test_fresh_prefill_queries_are_not_rotated(has_prefix):
         query_start_loc=step.cu_q, seq_lens=step.seq_lens, block_table=step.block_table,
         slot_mapping=step.slot_mapping, ring_slots=step.ring_slots, window_pages=pc.window_pages)
     out = torch.full_like(q, float("nan"))
-    OscarAttentionImpl._forward_write_first(impl, md, q, k, v, out, pc.cache, pc.windows, out)
+    OscarAttentionImpl._forward_write_first(impl, md, step.batch(), q, k, v, out, pc.mixed(), out)
     assert rotated == ([20] if has_prefix else [])
     assert not out.isnan().any() and (pc.window_pos[step.ring_slots[0].long()] >= 0).sum() == sink + recent
     if not has_prefix:
@@ -131,13 +131,11 @@ def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch
     k = km.keys_at(k, token_positions(step.cu_q, step.seq_lens, 2)[1])
     rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
     scale, lam = 1 / math.sqrt(d), 0.0 if path == "dense" else 0.5
-    want = oscar_attention_reference(q, q @ rot, k, v, pc.cache, pc.windows, pc.window_pages, pc.window_pos,
-                                     step.block_table, step.seq_lens, step.cu_q, step.ring_slots, 2, scale, sink,
-                                     recent, logit_correction=lam, key_mean=km.twin, rot_k=rot)
+    want = oscar_attention_reference(q, q @ rot, k, v, cache=pc.mixed(), batch=step.batch(1), scale=scale,
+                                     logit_correction=lam, key_mean=km.twin, rot_k=rot)
     written = pc.clone()
-    oscar_write_reference(k, v, rot, step.slot_mapping, step.cu_q, step.seq_lens, step.ring_slots, 2, written.cache,
-                          written.windows, written.window_pages, written.window_pos, CLIP_K, CLIP_V, sink, recent,
-                          key_mean=km.twin)
+    oscar_write_reference(k, v, rot_k=rot, slot_mapping=step.slot_mapping, cache=written.mixed(), batch=step.batch(1),
+                          clip_ratio_k=CLIP_K, clip_ratio_v=CLIP_V, key_mean=km.twin)
     attention, _ = decode_read_twins(scale)
     impl = SimpleNamespace(
         num_heads=hkv * g, head_size=d, num_kv_heads=hkv, gluon_decode=False, decode_read=False, scale=scale,
@@ -163,19 +161,19 @@ def test_forward_with_key_mean_writes_and_reads_keys_less_their_mean(monkeypatch
         part_lse=torch.empty(2 * hkv * g * 2, device=DEVICE))
     monkeypatch.setattr(backend, "windows_view", lambda cache: pc.windows)
 
-    def decode_twin(out, q_rot, cache, windows, window_pages, window_pos, block_table, seq_lens, ring_slots, n, scale,
-                    sink, recent, param_dtype, *splits, logit_correction, ring_cost, q, key_mean):
+    def decode_twin(out, q_rot, *, cache, batch, scale, num_splits, part_out, part_lse, logit_correction, ring_cost, q,
+                    key_mean):
         assert q is not None and key_mean is impl.decode_key_mean
         twin = KeyMean.from_cos_sin_cache(key_mean["key_mean"].cpu(), key_mean["cos_sin"].cpu(), block=BLOCK_SIZE)
-        out.copy_(oscar_decode_reference(q_rot, cache, windows, window_pages, window_pos, block_table, seq_lens,
-                                         ring_slots, n, scale, sink, recent, param_dtype, logit_correction, twin, rot))
+        out.copy_(oscar_decode_reference(q_rot, cache=cache, batch=batch, scale=scale,
+                                         logit_correction=logit_correction, key_mean=twin, rot_k=rot))
 
-    def write_decode_twin(k, v, q, q_rot, rot_t, slot_mapping, seq_lens, ring_slots, cache, windows, window_pages,
-                          window_pos, clip_idx_k, clip_idx_v, sink, recent, param_dtype, key_mean, cos_sin):
+    def write_decode_twin(k, v, q, q_rot, *, rot_t, slot_mapping, cache, batch, clip_idx_k, clip_idx_v, key_mean,
+                          cos_sin):
         assert rot_t is impl.rot_t and clip_idx_k == impl.clip_idx_k and clip_idx_v == impl.clip_idx_v
-        q_rot.copy_(oscar_write_decode_reference(k, v, q, rot, slot_mapping, seq_lens, ring_slots, cache, windows,
-                                                 window_pages, window_pos, CLIP_K, CLIP_V, sink, recent, param_dtype,
-                                                 KeyMean.from_cos_sin_cache(key_mean.cpu(), cos_sin.cpu(), block=BLOCK_SIZE)))
+        twin = KeyMean.from_cos_sin_cache(key_mean.cpu(), cos_sin.cpu(), block=BLOCK_SIZE)
+        q_rot.copy_(oscar_write_decode_reference(k, v, q, rot_k=rot, slot_mapping=slot_mapping, cache=cache,
+                                                 batch=batch, clip_ratio_k=CLIP_K, clip_ratio_v=CLIP_V, key_mean=twin))
 
     monkeypatch.setattr(backend, "oscar_decode", decode_twin)
     monkeypatch.setattr(backend, "oscar_write_decode", write_decode_twin)
