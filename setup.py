@@ -37,7 +37,7 @@ setup(
         "tqdm",
         "matplotlib",
     ],
-    extras_require={"test": ["pytest"]},
+    extras_require={"test": ["pytest", "ruff==0.17.6"]},  # ruff: .pre-commit-config.yaml's rev; bump them together
     entry_points={
         "console_scripts": [
             "oscar-calibrate=oscar_vllm.calibration.calibrate:main",

@@ -66,7 +66,8 @@ def main() -> None:
     events = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events)
     print(f"{args.backend}: batch {args.batch}, context {args.context}: {1000 * plain / args.steps:.2f} ms per "
-          f"output token ({1000 * wall / args.steps:.2f} ms profiled); the kernels add up to {gpu_us / 1000 / args.steps:.2f} ms per token "
+          f"output token ({1000 * wall / args.steps:.2f} ms profiled); the kernels add up to "
+          f"{gpu_us / 1000 / args.steps:.2f} ms per token "
           f"(GPU busy {100 * gpu_us / 1e6 / wall:.0f}% of the wall time)")
     print(events.table(sort_by="self_device_time_total", row_limit=args.top, max_name_column_width=80))
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=80))
@@ -83,7 +84,8 @@ def main() -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     sites = sync_sites(caught)
-    print(f"{args.backend}: {sum(sites.values()) / args.steps:.1f} host syncs per output token, by where they are asked:")
+    print(f"{args.backend}: {sum(sites.values()) / args.steps:.1f} host syncs per output token, "
+          "by where they are asked:")
     for site, n in sites.most_common(args.top):
         print(f"{n:8d}  {site}")
 

@@ -107,9 +107,11 @@ class Calibration:
 
     def describe(self) -> str:
         rot = "Hadamard" if self.rotation == "hadamard" else (
-            f"OSCAR{' per KV head' if self.per_head else ''}{', softmax-weighted C_S' if self.value_weights == 'softmax' else ''}"
+            f"OSCAR{' per KV head' if self.per_head else ''}"
+            f"{', softmax-weighted C_S' if self.value_weights == 'softmax' else ''}"
             f" from {self.tokens:,} tokens in sequences of {self.seq_len:,}")
-        return f"{rot}; clip per {'KV head' if self.clip == 'head' else 'layer'}, fitted on {self.heldout:,} more tokens"
+        return (f"{rot}; clip per {'KV head' if self.clip == 'head' else 'layer'}, "
+                f"fitted on {self.heldout:,} more tokens")
 
 
 class Calibrator:
@@ -170,7 +172,8 @@ class Calibrator:
             energy = sum(k.square().sum((0, 2)) for k in keys)
             turned = [KeyMean(before, cos, sin).at(k.shape[0] + skip)[skip:].double() for k in keys]
             means["before-rope"][i], means["after-rope"][i] = before.float(), after.float()
-            left["before-rope"][i] = (sum((k - m).square().sum((0, 2)) for k, m in zip(keys, turned)) / energy).mean().item()
+            left["before-rope"][i] = (sum((k - m).square().sum((0, 2)) for k, m in zip(keys, turned))
+                                      / energy).mean().item()
             left["after-rope"][i] = (sum((k - after).square().sum((0, 2)) for k in keys) / energy).mean().item()
         self.cache.mkdir(parents=True, exist_ok=True)
         torch.save((means, left), path)
@@ -200,7 +203,8 @@ class Calibrator:
         less = {i: dataclasses.replace(st, keys=[k - KeyMean(means[i], cos, sin).at(k.shape[0]) for k in st.keys])
                 for i, st in heldout.items()}
         ck, _, report = fit_clip_ratios(rot.key, rot.value, less, c.value_weights)
-        out = dataclasses.replace(rot, clip_ratios_k=ck, calibration={**rot.calibration, "clip_fit_less_key_mean": report})
+        out = dataclasses.replace(rot, clip_ratios_k=ck,
+                                  calibration={**rot.calibration, "clip_fit_less_key_mean": report})
         path.write_bytes(pickle.dumps(out))
         return out
 
@@ -422,8 +426,8 @@ ROWS = [
     Row("uncorrected-key-mean-16pairs-clip96", "uncorrected-key-mean-16pairs with the reference's key clip ratio, "
         "0.96, in every layer (the fitted ones clip more: 0.87-0.93)", calibration=None, key_mean="before-rope",
         key_mean_pairs=16, key_clip_ratio=0.96),
-    Row("uncorrected-key-mean-16pairs-noclip", "uncorrected-key-mean-16pairs with the keys not clipped", calibration=None,
-        key_mean="before-rope", key_mean_pairs=16, key_clip_ratio=1.0),
+    Row("uncorrected-key-mean-16pairs-noclip", "uncorrected-key-mean-16pairs with the keys not clipped",
+        calibration=None, key_mean="before-rope", key_mean_pairs=16, key_clip_ratio=1.0),
     Row("uncorrected-key-mean-16pairs-value-mean", "uncorrected-key-mean-16pairs with the values rounded less "
         "their mean too", calibration=None, key_mean="before-rope", key_mean_pairs=16, value_mean=True),
     Row("uncorrected-key-mean-16pairs-recent320", "uncorrected-key-mean-16pairs with a recent window of 320 (the "
@@ -500,7 +504,8 @@ class WindowScores:
 
 
 @torch.no_grad()
-def position_scores(logits: torch.Tensor, ref_logp: torch.Tensor, targets: torch.Tensor, chunk: int = 1024) -> WindowScores:
+def position_scores(logits: torch.Tensor, ref_logp: torch.Tensor, targets: torch.Tensor,
+                    chunk: int = 1024) -> WindowScores:
     """In chunks of positions, so that an 8K window's [T, vocab] temporaries stay small."""
     nll, kl, top1 = [], [], []
     for a in range(0, targets.numel(), chunk):
@@ -527,7 +532,9 @@ class Study:
         return WindowScores(**torch.load(self.score_path(row, w)))
 
     @torch.no_grad()
-    def run(self, rows: dict[str, tuple[dict[int, LayerCacheSpec], int, int | torch.Tensor]]) -> dict[str, list[WindowScores]]:
+    def run(
+        self, rows: dict[str, tuple[dict[int, LayerCacheSpec], int, int | torch.Tensor]],
+    ) -> dict[str, list[WindowScores]]:
         """``rows``: name -> (specs, sink, recent), the BF16 cache as 'bf16' first: each row's scores
         per window against it, from the cache where they are there."""
         device = next(self.lm.model.parameters()).device
@@ -639,8 +646,8 @@ def markdown(results: dict, meta: dict) -> str:
         f"in BF16 added, averaged over a sequence of that length, at head_dim {PRODUCT_HEAD_DIM}; capacity: KV tokens "
         "per byte of pool at long context against today's page; window: BF16 tokens a running request holds at 8K.",
         "",
-        f"| row | what | page bits (d={meta['head_dim']}) | page bits (d={PRODUCT_HEAD_DIM}) | with windows 2K | 4K | 8K "
-        "| capacity vs today | window at 8K |",
+        f"| row | what | page bits (d={meta['head_dim']}) | page bits (d={PRODUCT_HEAD_DIM}) "
+        "| with windows 2K | 4K | 8K | capacity vs today | window at 8K |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
@@ -680,7 +687,8 @@ def plot(results: dict, meta: dict, path: Path) -> None:
     ax2.set_ylabel("ΔPPL at 8K (%)")
     ax2.set_title("quality against bits (windows not counted)")
     ax2.grid(True, alpha=0.3)
-    fig.suptitle(f"{meta['model']}, {meta['windows']} x {WINDOW:,} tokens; {meta['date']}, {meta['hardware']}", fontsize=9)
+    fig.suptitle(f"{meta['model']}, {meta['windows']} x {WINDOW:,} tokens; {meta['date']}, {meta['hardware']}",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -16,8 +16,9 @@ import pytest
 
 # SmolLM2-135M-Instruct's config.json (the model of the committed rotations), weights not needed.
 SMOLLM2_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
-                  "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                  "max_position_embeddings": 8192, "vocab_size": 49152, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+                  "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                  "num_key_value_heads": 3, "max_position_embeddings": 8192, "vocab_size": 49152,
+                  "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
                   "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32"}
 
 
@@ -57,7 +58,8 @@ def vllm_configs_on_cpu():
     patch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     for name in [n for n in os.environ if n.startswith("OSCAR_")]:
         patch.delenv(name)
-    register()  # as vLLM's plugin loader does when EngineArgs is first built (tests/serving/test_bad_input.py checks that)
+    # As vLLM's plugin loader does when EngineArgs is first built (tests/serving/test_bad_input.py checks that).
+    register()
     try:
         yield EngineArgs
     finally:

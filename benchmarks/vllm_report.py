@@ -50,7 +50,8 @@ def ppl_table(rows: list[dict], ref: dict) -> list[str]:
     out += [f"| reference simulation, OSCAR INT2 (`{m}`{how}) | {sim[m]['ppl']:.3f} | |" for m in methods]
     if "decode_semantics" in ref:
         decode = ref["decode_semantics"]["results"]
-        out += [f"| reference simulation, OSCAR INT2 (`{m}`), every token as decode reads it | {decode[m]['ppl']:.3f} | |"
+        out += [f"| reference simulation, OSCAR INT2 (`{m}`), every token as decode reads it | "
+                f"{decode[m]['ppl']:.3f} | |"
                 for m in methods if m in decode]
     for r in (r for r in rows if r["check"] == "ppl"):
         mode = "eager" if r["eager"] else "torch.compile + CUDA graphs"
@@ -58,7 +59,8 @@ def ppl_table(rows: list[dict], ref: dict) -> list[str]:
         if r["backend"] == "OSCAR":
             m = reference_of(r, methods)
             delta = f"{100 * (r['ppl'] / sim[m]['ppl'] - 1):+.3f}%" + (f" (`{m}`)" if len(methods) > 1 else "")
-        out.append(f"| vLLM {r['backend']}, {r['dtype']}, {mode}, chunked prefill {r['chunk']} | {r['ppl']:.3f} | {delta} |")
+        out.append(f"| vLLM {r['backend']}, {r['dtype']}, {mode}, chunked prefill {r['chunk']} | "
+                   f"{r['ppl']:.3f} | {delta} |")
     return out
 
 

@@ -114,9 +114,11 @@ def main() -> None:
         for engine in BACKENDS:
             result = Path(tmp) / f"{engine}.json"
             print(f"--- {engine}", flush=True)
-            proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--engine", engine, "--result", str(result)])
+            proc = subprocess.run([sys.executable, __file__, *sys.argv[1:],
+                                   "--engine", engine, "--result", str(result)])
             if proc.returncode:
-                sys.exit(f"offline_llm.py: the {engine} engine failed (exit status {proc.returncode}); its log is above")
+                sys.exit(f"offline_llm.py: the {engine} engine failed (exit status {proc.returncode}); "
+                         "its log is above")
             results[engine] = json.loads(result.read_text())
     print()
     compare(results)

@@ -59,7 +59,8 @@ def written_qwen3_8b_rotations(tmp_path_factory) -> Path:
 @pytest.fixture(params=["written", "published"])
 def qwen3_8b_zoo(request) -> Path:
     """Qwen3-8B RotationZoo files: ours in the published layout, then the published ones (if present)."""
-    return request.getfixturevalue({"written": "written_qwen3_8b_rotations", "published": "qwen3_8b_rotations"}[request.param])
+    return request.getfixturevalue({"written": "written_qwen3_8b_rotations",
+                                    "published": "qwen3_8b_rotations"}[request.param])
 
 
 @pytest.fixture(scope="session")

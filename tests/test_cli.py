@@ -80,7 +80,8 @@ def test_evaluate_errors_are_one_line(tmp_path, capsys, monkeypatch):
 
 
 def test_calibrate_errors_are_one_line(tmp_path, capsys):
-    err = one_line_error(capsys, calibrate.main, ["--output-dir", str(tmp_path), "--corpus", str(tmp_path / "nope.txt")])
+    err = one_line_error(capsys, calibrate.main,
+                         ["--output-dir", str(tmp_path), "--corpus", str(tmp_path / "nope.txt")])
     assert "nope.txt: cannot read the --corpus file (No such file or directory)" in err
     (tmp_path / "text.txt").write_text("Too short to calibrate on.")
     args = ["--output-dir", str(tmp_path / "out"), "--corpus", str(tmp_path / "text.txt"), "--model-path"]

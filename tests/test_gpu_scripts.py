@@ -106,7 +106,8 @@ exit 0
 """
 
 
-@pytest.mark.parametrize(("fail_on", "status"), [("none", 0), ("oscar_vllm.calibration.evaluate", 1), ("qwen3", 1), ("FLASH_ATTN", 1)])
+@pytest.mark.parametrize(("fail_on", "status"), [("none", 0), ("oscar_vllm.calibration.evaluate", 1), ("qwen3", 1),
+                                                 ("FLASH_ATTN", 1)])
 def test_run_sh_stage_fails_when_any_of_its_steps_fails(tmp_path, fail_on, status):
     # The e2e stage's OSCAR Qwen3 step once failed (its rotations missing) under an exit status of 0:
     # a stage's group reported its last step's status alone. A failing first, middle or last step

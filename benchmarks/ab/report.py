@@ -154,19 +154,19 @@ def _main_rows(cols: list[Column]):
             g = next((r for r in (g or {}).get("per_context", []) if r["context"] == ctx), None)
         return (g or {}).get(field) if isinstance(g, dict) else None
 
-    for scen, field, template, higher in METRICS:
+    for scen, metric, template, higher in METRICS:
         if scen == "latency":
             contexts = sorted({r["context"] for c in cols for r in (c.run.get("latency") or {}).get("per_context", [])})
             keys = [(ctx, {"context": ctx, "output_len": next(c.run["latency"]["output_len"] for c in cols
                                                                if c.run.get("latency"))}) for ctx in contexts]
         else:
-            having = [g for g in ((c.run.get(scen) or {}) if scen else c.run for c in cols) if field in g]
+            having = [g for g in ((c.run.get(scen) or {}) if scen else c.run for c in cols) if metric in g]
             keys = [(None, having[0])] if having else []
         for ctx, sizes in keys:
             values = {}
             for c in cols:
-                values[c.name] = get(c.run, scen, field, ctx)
-                values[f"base:{c.name}"] = get(c.bases.get(scen), scen, field, ctx)
+                values[c.name] = get(c.run, scen, metric, ctx)
+                values[f"base:{c.name}"] = get(c.bases.get(scen), scen, metric, ctx)
                 values[f"across:{c.name}"] = scen in c.across
             yield (_label(template, sizes) if scen else template), values, higher
 

@@ -6,12 +6,12 @@ OSCAR's key rotation is ``R_K = U H P``: the eigenvectors ``U`` of the query mom
 a Hadamard ``H`` that spreads every eigen-direction over all dims, so that one 2-bit min-max grid
 per row fits them all. But a key's logit error is ``Σ_i e_i Δk_i²`` in the eigenbasis (``e_i`` the
 query energy along ``u_i``), and in the SmolLM2 layers looked at (docs/quality.md) the top 8 of 64
-directions hold 55-69% of it, the bottom 8 0.4-3%. Transform coding says spend the bits there: keep ``U``, sort its directions by ``e_i``
-times the keys' own variance along them, give the first units of 8 directions 4 or 3 bits and
-the last 1 or 0 (2 bits a direction on average, the codes the same 16 bytes a row at head_dim
-64), and mix each group of equal bits with a Hadamard of its own (sizes that are sums of powers of
-two) so one grid per group fits it. Per layer the pattern of bits is the one with the smallest
-held-out logit error of all patterns (``bit_patterns``).
+directions hold 55-69% of it, the bottom 8 0.4-3%. Transform coding says spend the bits there: keep
+``U``, sort its directions by ``e_i`` times the keys' own variance along them, give the first units
+of 8 directions 4 or 3 bits and the last 1 or 0 (2 bits a direction on average, the codes the same
+16 bytes a row at head_dim 64), and mix each group of equal bits with a Hadamard of its own (sizes
+that are sums of powers of two) so one grid per group fits it. Per layer the pattern of bits is the
+one with the smallest held-out logit error of all patterns (``bit_patterns``).
 
 Two ways to store a row's range: ``groups`` gives every group of 2 bits or more its own fp16
 scale and minimum (more parameter bytes than today's page: its figures are a ceiling), ``one
@@ -160,7 +160,8 @@ def head_stats(stats: LayerStats, h: int) -> LayerStats:
     return one
 
 
-def allocated_keys(order: torch.Tensor, u: torch.Tensor, pattern: tuple[int, ...], calib_keys: torch.Tensor) -> EigenBitKeys:
+def allocated_keys(order: torch.Tensor, u: torch.Tensor, pattern: tuple[int, ...],
+                   calib_keys: torch.Tensor) -> EigenBitKeys:
     """The basis and groups of ``pattern`` over the eigen-directions ``u[:, order]``."""
     by_bits: dict[int, list[int]] = {}
     for unit, bits in enumerate(pattern):
@@ -230,10 +231,12 @@ def fit_layer_per_head(calib: LayerStats, heldout: LayerStats) -> tuple[PerHeadK
 def report(rows: dict, fit: list[dict], meta: dict) -> str:
     lines = ["# Keys with their bits where the queries look (SmolLM2, decode reads)", "", *report_header(meta),
              f"- evaluation: {meta['windows']} window(s) of 8,192 tokens of {meta['eval_corpus']}; at 2K and 4K "
-             "the windows' first positions; every row with the logit correction at λ = 0.5 but where its name gives another",
+             "the windows' first positions; every row with the logit correction at λ = 0.5 but where its name "
+             "gives another",
              f"- calibration: {meta['calibration']}", "",
-             "| row | key bits a row (d=64) | key logit error vs today | ΔPPL 2K | ΔPPL 4K | ΔPPL 8K | KL 2K | KL 4K | KL 8K "
-             "| top-1 2K | top-1 4K | top-1 8K |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| row | key bits a row (d=64) | key logit error vs today | ΔPPL 2K | ΔPPL 4K | ΔPPL 8K "
+             "| KL 2K | KL 4K | KL 8K | top-1 2K | top-1 4K | top-1 8K |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         c = r["contexts"]
         lines.append(f"| {name} | {r['key_row_bits']} | {r['key_error_vs_today']} | "
@@ -242,7 +245,8 @@ def report(rows: dict, fit: list[dict], meta: dict) -> str:
                      + " | ".join(f"{100 * c[str(x)]['top1']:.2f}%" for x in qs.TABLE_CONTEXTS) + " |")
     patterns = sorted({tuple(f["pattern"]) for f in fit})
     lines += ["", "Bit patterns chosen (bits per 8 directions, most important first): "
-              + "; ".join(f"{''.join(map(str, p))} in {sum(tuple(f['pattern']) == p for f in fit)} layers" for p in patterns),
+              + "; ".join(f"{''.join(map(str, p))} in {sum(tuple(f['pattern']) == p for f in fit)} layers"
+                          for p in patterns),
               ""]
     return "\n".join(lines)
 
@@ -255,7 +259,8 @@ def plot(results: dict, meta: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    for ax, key, label in ((axes[0], "delta_ppl_pct", "ΔPPL vs BF16 cache (%)"), (axes[1], "kl", "KL(BF16 ‖ row), nats")):
+    for ax, key, label in ((axes[0], "delta_ppl_pct", "ΔPPL vs BF16 cache (%)"),
+                           (axes[1], "kl", "KL(BF16 ‖ row), nats")):
         for name, r in results.items():
             style = dict(lw=2.2, color="k") if name == "debiased-half" else dict(lw=1.2)
             ax.plot(qs.CONTEXTS, [r["contexts"][str(c)][key] for c in qs.CONTEXTS], marker="o", label=name, **style)

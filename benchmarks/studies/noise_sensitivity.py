@@ -81,7 +81,8 @@ def report(result: dict, meta: dict) -> str:
     for eps in meta["eps"]:
         r = {c: result[f"{c}@{eps}"] for c in ("bf16", "oscar")}
         ratio = r["oscar"]["flip_rate"] / r["bf16"]["flip_rate"] if r["bf16"]["flip_rate"] else math.inf
-        rows.append(f"| 2^{math.log2(eps):.0f} | {100 * r['bf16']['flip_rate']:.2f}% | {100 * r['oscar']['flip_rate']:.2f}% "
+        rows.append(f"| 2^{math.log2(eps):.0f} | {100 * r['bf16']['flip_rate']:.2f}% "
+                    f"| {100 * r['oscar']['flip_rate']:.2f}% "
                     f"| {ratio:.2f}x | {r['bf16']['kl']:.2e} | {r['oscar']['kl']:.2e} "
                     f"| {r['bf16']['median_flip_margin']:.4f} | {r['oscar']['median_flip_margin']:.4f} |")
     return "\n".join([
@@ -94,7 +95,8 @@ def report(result: dict, meta: dict) -> str:
         "", "Each layer's q, k and v times (1 + d), d uniform in [-eps, eps], the same draws for both caches. "
         "Flip: the greedy next token differs from the unperturbed read of the same cache; margin: the "
         "unperturbed read's top-1 minus top-2 log-probability where it flipped.", "",
-        "| eps | BF16 flips | OSCAR flips | OSCAR / BF16 | BF16 KL | OSCAR KL | BF16 median margin | OSCAR median margin |",
+        "| eps | BF16 flips | OSCAR flips | OSCAR / BF16 | BF16 KL | OSCAR KL "
+        "| BF16 median margin | OSCAR median margin |",
         "|---|---|---|---|---|---|---|---|", *rows, ""])
 
 

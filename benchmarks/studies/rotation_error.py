@@ -44,7 +44,8 @@ def main():
     lm = load_model(args.model_path, args.gguf_file, args.device, DTYPES[args.dtype])
     ids = corpus.tokenize(lm.tokenizer, corpus.calibration_text())
     stats = capture_stats(lm, ids[: args.calib_tokens], args.seq_len, desc="calibration")
-    heldout = capture_stats(lm, ids[args.calib_tokens : args.calib_tokens + args.heldout_tokens], args.seq_len, desc="held-out")
+    heldout = capture_stats(lm, ids[args.calib_tokens : args.calib_tokens + args.heldout_tokens], args.seq_len,
+                            desc="held-out")
     layers = sorted(stats)
     d = lm.shape.head_dim
     key, value = build_rotation_sets(stats)
@@ -85,7 +86,8 @@ def main():
     for r in rows:
         b = base[(r["group"], r["clip"])]
         lines.append(
-            f"| {r['rotation']} | {r['group']} | {r['clip']} | {r['key_error']:.4g} ({r['key_error'] / b['key_error']:.3f}) "
+            f"| {r['rotation']} | {r['group']} | {r['clip']} "
+            f"| {r['key_error']:.4g} ({r['key_error'] / b['key_error']:.3f}) "
             f"| {r['value_error']:.4g} ({r['value_error'] / b['value_error']:.3f}) |"
         )
     (args.output_dir / "rotation_error.md").write_text("\n".join(lines) + "\n")

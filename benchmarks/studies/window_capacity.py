@@ -14,7 +14,8 @@ from pathlib import Path
 
 POOL = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 WINDOWS = re.compile(
-    r"OSCAR: each running request's BF16 windows \(sink (\d+) \+ recent (\d+)\) take (\d+) KV blocks \(([\d.]+) MiB\).*?"
+    r"OSCAR: each running request's BF16 windows \(sink (\d+) \+ recent (\d+)\) "
+    r"take (\d+) KV blocks \(([\d.]+) MiB\).*?"
     r"the pool's (\d+) blocks hold (\d+) tokens with 32 requests running, (\d+) with 256, (\d+) with all (\d+)"
 )
 

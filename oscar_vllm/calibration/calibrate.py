@@ -86,7 +86,8 @@ def capture_stats(
     return stats
 
 
-def key_means_from_stats(loaded: LoadedModel, stats: dict[int, LayerStats], skip: int) -> dict[int, torch.Tensor] | None:
+def key_means_from_stats(loaded: LoadedModel, stats: dict[int, LayerStats],
+                         skip: int) -> dict[int, torch.Tensor] | None:
     """Each layer's mean key before RoPE ``[Hkv, d]`` over the calibration sequences, their first
     ``skip`` positions left out (the sink holds those in BF16), turned back with the model's own
     RoPE table; None, with the reason logged, where the model's RoPE is not the rotate-half form
@@ -274,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     with atomic_output_dir(args.output_dir) as tmp:  # killed at any moment: the old folder, or none
         save_rotations(rot, tmp)
     out = args.output_dir
-    logger.info("wrote rotations for %s (%d layers) to %s in %.0f s", loaded.name, len(rot.layer_ids), out, time.time() - t0)
+    logger.info("wrote rotations for %s (%d layers) to %s in %.0f s", loaded.name, len(rot.layer_ids), out,
+                time.time() - t0)
     if rot.clip_ratios_k is not None:
         fit = rot.calibration["clip_fit"]
         logger.info(

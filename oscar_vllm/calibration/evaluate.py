@@ -337,7 +337,8 @@ def evaluate_contexts(
     ``{context: {method: row}}``."""
     n = curve_tokens(eval_ids.numel(), contexts)
     if n == 0:
-        raise ValueError(f"{eval_ids.numel()} evaluation tokens make no whole windows of every context {list(contexts)}")
+        raise ValueError(f"{eval_ids.numel()} evaluation tokens make no whole windows of every context "
+                         f"{list(contexts)}")
     return {c: evaluate(loaded, eval_ids[:n], c, methods, rotations, sink, recent, prefill_chunk) for c in contexts}
 
 
@@ -640,7 +641,8 @@ def plot_curve(curves: dict[int, dict[str, dict]], meta: dict, path: Path) -> No
         ax.set_title({"delta_ppl_pct": "ΔPPL vs BF16 cache (%)", "kl": "mean KL per token (nats)",
                       "top1": "top-1 agreement (%)"}[key])
         if key != "top1":
-            ax.set_yscale("symlog" if key == "delta_ppl_pct" else "log", **({"linthresh": 1} if key == "delta_ppl_pct" else {}))
+            ax.set_yscale("symlog" if key == "delta_ppl_pct" else "log",
+                          **({"linthresh": 1} if key == "delta_ppl_pct" else {}))
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{meta['model']}, the same {meta['eval_tokens']} tokens at each context; "
@@ -654,8 +656,8 @@ def plot_curve(curves: dict[int, dict[str, dict]], meta: dict, path: Path) -> No
 
 
 def rotation_variants(
-    loaded: LoadedModel, methods: list[Method], calib_ids: torch.Tensor, heldout_ids: torch.Tensor, seq_len: int, info: dict,
-    key_mean_skip: int = OscarSettings.sink_size,
+    loaded: LoadedModel, methods: list[Method], calib_ids: torch.Tensor, heldout_ids: torch.Tensor, seq_len: int,
+    info: dict, key_mean_skip: int = OscarSettings.sink_size,
 ) -> dict[str, OscarRotations]:
     """Calibrate, from one capture, every rotation variant the methods need.
 
@@ -748,7 +750,8 @@ def parse_contexts(text: str) -> list[int]:
     try:
         contexts = sorted({int(c) for c in text.split(",")})
     except ValueError:
-        raise OscarError(f"--contexts must be comma-separated token counts, e.g. 1024,2048,4096, got {text!r}") from None
+        raise OscarError("--contexts must be comma-separated token counts, e.g. 1024,2048,4096, "
+                         f"got {text!r}") from None
     if contexts[0] < 2:
         raise OscarError(f"--contexts must be at least 2 tokens each, got {text!r}")
     return contexts
@@ -777,7 +780,8 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load_model(args.model_path, args.gguf_file, args.device, DTYPES[args.dtype])
     eval_ids = corpus.tokenize(loaded.tokenizer, eval_text)
     if eval_ids.numel() < args.eval_tokens:
-        raise OscarError(f"the evaluation text has {eval_ids.numel()} tokens, fewer than --eval-tokens {args.eval_tokens}")
+        raise OscarError(f"the evaluation text has {eval_ids.numel()} tokens, "
+                         f"fewer than --eval-tokens {args.eval_tokens}")
     eval_ids = eval_ids[: args.eval_tokens]
 
     if args.rotations:
@@ -786,7 +790,8 @@ def main(argv: list[str] | None = None) -> None:
         rotations = {"oscar": rot, "hadamard": OscarRotations(k, v)}
         usable = [
             m for m in methods
-            if m.rotation in ("none", "hadamard", "oscar") and (m.clip != "fitted" or rotations[m.rotation].clip_ratios_k)
+            if m.rotation in ("none", "hadamard", "oscar")
+            and (m.clip != "fitted" or rotations[m.rotation].clip_ratios_k)
             and (not m.key_mean or rot.key_means is not None)
         ]
         skipped = [m.name for m in methods if m not in usable]

@@ -216,12 +216,14 @@ def fit_clip_ratios(
     ratios_k, ratios_v = [], []
     gain_k, gain_v = [], []
     for layer_id in key.layer_ids:
-        em = LayerErrorMeasure.build(heldout[layer_id], key.rotations[layer_id], value.rotations[layer_id], value_weights)
+        em = LayerErrorMeasure.build(heldout[layer_id], key.rotations[layer_id], value.rotations[layer_id],
+                                     value_weights)
         parts = [em.head(h) for h in range(em.keys.shape[1])] if per_head else [em]
         fits_k = [_best_ratio(m.keys, m.key_error, key_group_size, param_dtype) for m in parts]
         fits_v = [_best_ratio(m.values, m.value_error, group_size, param_dtype) for m in parts]
         ref_k = em.key_error(fake_quantize_int2(em.keys, REFERENCE_CLIP_RATIO_K, key_group_size, param_dtype) - em.keys)
-        ref_v = em.value_error(fake_quantize_int2(em.values, REFERENCE_CLIP_RATIO_V, group_size, param_dtype) - em.values)
+        ref_v = em.value_error(fake_quantize_int2(em.values, REFERENCE_CLIP_RATIO_V, group_size, param_dtype)
+                               - em.values)
         ratios_k.append([r for r, _ in fits_k] if per_head else fits_k[0][0])
         ratios_v.append([r for r, _ in fits_v] if per_head else fits_v[0][0])
         gain_k.append(sum(e for _, e in fits_k) / ref_k)

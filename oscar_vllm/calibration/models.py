@@ -90,7 +90,8 @@ def load_model(
                                  f"ORG/NAME, such as {HUB_ID_EXAMPLE})")
             check_hub_model(model_path, gguf_file)
         if gguf_file is None and Path(model_path).is_dir() and not (Path(model_path) / "config.json").is_file():
-            raise ModelError(f"{model_path}: no config.json in this folder (a transformers model folder, or give --gguf-file)")
+            raise ModelError(f"{model_path}: no config.json in this folder "
+                             "(a transformers model folder, or give --gguf-file)")
         name = Path(model_path).name if Path(model_path).exists() else str(model_path)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:

@@ -110,7 +110,8 @@ def high_precision_mask(
             | (chunk_start[:, None] - key_pos[None, :] < recent))
 
 
-def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked attention of ``q [H, L, d]`` over ``k``/``v`` ``[H, S, d]``: ``(out, lse)``.
 
     On the CPU through PyTorch's fused flash kernel (it returns the log-sum-exp), elsewhere as

@@ -440,7 +440,8 @@ def _load_our_file(path: Path, kind: str) -> tuple[RotationSet, dict[int, torch.
         if parts[2] == "rotation" and t.dtype not in ROTATION_DTYPES:
             raise _fail(str(path), _dtype_problem(int(parts[1]), t.dtype))
         found[parts[2]][int(parts[1])] = t if parts[2] == "key_mean" else t.float()
-    rs = RotationSet(meta.get("kind", ""), meta.get("objective", ""), found["rotation"], found["eigenvalues"], str(path))
+    rs = RotationSet(meta.get("kind", ""), meta.get("objective", ""), found["rotation"], found["eigenvalues"],
+                     str(path))
     return rs, found.get("key_mean", {})
 
 
@@ -610,7 +611,8 @@ def main(argv: list[str] | None = None) -> None:
         print(_summary(rot))
         return
     if shape is not None:
-        rot = replace(rot, model=rot.model or shape.name, model_fingerprint=rot.model_fingerprint or dict(shape.fingerprint))
+        rot = replace(rot, model=rot.model or shape.name,
+                      model_fingerprint=rot.model_fingerprint or dict(shape.fingerprint))
     with atomic_output_dir(args.dst) as tmp:  # killed at any moment: the old folder, or none
         save_rotations(rot, tmp) if args.to == "oscar" else save_rotationzoo(rot, tmp)
     print(f"wrote {args.to} rotations to {args.dst}")

@@ -207,7 +207,8 @@ def _warn_overridden(name: str, value: Any, from_env: str) -> None:
 
 
 def _convert(name: str, raw: Any, default: Any) -> Any:
-    kind = int if name.endswith("_size") or name in INTS else float if name.startswith("clip_ratio") or name in FLOATS else str
+    kind = (int if name.endswith("_size") or name in INTS
+            else float if name.startswith("clip_ratio") or name in FLOATS else str)
     if kind is str:
         return str(raw)
     if isinstance(raw, bool) or (kind is int and isinstance(raw, float)):

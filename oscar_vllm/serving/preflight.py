@@ -146,8 +146,8 @@ def engine_problems(vllm_config, settings: OscarSettings) -> list[str]:
                         "written into the BF16 recent window before they are verified, so rejected ones would "
                         "push accepted tokens out of it")
     if not vllm_config.use_v2_model_runner:
-        problems.append(f"vLLM's V1 model runner ({v1_reason(vllm_config)}): OSCAR keys each request's windows on the V2 runner's "
-                        "request rows; set VLLM_USE_V2_MODEL_RUNNER=1")
+        problems.append(f"vLLM's V1 model runner ({v1_reason(vllm_config)}): OSCAR keys each request's windows "
+                        "on the V2 runner's request rows; set VLLM_USE_V2_MODEL_RUNNER=1")
     if vllm_config.kv_transfer_config is not None:
         problems.append("a KV connector (--kv-transfer-config, or KV offloading): it moves a request's KV blocks, "
                         "not the BF16 window pages OSCAR keeps beside them")

@@ -106,7 +106,7 @@ def parse(argv: list[str], environ: Mapping[str, str] | None = None) -> tuple[li
     if not rest or rest[0] != "serve":
         raise OscarSettingsError(f"oscar-vllm runs `serve` only; usage: {USAGE}")
     if not model_given(rest):
-        raise OscarSettingsError(f"no model given: name it first, `oscar-vllm serve MODEL ...` (a folder or a Hub "
+        raise OscarSettingsError("no model given: name it first, `oscar-vllm serve MODEL ...` (a folder or a Hub "
                                  "id such as Qwen/Qwen3-8B), or with --model MODEL")
     if ours.attention_backend not in (None, "OSCAR"):
         raise OscarSettingsError(f"oscar-vllm serves with the OSCAR backend, not {ours.attention_backend}")

@@ -93,7 +93,8 @@ def give_scheduler_window_pages(scheduler) -> WindowPageAllocator:
     """The scheduler of an OSCAR engine allocates each request's window pages; logs their cost."""
     groups = scheduler.kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise NotImplementedError(f"OSCAR serves models whose attention layers form one KV cache group, not {len(groups)}")
+        raise NotImplementedError("OSCAR serves models whose attention layers form one KV cache group, "
+                                  f"not {len(groups)}")
     spec = groups[0].kv_cache_spec
     settings = OscarSettings.from_vllm_config(scheduler.vllm_config)
     sink_pages, recent_pages, _ = window_pages_of_group(spec, settings)
@@ -215,7 +216,8 @@ def assign_window_pages(runner, scheduler_output) -> None:
             pages = [kernel_pages(given[r][0][:sink_blocks], ratio, builder.sink_pages)
                      + kernel_pages(given[r][0][sink_blocks:], ratio, recent_pages) for r in new]
             shared = [given[r][1] for r in new]
-            rings = [None if given[r][2] is None else (*given[r][2][:2], kernel_pages(given[r][2][2], ratio, recent_pages))
+            rings = [None if given[r][2] is None
+                     else (*given[r][2][:2], kernel_pages(given[r][2][2], ratio, recent_pages))
                      for r in new]
         builder.assign_windows(rows, pages, runner.kv_cache_config.num_blocks * ratio, allow_null=given is None,
                                sink_shared=shared, rings=rings)
@@ -238,7 +240,8 @@ def oscar_attention_blocks(model: torch.nn.Module) -> list[tuple[int, torch.nn.M
             seen.add(id(attn.impl))
     for module in model.modules():
         if is_oscar_layer(module) and id(module.impl) not in seen:
-            raise NotImplementedError(f"OSCAR layer {module.layer_name} is not inside a self-attention block it can fold")
+            raise NotImplementedError(f"OSCAR layer {module.layer_name} is not inside a self-attention block "
+                                      "it can fold")
     return sorted(blocks, key=lambda b: b[0])
 
 
@@ -308,7 +311,8 @@ def prepare_model(model: torch.nn.Module) -> None:
     )
 
 
-def rope_tables_for_key_means(settings: OscarSettings, have_means: bool, blocks: list) -> dict[int, torch.Tensor] | None:
+def rope_tables_for_key_means(settings: OscarSettings, have_means: bool,
+                              blocks: list) -> dict[int, torch.Tensor] | None:
     """Each layer's RoPE table (``rope_table_of``) where the model serves key means: with
     ``key_mean`` "on" (a model whose RoPE cannot take them is refused), or "auto" where the
     rotations have means (``have_means``), ``prefill_read`` is "chunk" and every layer's RoPE takes
@@ -327,7 +331,8 @@ def rope_tables_for_key_means(settings: OscarSettings, have_means: bool, blocks:
         return None
     shared: dict[int, torch.Tensor] = {}
     try:
-        return {layer_id: rope_table_of(block, layer_id, block.attn.impl.head_size, shared) for layer_id, block in blocks}
+        return {layer_id: rope_table_of(block, layer_id, block.attn.impl.head_size, shared)
+                for layer_id, block in blocks}
     except OscarSettingsError as e:
         if settings.key_mean == "on":
             raise

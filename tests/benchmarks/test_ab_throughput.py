@@ -229,7 +229,8 @@ def test_decode_without_a_prefill_scenario_is_estimated_with_its_own_prefill(ab)
     caps = ab.Caps(800_000, {"OSCAR": 7.0, "FLASH_ATTN": 1.0}, 2560, 1024)
     decode = {"requests": 32, "context": 16384, "output_len": 256}
     alone = ab.scenario_s("decode", "FLASH_ATTN", {"decode": decode}, caps)
-    after = ab.scenario_s("decode", "FLASH_ATTN", {"decode": decode, "prefill": {"requests": 32, "prompt_len": 16384}}, caps)
+    after = ab.scenario_s("decode", "FLASH_ATTN", {"decode": decode, "prefill": {"requests": 32, "prompt_len": 16384}},
+                          caps)
     assert alone - after == pytest.approx(32 * ab.prefill_s(16384)) and 14 < alone - after < 18
 
 
@@ -637,7 +638,8 @@ def test_a_report_names_the_oscar_settings_its_environment_set(ab, tmp_path):
     """An OSCAR engine reads OSCAR_* settings from the environment: the run records them and its
     report names them, beside the engine arguments (a run with OSCAR_HIT_RING=reuse said so only
     in its operator's notes)."""
-    env = ab.oscar_environment({"OSCAR_HIT_RING": "reuse", "OSCAR_SINK_SIZE": "", "OSCAR_CORPUS_DIR": "/c", "HOME": "/h"})
+    env = ab.oscar_environment({"OSCAR_HIT_RING": "reuse", "OSCAR_SINK_SIZE": "", "OSCAR_CORPUS_DIR": "/c",
+                                "HOME": "/h"})
     assert env == {"OSCAR_HIT_RING": "reuse"}, "settings only, and only those set"
     first, second = tmp_path / "ab1", tmp_path / "ab2"
     write_runs(first, {"FLASH_ATTN": issue18_run(812_160, 1.0)})

@@ -42,7 +42,8 @@ def test_reports_are_saved_as_json_and_markdown_with_one_header(tmp_path, capsys
 
     meta = {**environment("python benchmarks/x.py"), "model": "tiny-llama", "dtype": "float32"}
     header = report_header(meta)
-    assert header[0].startswith(f"- date: {meta['date']}; hardware: ") and header[0].endswith("model: tiny-llama (float32)")
+    assert (header[0].startswith(f"- date: {meta['date']}; hardware: ")
+            and header[0].endswith("model: tiny-llama (float32)"))
     assert header[1:] == [f"- command: `{meta['command']}`", f"- {meta['versions']}"]
     save_report(tmp_path / "out", "x", {"meta": meta, "a": [1, 2]}, "# X\n", indent=1)
     assert json.loads((tmp_path / "out" / "x.json").read_text()) == {"meta": meta, "a": [1, 2]}

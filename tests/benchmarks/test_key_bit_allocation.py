@@ -30,7 +30,8 @@ def skewed_layer(tokens: int, seed: int) -> LayerStats:
     g = torch.Generator().manual_seed(seed)  # calibration and held-out tokens: the same model, other samples
     energy = torch.cat([torch.full((8,), 30.0), torch.ones(40), torch.full((16,), 0.01)]).double()
     q = (torch.randn(tokens, 2, 64, generator=g, dtype=torch.float64) * energy.sqrt()) @ basis.T
-    k = (torch.randn(tokens, 1, 64, generator=g, dtype=torch.float64) * torch.cat([torch.ones(56), torch.full((8,), 3.0)]).double()) @ basis.T
+    k = (torch.randn(tokens, 1, 64, generator=g, dtype=torch.float64)
+         * torch.cat([torch.ones(56), torch.full((8,), 3.0)]).double()) @ basis.T
     stats = LayerStats(num_kv_heads=1)
     stats.add(q.float(), k.float(), torch.randn(tokens, 1, 64, generator=g))
     return stats

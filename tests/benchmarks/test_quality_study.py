@@ -71,7 +71,8 @@ def test_keys_per_channel_round_each_blocks_channels_on_their_own_range():
         level = (got - lo) / step  # on one of the channel's four levels, the nearest to the key
         torch.testing.assert_close(level, level.round().clamp(0, 3), rtol=0, atol=5e-3)
         assert ((got - blk).abs() <= step / 2 * 1.01 + 1e-3).all()
-    assert var[70, 1, 3] > 3 * max(var[10, 1, 3], var[130, 1, 3]) and var[10, 1, 3] == var[63, 1, 3] and var[70, 0, 3] < var[70, 1, 3]
+    assert (var[70, 1, 3] > 3 * max(var[10, 1, 3], var[130, 1, 3]) and var[10, 1, 3] == var[63, 1, 3]
+            and var[70, 0, 3] < var[70, 1, 3])
     assert study.ROWS_BY_NAME["quarter-key-channels"].page_bits(64, 30) == 2.5
     assert study.ROWS_BY_NAME["quarter-key-channels"].page_bits(128, 30) == pytest.approx((2 + 0.5 + 2.25) / 2)
     assert study.ROWS_BY_NAME["quarter-key-channels-unrotated"].specs(

@@ -19,7 +19,8 @@ def test_fp32_is_held_against_the_corrected_reference_and_bf16_against_the_uncor
                        "oscar-int2-fit-debiased-half": {"ppl": 37.3}}, "meta": {"prefill_chunk": 256}}
     table = "\n".join(vllm_report.ppl_table([run("float32", 37.3), run("bfloat16", 37.6 * 1.001),
                                              run("bfloat16", 36.9, "FLASH_ATTN")], ref))
-    assert "| vLLM OSCAR, float32, eager, chunked prefill 256 | 37.300 | +0.000% (`oscar-int2-fit-debiased-half`) |" in table
+    assert ("| vLLM OSCAR, float32, eager, chunked prefill 256 | 37.300 | "
+            "+0.000% (`oscar-int2-fit-debiased-half`) |") in table
     assert "| 37.638 | +0.100% (`oscar-int2-fit`) |" in table
     assert "| vLLM FLASH_ATTN, bfloat16, torch.compile + CUDA graphs, chunked prefill 256 | 36.900 |  |" in table
     with pytest.raises(ValueError, match="no single reference"):

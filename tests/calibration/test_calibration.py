@@ -127,7 +127,8 @@ def manual_qk(model, layer_idx, ids):
     """Post-norm, post-RoPE q and k of one layer, computed from the layer's own modules."""
     attn = attention_modules(model)[layer_idx]
     seen = {}
-    handle = attn.register_forward_pre_hook(lambda m, args, kwargs: seen.update(kwargs, h=args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    handle = attn.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.update(kwargs, h=args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
     with torch.no_grad():
         model(ids[None], use_cache=False)
     handle.remove()
@@ -308,7 +309,8 @@ def test_published_rotations_completed_with_fitted_clips_and_key_means(tmp_path)
     assert done.key is base.key and done.value is base.value  # the published rotations, untouched
     assert done.clip_ratios_k is not None and len(done.clip_ratios_k) == len(base.layer_ids)
     assert done.clip_ratios_k != [base.clip_ratio("key", i) for i in base.layer_ids]  # fitted, not the reference
-    torch.testing.assert_close(done.key_means[1], rotations_from_stats(loaded, stats, None, key_mean_skip=16).key_means[1])
+    torch.testing.assert_close(done.key_means[1],
+                               rotations_from_stats(loaded, stats, None, key_mean_skip=16).key_means[1])
     assert done.calibration["rotations_from"] == "rotationzoo" and done.calibration["key_mean_skip"] == 16
     again = load_rotations(save_rotations(done, tmp_path / "ours"), loaded.shape)
     assert again.key_means is not None and again.clip_ratios_k == pytest.approx(done.clip_ratios_k)

@@ -43,6 +43,7 @@ def test_fold_refuses_mismatched_shapes():
         fold_value_rotation(torch.zeros(10, 4), None, torch.zeros(4, 8), torch.eye(4)[None], 2, 4)
 
 
-@pytest.mark.parametrize("total,tp,rank,want", [(8, 1, 0, list(range(8))), (8, 4, 3, [6, 7]), (2, 8, 5, [1]), (4, 8, 0, [0])])
+@pytest.mark.parametrize("total,tp,rank,want", [(8, 1, 0, list(range(8))), (8, 4, 3, [6, 7]), (2, 8, 5, [1]),
+                                                (4, 8, 0, [0])])
 def test_kv_heads_of_shard(total, tp, rank, want):
     assert kv_heads_of_shard(total, tp, rank) == want

@@ -46,7 +46,8 @@ def test_the_mean_at_each_position_is_the_mean_turned_there():
     at = KeyMean(mean, cos, sin).at(37)
     assert at.shape == (37, HKV, D)
     torch.testing.assert_close(at[0], mean)  # position 0 is not turned
-    torch.testing.assert_close(unrope(at, cos[:37, None], sin[:37, None]), mean.expand(37, -1, -1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(unrope(at, cos[:37, None], sin[:37, None]), mean.expand(37, -1, -1),
+                               atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="covers 50 positions, position 50 asked for"):
         KeyMean(mean, cos, sin).at(51)
     with pytest.raises(ValueError, match=r"\[Hkv, d\]"):

@@ -211,7 +211,8 @@ def test_logit_correction_is_the_rounding_variance_taken_off_each_quantized_logi
         base = int2_spec(d, hkv, per_head=False)
         quant = RowQuantizer("int2", 0.96, group)
         plain = LayerCacheSpec(base.key_rotation, base.value_rotation, quant, base.value_quant)
-        corrected = LayerCacheSpec(base.key_rotation, base.value_rotation, quant, base.value_quant, logit_correction=1.5)
+        corrected = LayerCacheSpec(base.key_rotation, base.value_rotation, quant, base.value_quant,
+                                   logit_correction=1.5)
         kr = apply_rotation(k, base.key_rotation)
         var = quant.rounding_variance(kr)  # [Tk, Hkv, G]
         assert var.shape == (tk, hkv, d // (group or d))

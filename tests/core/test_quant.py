@@ -98,7 +98,8 @@ def test_pack_rejects_bad_head_dim():
 def test_matches_reference_formula_with_fp32_params(d, clip):
     torch.manual_seed(d)
     x = torch.randn(257, d) * torch.rand(257, 1) * 4 + torch.randn(257, 1)
-    torch.testing.assert_close(fake_quantize_int2(x, clip, param_dtype=torch.float32), reference_int2(x, clip), atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(fake_quantize_int2(x, clip, param_dtype=torch.float32), reference_int2(x, clip),
+                               atol=2e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("group_div", [1, 2, 4])

@@ -147,7 +147,8 @@ def test_statistics_match_reference_loops(hq, hkv):
     c_s_heads = value_moment(v, key_importance_weights(k, per_head_qtq), per_head=True)
     g = hq // hkv
     for h in range(hkv):
-        torch.testing.assert_close(c_s_heads[h], reference_c_s(q[:, h * g : (h + 1) * g], k[:, h : h + 1], v[:, h : h + 1]))
+        torch.testing.assert_close(c_s_heads[h],
+                                   reference_c_s(q[:, h * g : (h + 1) * g], k[:, h : h + 1], v[:, h : h + 1]))
 
 
 def test_weights_are_normalized_to_mean_one():

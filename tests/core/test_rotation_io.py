@@ -17,7 +17,6 @@ from oscar_vllm.core.rotation_io import (
     RotationSet,
     hadamard_rotation_sets,
     load_rotations,
-    load_rotationzoo_file,
     main,
     save_rotations,
     save_rotationzoo,
@@ -77,7 +76,8 @@ def test_written_files_have_the_published_layout(qwen3_8b_rotations, written_qwe
     for name in ("k_rotation_qqt_r_h_pbr.pt", "v_rotation_sst_r_h_pbr.pt"):
         published = torch.load(qwen3_8b_rotations / name, weights_only=True)
         written = torch.load(written_qwen3_8b_rotations / name, weights_only=True)
-        assert {k: v for k, v in written.items() if k != "layers"} == {k: v for k, v in published.items() if k != "layers"}
+        assert ({k: v for k, v in written.items() if k != "layers"}
+                == {k: v for k, v in published.items() if k != "layers"})
         assert list(written["layers"]) == list(published["layers"])  # the same int keys, in order
         for i, entry in published["layers"].items():
             ours = written["layers"][i]
@@ -270,7 +270,8 @@ def test_key_file_given_as_value_file_in_our_format(tmp_path):
 def test_file_made_for_another_model(tmp_path):
     save_rotations(small_rotations(), tmp_path)
     other = ModelShape(4, 2, 16, "tiny-qwen3", {"model_type": "qwen3", "num_hidden_layers": 4, "head_dim": 16})
-    with pytest.raises(RotationFileError, match=r"calibrated for tiny-llama but the model tiny-qwen3 differs \(model_type llama vs qwen3\)"):
+    with pytest.raises(RotationFileError, match=r"calibrated for tiny-llama but the model tiny-qwen3 differs "
+                                                r"\(model_type llama vs qwen3\)"):
         load_rotations(tmp_path, other)
 
 
@@ -343,10 +344,13 @@ def edit_key_file(folder, edit):
 
 
 @pytest.mark.parametrize("edit, problem", [
-    (lambda m, t: t.update({"layers.2.key_mean": torch.zeros(2, 8)}), r"layer 2 key mean has shape \(2, 8\), not \[2, 16\]"),
-    (lambda m, t: t.update({"layers.1.key_mean": torch.zeros(3, 16)}), r"layer 1 key mean has shape \(3, 16\), not \[2, 16\]"),
+    (lambda m, t: t.update({"layers.2.key_mean": torch.zeros(2, 8)}),
+     r"layer 2 key mean has shape \(2, 8\), not \[2, 16\]"),
+    (lambda m, t: t.update({"layers.1.key_mean": torch.zeros(3, 16)}),
+     r"layer 1 key mean has shape \(3, 16\), not \[2, 16\]"),
     (lambda m, t: t["layers.0.key_mean"].__setitem__((1, 3), float("nan")), "layer 0 key mean contains NaN or Inf"),
-    (lambda m, t: t.update({"layers.3.key_mean": torch.zeros(2, 16, dtype=torch.int32)}), "layer 3 key mean is int32, not float"),
+    (lambda m, t: t.update({"layers.3.key_mean": torch.zeros(2, 16, dtype=torch.int32)}),
+     "layer 3 key mean is int32, not float"),
     (lambda m, t: t.pop("layers.3.key_mean"), "key means missing for layers 3"),
     (lambda m, t: m.update(format_version="1"), "unexpected tensor 'layers.0.key_mean'"),
 ])

@@ -308,7 +308,8 @@ def cmd_serve(args) -> None:
     port = 8011
     env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0")
     server = subprocess.Popen(
-        [sys.executable, "-m", "oscar_vllm.serving.serve", "serve", args.model, "--load-format", "dummy", "--oscar-rotation-path", args.rotations,
+        [sys.executable, "-m", "oscar_vllm.serving.serve", "serve", args.model, "--load-format", "dummy",
+         "--oscar-rotation-path", args.rotations,
          "--oscar-sink-size", "64", "--oscar-recent-size", "256", "--max-model-len", "4096", "--max-num-seqs", "16",
          "--gpu-memory-utilization", "0.5", "--enforce-eager", "--port", str(port)],
         env=env, stdout=sys.stdout, stderr=sys.stderr)
@@ -444,7 +445,8 @@ def cmd_prefix(args) -> None:
     report = {}
     for name in ("first", "again", "after_reset"):
         diffs = [first_mismatch(a, b) for a, b in zip(off["first"], on[name])]
-        report[name] = {"equal": sum(d is None for d in diffs), "close": sum(d is not None and d["close"] for d in diffs),
+        report[name] = {"equal": sum(d is None for d in diffs),
+                        "close": sum(d is not None and d["close"] for d in diffs),
                         "far": sum(d is not None and not d["close"] for d in diffs), "requests": len(diffs),
                         "cached_tokens": sum(o["cached"] for o in on[name])}
     ppl = {k: math.exp(sum(r["nll"]) / len(r["nll"])) for k, r in runs.items()}

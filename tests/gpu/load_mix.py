@@ -146,7 +146,8 @@ def pick_alone(mix: list[Request], count: int, seed: int = 0) -> list[Request]:
 def mix_summary(mix: list[Request]) -> dict:
     prompt = [len(r.prompt) for r in mix]
     return {"requests": len(mix), "streamed": sum(r.stream for r in mix),
-            "shared_prefix": sum(r.shared_prefix >= 0 for r in mix), "sampled_n_gt_1": sum(r.kind == "sampled" for r in mix),
+            "shared_prefix": sum(r.shared_prefix >= 0 for r in mix),
+            "sampled_n_gt_1": sum(r.kind == "sampled" for r in mix),
             "cancelled": sum(r.kind == "cancel" for r in mix), "prompt_tokens": sum(prompt),
             "prompt_min_max": [min(prompt), max(prompt)], "output_tokens": sum(r.max_tokens * r.n for r in mix),
             "output_min_max": [min(r.max_tokens for r in mix), max(r.max_tokens for r in mix)],

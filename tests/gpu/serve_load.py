@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import os
@@ -116,7 +117,8 @@ class Server:
         if backend == "OSCAR":
             args += ["--additional-config", json.dumps(oscar_config(rotations))]
         self.args = args
-        self.env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_HTTP_TIMEOUT_KEEP_ALIVE=str(SERVER_KEEPALIVE_S))
+        self.env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0",
+                        VLLM_HTTP_TIMEOUT_KEEP_ALIVE=str(SERVER_KEEPALIVE_S))
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -283,7 +285,8 @@ async def idle_state(server: Server, client, timeout: float = 120) -> dict:
         await send(client, Request(-1, [1, 2, 3, 4], 1, stream=False))
         await asyncio.sleep(1.5)
         m = await asyncio.to_thread(server.metrics)
-        busy = (prometheus_value(m, "vllm:num_requests_running") or 0) + (prometheus_value(m, "vllm:num_requests_waiting") or 0)
+        busy = ((prometheus_value(m, "vllm:num_requests_running") or 0)
+                + (prometheus_value(m, "vllm:num_requests_waiting") or 0))
         if not busy:
             break
         if time.time() - t0 > timeout:
@@ -378,7 +381,8 @@ def run_backend(backend: str, args, mix, alone_reqs, graphs, repeats, port: int)
 
         eager = asyncio.run(eager_batches())
     res["graphs_vs_eager"] = {  # keyed by str(batch), as the results read back from JSON are
-        str(b): compare({i: [r] for i, r in enumerate(res["graph_batches"][b])}, {i: [r] for i, r in enumerate(eager[b])})
+        str(b): compare({i: [r] for i, r in enumerate(res["graph_batches"][b])},
+                        {i: [r] for i, r in enumerate(eager[b])})
         for b in graphs}
     del res["graph_batches"]
     return res
@@ -395,7 +399,8 @@ def load_checks(results: dict[str, dict]) -> list[str]:
             if not idle.get("settled"):
                 failures.append(f"{backend} {phase}: requests still running")
             elif idle["kv_cache_usage"] is None or idle["kv_cache_usage"] > (base["kv_cache_usage"] or 0) + 1e-9:
-                failures.append(f"{backend} {phase}: KV cache usage {idle['kv_cache_usage']}, idle {base['kv_cache_usage']}")
+                failures.append(f"{backend} {phase}: KV cache usage {idle['kv_cache_usage']}, "
+                                f"idle {base['kv_cache_usage']}")
             if backend == "OSCAR" and idle.get("window_pages_last_logged") not in (0, None):
                 failures.append(f"OSCAR {phase}: {idle['window_pages_last_logged']} window pages still held")
         if backend == "OSCAR" and r["after_load"].get("window_pages_peak_logged") in (0, None):
@@ -452,7 +457,8 @@ def load_markdown(results: dict, mix_info: dict, failures: list[str], meta: dict
     for b in dict.fromkeys(b for r in results.values() for b in r["graphs_vs_eager"]):
         row(f"graphs vs eager, batch {b}: equal / near tie / far",
             lambda r, b=b: "not run" if b not in r["graphs_vs_eager"] else
-            f"{r['graphs_vs_eager'][b]['equal']} / {r['graphs_vs_eager'][b]['close']} / {r['graphs_vs_eager'][b]['far']}")
+            f"{r['graphs_vs_eager'][b]['equal']} / {r['graphs_vs_eager'][b]['close']} / "
+            f"{r['graphs_vs_eager'][b]['far']}")
     row("server RSS after the phases (GiB)", lambda r: f"{r['rss_bytes'] / 2**30:.2f}")
     verdict = "all passed" if not failures else "FAILED: " + "; ".join(failures)
     if not set(BACKENDS) <= set(results):
@@ -646,7 +652,8 @@ def soak_markdown(meta: dict) -> str:
              "| KV usage | client CPU | client stall (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         stall = r.get("client_stall_s")
-        table.append(f"| {r['minute']} | {r['completed']} | {r['failed']} | {r['p50_s'] or 0:.2f} | {r['p99_s'] or 0:.2f} "
+        table.append(f"| {r['minute']} | {r['completed']} | {r['failed']} | {r['p50_s'] or 0:.2f} "
+                     f"| {r['p99_s'] or 0:.2f} "
                      f"| {r['gpu_memory_gib']:.2f} | {r['server_rss_gib']:.2f} | {r['window_pages']} "
                      f"| {100 * (r['kv_cache_usage'] or 0):.1f}% | {100 * r.get('client_cpu', 0):.0f}% "
                      f"| {'' if stall is None else f'{stall:.2f}'} |")
@@ -810,7 +817,8 @@ def cmd_client_rate(args) -> None:
 def refusal_engine(args) -> dict:
     """The engine every refusal case changes one thing of: small, eager, OSCAR."""
     return dict(model=args.model, attention_backend="OSCAR", additional_config=oscar_config(args.rotations),
-                dtype="bfloat16", max_model_len=2048, max_num_seqs=8, gpu_memory_utilization=0.3, enforce_eager=True, seed=0)
+                dtype="bfloat16", max_model_len=2048, max_num_seqs=8, gpu_memory_utilization=0.3, enforce_eager=True,
+                seed=0)
 
 
 def refusal_cases(args, scratch: Path) -> list[tuple[str, dict, str, dict]]:
@@ -834,9 +842,11 @@ def refusal_cases(args, scratch: Path) -> list[tuple[str, dict, str, dict]]:
                                                  "sliding_window": 1024}))
     oscar = oscar_config(args.rotations)["oscar"]
     return [
-        ("rotations with the wrong layer count", {"additional_config": {"oscar": {**oscar, "rotation_path": str(scratch / "twelve-layers")}}},
+        ("rotations with the wrong layer count",
+         {"additional_config": {"oscar": {**oscar, "rotation_path": str(scratch / "twelve-layers")}}},
          "missing layers 12-29", {}),
-        ("non-orthogonal rotations", {"additional_config": {"oscar": {**oscar, "rotation_path": str(scratch / "not-orthogonal")}}},
+        ("non-orthogonal rotations",
+         {"additional_config": {"oscar": {**oscar, "rotation_path": str(scratch / "not-orthogonal")}}},
          "layer 3 rotation is not orthogonal", {}),
         ("unknown setting", {"additional_config": {"oscar": {**oscar, "sink": 64}}}, "unknown OSCAR setting", {}),
         ("conflicting --kv-cache-dtype", {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8", {}),
@@ -926,7 +936,9 @@ def cmd_refuse(args) -> None:
     shutil.copytree(args.rotations, moved)
     config = EngineArgs(**{**common, "additional_config": oscar_config(str(moved))}).create_engine_config()
     shutil.rmtree(moved)
-    error = attempt(lambda: LLMEngine.from_vllm_config(config))  # the worker refuses, its weights on the GPU
+    # The worker refuses, its weights on the GPU. A partial, not a closure over `config`: once attempt
+    # returns, only the name holds the config, and `del` drops it before the memory is measured.
+    error = attempt(functools.partial(LLMEngine.from_vllm_config, config))
     del config
     measure("rotation path a worker cannot read (after loading the weights)", error,
             "vLLM worker (tensor-parallel rank 0) on host")
@@ -967,20 +979,26 @@ def write_tp_checkpoint(folder: Path, config: dict = TP_CONFIG, seed: int = 0) -
 
     c = config
     g = torch.Generator().manual_seed(seed)
-    h, d, hq, hkv, inter = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
+    h, d, hq, hkv, inter = (c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"],
+                            c["intermediate_size"])
 
     def w(*shape, std):
         return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
 
-    tensors = {"model.embed_tokens.weight": w(c["vocab_size"], h, std=1.0), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+    tensors = {"model.embed_tokens.weight": w(c["vocab_size"], h, std=1.0),
+               "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
                "lm_head.weight": w(c["vocab_size"], h, std=0.15)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors.update({
-            p + "self_attn.q_proj.weight": w(hq * d, h, std=h ** -0.5), p + "self_attn.k_proj.weight": w(hkv * d, h, std=h ** -0.5),
-            p + "self_attn.v_proj.weight": w(hkv * d, h, std=h ** -0.5), p + "self_attn.o_proj.weight": w(h, hq * d, std=(hq * d) ** -0.5),
-            p + "self_attn.q_norm.weight": torch.ones(d, dtype=torch.bfloat16), p + "self_attn.k_norm.weight": torch.ones(d, dtype=torch.bfloat16),
-            p + "mlp.gate_proj.weight": w(inter, h, std=h ** -0.5), p + "mlp.up_proj.weight": w(inter, h, std=h ** -0.5),
+            p + "self_attn.q_proj.weight": w(hq * d, h, std=h ** -0.5),
+            p + "self_attn.k_proj.weight": w(hkv * d, h, std=h ** -0.5),
+            p + "self_attn.v_proj.weight": w(hkv * d, h, std=h ** -0.5),
+            p + "self_attn.o_proj.weight": w(h, hq * d, std=(hq * d) ** -0.5),
+            p + "self_attn.q_norm.weight": torch.ones(d, dtype=torch.bfloat16),
+            p + "self_attn.k_norm.weight": torch.ones(d, dtype=torch.bfloat16),
+            p + "mlp.gate_proj.weight": w(inter, h, std=h ** -0.5),
+            p + "mlp.up_proj.weight": w(inter, h, std=h ** -0.5),
             p + "mlp.down_proj.weight": w(h, inter, std=inter ** -0.5),
             p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
             p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)})
@@ -1017,7 +1035,8 @@ def rank_capacity(worker) -> dict:
 
     config = worker.model_runner.kv_cache_config
     block = config.kv_cache_groups[0].kv_cache_spec.block_size
-    return {"rank": worker.rank, "available_kv_cache_gib": round(getattr(worker, "available_kv_cache_memory_bytes", 0) / 2**30, 3),
+    return {"rank": worker.rank,
+            "available_kv_cache_gib": round(getattr(worker, "available_kv_cache_memory_bytes", 0) / 2**30, 3),
             "num_blocks": config.num_blocks, "kv_cache_tokens": config.num_blocks * block,
             "torch_allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3)}
 
@@ -1026,7 +1045,8 @@ def tp_prompts(seed: int = 3, count: int = 48) -> list[list[int]]:
     import random
 
     rng = random.Random(seed)
-    return [[rng.randrange(3, TP_CONFIG["vocab_size"]) for _ in range(rng.choice((40, 63, 64, 65, 320, 321, 700, 1500)))]
+    return [[rng.randrange(3, TP_CONFIG["vocab_size"])
+             for _ in range(rng.choice((40, 63, 64, 65, 320, 321, 700, 1500)))]
             for _ in range(count)]
 
 
@@ -1064,7 +1084,8 @@ def cmd_tp2(args) -> None:
         path = out / f"tp{tp}-{backend}-{rot or 'none'}.json"
         cmd = [sys.executable, __file__, "tp2-run", "--model", str(model), "--backend", backend, "--tp", str(tp),
                "--rotations", str(rotations[rot]) if rot else "", "--out", str(path), "--tokens", str(args.tokens),
-               "--gpu-memory-utilization", str(args.gpu_memory_utilization)] + (["--cuda-graphs"] if args.cuda_graphs else [])
+               "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        cmd += ["--cuda-graphs"] if args.cuda_graphs else []
         log = open(out / f"tp{tp}-{backend}-{rot or 'none'}.log", "w")
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus, VLLM_USE_FLASHINFER_SAMPLER="0")
         return path, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -1089,7 +1110,8 @@ def cmd_tp2(args) -> None:
 
     agreement = {f"{b}{'' if r is None else ' ' + r}": compare(replies(runs[((b, r), 2)]), replies(runs[((b, r), 1)]))
                  for b, r in engines}
-    capacity = {f"{b}{'' if r is None else ' ' + r} TP={tp}": runs[((b, r), tp)]["ranks"] for b, r in engines for tp in (1, 2)}
+    capacity = {f"{b}{'' if r is None else ' ' + r} TP={tp}": runs[((b, r), tp)]["ranks"]
+                for b, r in engines for tp in (1, 2)}
     fa = agreement["FLASH_ATTN"]
     failures = [f"{name}: TP=2 against TP=1 {a['equal']} equal, {a['far']} far; FLASH_ATTN {fa['equal']} equal, "
                 f"{fa['far']} far" for name, a in agreement.items()
@@ -1099,8 +1121,10 @@ def cmd_tp2(args) -> None:
     lines = ["# Tensor parallelism 2 against 1, seeded Qwen3-architecture checkpoint", "",
              f"{meta['date']}, {meta['hardware']}, `{meta['command']}`; {meta['versions']}", "",
              f"4 layers, hidden 1024, 16 query heads, 8 KV heads, head_dim 128, vocab 8192, bf16; {len(tp_prompts())} "
-             f"prompts of 40-1500 tokens, {args.tokens} greedy tokens each; CUDA graphs {'on' if args.cuda_graphs else 'off'}.", "",
-             "| engine | TP=2 vs TP=1: equal / near tie / far | mismatch rate | first divergences |", "|---|---|---|---|"]
+             f"prompts of 40-1500 tokens, {args.tokens} greedy tokens each; "
+             f"CUDA graphs {'on' if args.cuda_graphs else 'off'}.", "",
+             "| engine | TP=2 vs TP=1: equal / near tie / far | mismatch rate | first divergences |",
+             "|---|---|---|---|"]
     lines += [f"| {n} | {a['equal']} / {a['close']} / {a['far']} | {a['mismatch_rate']:.3f} | "
               f"{a['first_divergence_positions'][:10]} |" for n, a in agreement.items()]
     lines += ["", "| engine | rank | KV cache memory (GiB) | blocks | KV cache tokens |", "|---|---|---|---|---|"]
@@ -1122,9 +1146,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("load", "plan", "soak", "refuse"):
         s = sub.add_parser(name)
         s.add_argument("--model", required=True, help="the SmolLM2 folder of `e2e_vllm.py prepare`")
-        s.add_argument("--rotations", default="results/smollm2_rotations", help="OSCAR rotations for it (default: %(default)s)")
-        s.add_argument("--out", default="results/reliability", help="folder for the summary and data (default: %(default)s)")
-        s.add_argument("--max-model-len", type=int, default=8192, help="context, capped by the model's (default: %(default)s)")
+        s.add_argument("--rotations", default="results/smollm2_rotations",
+                       help="OSCAR rotations for it (default: %(default)s)")
+        s.add_argument("--out", default="results/reliability",
+                       help="folder for the summary and data (default: %(default)s)")
+        s.add_argument("--max-model-len", type=int, default=8192,
+                       help="context, capped by the model's (default: %(default)s)")
         s.add_argument("--seed", type=int, default=0, help="the mix's seed (default: %(default)s)")
         s.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="per server (default: %(default)s)")
     for name in ("load", "plan"):
@@ -1132,7 +1159,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--requests", type=int, default=512, help="requests of the load pass (default: %(default)s)")
         s.add_argument("--concurrency", type=int, default=256,
                        help="requests in flight, and the server's --max-num-seqs (default: %(default)s)")
-        s.add_argument("--cancelled", type=int, default=8, help="streams closed mid-way in the load pass (default: %(default)s)")
+        s.add_argument("--cancelled", type=int, default=8,
+                       help="streams closed mid-way in the load pass (default: %(default)s)")
         s.add_argument("--alone", type=int, default=48,
                        help="requests sent alone too, to compare token for token (default: %(default)s)")
     s = sub.choices["load"]
@@ -1140,7 +1168,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="(default: both, FLASH_ATTN first); a backend not run here is compared from --keep")
     s.add_argument("--keep", default="/tmp/oscar-e2e/load-results",
                    help="where each backend's results stay for a later call of the other (default: %(default)s)")
-    s.add_argument("--cancel-only", type=int, default=16, help="streams closed mid-way on an idle server (default: %(default)s)")
+    s.add_argument("--cancel-only", type=int, default=16,
+                   help="streams closed mid-way on an idle server (default: %(default)s)")
     s.add_argument("--repeats", type=int, default=20, help="times the same mixed batch is sent (default: %(default)s)")
     s.add_argument("--repeat-batch", type=int, default=24, help="prompts of that batch (default: %(default)s)")
     s.add_argument("--repeat-tokens", type=int, default=48, help="tokens each (default: %(default)s)")
@@ -1162,10 +1191,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stand-in-server", help="client-rate's local server (internal)")
     s.add_argument("--port", type=int, required=True)
     s = sub.add_parser("tp2")
-    s.add_argument("--work", default="/tmp/oscar-e2e", help="where the checkpoint and rotations are written (default: %(default)s)")
+    s.add_argument("--work", default="/tmp/oscar-e2e",
+                   help="where the checkpoint and rotations are written (default: %(default)s)")
     s.add_argument("--out", default="results/reliability", help="(default: %(default)s)")
     s.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt (default: %(default)s)")
-    s.add_argument("--cuda-graphs", action="store_true", help="serve with CUDA graphs (default: eager, quicker to start)")
+    s.add_argument("--cuda-graphs", action="store_true",
+                   help="serve with CUDA graphs (default: eager, quicker to start)")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="(default: %(default)s)")
     s = sub.add_parser("tp2-run", help="one engine of tp2 (internal)")
     s.add_argument("--model", required=True)

@@ -123,7 +123,8 @@ def split_payload(device_dir: Path, room: int, first_room: int, stage_script: Pa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("device_dir", type=Path, nargs="?", default=Path(".device"))
-    p.add_argument("--carry", type=Path, default=Path(".carry"), help="travels with the first part (default: %(default)s)")
+    p.add_argument("--carry", type=Path, default=Path(".carry"),
+                   help="travels with the first part (default: %(default)s)")
     p.add_argument("--stage-script", type=Path, default=Path("../shared/device/stage_part.sh"))
     args = p.parse_args()
     repo = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,

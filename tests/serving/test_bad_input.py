@@ -96,7 +96,8 @@ def refused(engine_args, model: Path, match: str, error=OscarStartupError, oscar
 # ------------------------------------------------------------------ what passes, and how it travels
 
 
-def test_a_servable_engine_passes_and_its_settings_travel_in_its_config(engine_args, models, zoo, tmp_path, monkeypatch):
+def test_a_servable_engine_passes_and_its_settings_travel_in_its_config(engine_args, models, zoo, tmp_path,
+                                                                         monkeypatch):
     rotations = zoo()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OSCAR_RECENT_SIZE", "128")
@@ -127,7 +128,8 @@ def test_the_plugin_checks_configs_as_vllm_builds_them():
     """In a fresh interpreter, as in ``vllm serve``: building EngineArgs loads the plugin, which
     wraps ``create_engine_config``."""
     code = ("from vllm.engine.arg_utils import EngineArgs; EngineArgs(model='m'); "
-            "print(EngineArgs.create_engine_config.__oscar_wrapped__, EngineArgs.create_engine_config.__doc__ is not None)")
+            "print(EngineArgs.create_engine_config.__oscar_wrapped__, "
+            "EngineArgs.create_engine_config.__doc__ is not None)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.stdout.strip().splitlines()[-1] == "True True", proc.stderr[-2000:]
 
@@ -543,7 +545,8 @@ def test_refuses_speculative_decoding(engine_args, models):
 def test_refuses_the_v1_model_runner(engine_args, models, monkeypatch, model, env, why):
     if env is not None:
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
-    refused(engine_args, models / model, rf"vLLM's V1 model runner \({re.escape(why)}\).*set VLLM_USE_V2_MODEL_RUNNER=1")
+    refused(engine_args, models / model,
+            rf"vLLM's V1 model runner \({re.escape(why)}\).*set VLLM_USE_V2_MODEL_RUNNER=1")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     build(engine_args, models / model)
 

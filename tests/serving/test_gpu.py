@@ -46,7 +46,8 @@ def test_a_card_below_8_0_is_refused_in_one_sentence_naming_it():
 def test_gluon_is_refused_off_hopper_by_name(capability):
     message = gpu_problem(capability, "gluon", "NVIDIA X")
     assert message.startswith(f"decode_kernel 'gluon' on NVIDIA X (compute capability {capability[0]}."
-                              f"{capability[1]}): the Gluon decode kernels are compiled for compute capability 9.x (H100, H200) only")
+                              f"{capability[1]}): the Gluon decode kernels are compiled for compute capability 9.x "
+                              "(H100, H200) only")
     assert gpu_problem(H100, "gluon", "NVIDIA H100") is None and decode_kernel_for(H100, "gluon") == "gluon"
 
 

@@ -370,7 +370,8 @@ def test_the_load_summary_renders(serve_load, monkeypatch):
     meta = {"date": "2026-12-01 00:00 UTC", "hardware": "NVIDIA H200", "command": "serve_load.py load", "versions": "v"}
     text = serve_load.load_markdown(results, {"requests": 512}, [], meta)
     assert "| greedy: equal / near tie / far (of compared) | 36 / 4 / 0 (40) | 36 / 4 / 0 (40) |" in text
-    assert "| same batch 20 times: requests that differed (the first third on shared system prompts) | not recorded | [2, 17] |" in text
+    assert ("| same batch 20 times: requests that differed (the first third on shared system prompts) "
+            "| not recorded | [2, 17] |") in text
     assert '"prefill_read": "decode"' in text and '"sink_size": 64' in text and "rotation_path" not in text
     assert "Checks: all passed" in text
     # One backend alone: its own bookkeeping checked, and the line says the comparisons were not made.
@@ -548,7 +549,8 @@ def test_a_failed_request_names_what_the_client_error_wraps(serve_load):
             raise type(name, (Exception,), {})("" if "Read" in name or "Broken" in name else name) from err
         except Exception as e:
             err = e
-    assert serve_load.error_chain(err).endswith("<- BrokenResourceError:  <- ConnectionResetError: ConnectionResetError")
+    assert serve_load.error_chain(err).endswith(
+        "<- BrokenResourceError:  <- ConnectionResetError: ConnectionResetError")
 
 
 def test_client_rate_reads_every_chunk_of_a_local_server(tmp_path):
@@ -557,8 +559,8 @@ def test_client_rate_reads_every_chunk_of_a_local_server(tmp_path):
     import subprocess
 
     run = subprocess.run([sys.executable, str(REPO / "tests" / "gpu" / "serve_load.py"), "client-rate", "--requests",
-                          "12", "--concurrency", "4", "--tokens", "9", "--out", str(tmp_path)], capture_output=True, text=True,
-                         timeout=300)
+                          "12", "--concurrency", "4", "--tokens", "9", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     line = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
     assert (line["failed"], line["chunks"]) == (0, 12 * 9) and line["chunks_per_s"] > 0

@@ -51,7 +51,8 @@ def manager(num_blocks: int, caching: bool = True, install: bool = True, request
 
 
 def request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, tokens, SamplingParams(max_tokens=8), None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+    return Request(rid, tokens, SamplingParams(max_tokens=8), None,
+                   block_hasher=get_request_block_hasher(BLOCK, sha256))
 
 
 def admit(kv: KVCacheManager, req: Request, alloc: WindowPageAllocator | None = None, chunk: int | None = None):
@@ -205,7 +206,8 @@ def test_a_hit_ends_before_blocks_the_same_step_fills():
     kv.allocate_slots(a, 4 * BLOCK)  # step 2: the rest of a
     assert admit(kv, request("c", prompt + [1]), alloc)[1] == (4 - RING_BLOCKS) * BLOCK, "what step 1 wrote"
     end_step(kv, alloc)
-    assert admit(kv, request("d", prompt + [1]), alloc)[1] == ((len(prompt) + 1 - RECENT) // BLOCK - RING_BLOCKS) * BLOCK
+    assert (admit(kv, request("d", prompt + [1]), alloc)[1]
+            == ((len(prompt) + 1 - RECENT) // BLOCK - RING_BLOCKS) * BLOCK)
     assert alloc.page_ids("b")[0] != alloc.page_ids("a")[0], "b wrote a sink of its own"
     assert alloc.page_ids("c")[0] == alloc.page_ids("d")[0] == alloc.page_ids("a")[0]
 
@@ -422,7 +424,8 @@ def test_workers_give_each_new_row_its_pages_and_ring_in_kernel_blocks():
     runner = SimpleNamespace(attn_groups=[[group]], kv_cache_config=SimpleNamespace(num_blocks=50),
                              req_states=SimpleNamespace(req_id_to_index={"a": 3, "b": 0}))
     out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="a"), SimpleNamespace(req_id="b")])
-    setattr(out, SCHEDULER_OUTPUT_FIELD, {"a": ([4, 7, 8], True, (100, 320, [20, 21])), "b": ([9, 10, 11], False, None)})
+    setattr(out, SCHEDULER_OUTPUT_FIELD, {"a": ([4, 7, 8], True, (100, 320, [20, 21])),
+                                          "b": ([9, 10, 11], False, None)})
     assign_window_pages(runner, out)
     (args, kwargs), = calls
     assert args == ([3, 0], [[8, 14, 15, 16, 17], [18, 20, 21, 22, 23]], 100)
