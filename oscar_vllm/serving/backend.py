@@ -648,7 +648,8 @@ class OscarAttentionImpl(AttentionImpl[OscarAttentionMetadata]):
         q_rot = self.rotate(q)
         if nd:
             decodes = batch.requests(0, nd, max_query_len=1)
-            oscar_attention(out, q, q_rot, k, v, cache=cache, batch=decodes, scale=self.scale,
+            # The decodes' own rows: the split scratch is sized by the tokens it is given.
+            oscar_attention(out[:nd], q[:nd], q_rot[:nd], k[:nd], v[:nd], cache=cache, batch=decodes, scale=self.scale,
                             decode_splits=md.decode_splits, part_out=md.part_out, part_lse=md.part_lse,
                             logit_correction=self.logit_correction)
             oscar_write(k[:nd], v[:nd], rot_k=self.rot_k, slot_mapping=md.slot_mapping[:nd], cache=cache,

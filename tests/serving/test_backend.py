@@ -54,6 +54,39 @@ def test_decode_read_prefill_of_a_mixed_batch(buffer_rows, host_shapes):
     torch.testing.assert_close(out[1:].cpu(), want, rtol=1e-4, atol=2e-4)
 
 
+def test_triton_decode_read_splits_the_decodes_over_scratch_for_their_own_rows():
+    """The Triton decode path with prefill_read "decode" (cards without the Gluon kernels): a
+    decode split two ways beside a prefill of 12 tokens, its split scratch sized as the builder
+    sizes it, for the decodes alone. The decode reads as its twin does; given the whole batch's
+    rows, the kernel sized the scratch for 13 tokens and refused it."""
+    from oscar_vllm.reference.oscar_attention import oscar_attention_reference
+    from oscar_vllm.serving.backend import OscarAttentionImpl
+
+    d, hkv, g, sink, recent = 64, 1, 2, 4, 8
+    pc, step, q, q_rot, k, v = prepare(d, hkv, g, sink, recent, [30, 50], [1, 12], torch.float32)
+    rot = random_rotation(d).to(DEVICE)  # prepare's rotation (seed 0)
+    scale, splits = 1 / math.sqrt(d), 2
+    attention, merge = decode_read_twins(scale)
+    decode = BatchLayout(step.block_table[:1], step.seq_lens[:1], step.cu_q[:2], step.ring_slots[:1], 1)
+    want = oscar_attention_reference(q[:1], q_rot[:1], k[:1], v[:1], cache=pc.mixed(), batch=decode, scale=scale)
+    impl = SimpleNamespace(
+        dense_kv=tuple(torch.full((400, hkv, d), float("nan"), device=DEVICE) for _ in range(2)),
+        flash_attention=attention, merge_attention=merge, sink=sink, recent=recent, scale=scale,
+        logit_correction=0.0, rotate=lambda x: (x.float() @ rot).to(x.dtype), rot_k=rot, window_pos=pc.window_pos,
+        clip_idx_k=clip_index(CLIP_K, d), clip_idx_v=clip_index(CLIP_V, d), param_dtype=torch.float16)
+    impl.decode_read_prefill = lambda *a: OscarAttentionImpl.decode_read_prefill(impl, *a)
+    md = SimpleNamespace(
+        num_decodes=1, num_reqs=2, num_actual_tokens=13, prefill_shapes=((12, 62),), decode_splits=splits,
+        part_out=torch.full((hkv * g * splits * d,), float("nan"), device=DEVICE),
+        part_lse=torch.full((hkv * g * splits,), float("nan"), device=DEVICE),
+        query_start_loc=step.cu_q, seq_lens=step.seq_lens, block_table=step.block_table,
+        slot_mapping=step.slot_mapping, ring_slots=step.ring_slots, window_pages=pc.window_pages)
+    out = torch.full_like(q, float("nan"))
+    OscarAttentionImpl._forward_decode_read(impl, md, step.batch(num_decodes=1), q, k, v, out, pc.mixed(), out)
+    torch.testing.assert_close(out[:1].cpu(), want.cpu(), rtol=1e-4, atol=1e-4)
+    assert out[1:].isfinite().all(), "the prefill's rows were read"
+
+
 def test_decode_read_refuses_rows_its_buffers_do_not_hold():
     from oscar_vllm.serving.prefill import DecodeReadPrefill, oscar_decode_read_prefill
 
