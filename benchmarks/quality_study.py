@@ -716,7 +716,7 @@ def main() -> None:
     eval_ids = corpus.tokenize(lm.tokenizer, corpus.evaluation_text())[: args.windows * WINDOW]
     windows = [eval_ids[i * WINDOW:(i + 1) * WINDOW] for i in range(args.windows)]
     calibrate = Calibrator(lm, args.cache)
-    committed = load_rotations(REPO / "results" / "smollm2_rotations", lm.shape)
+    committed = load_rotations(REPO / "tests" / "data" / "smollm2_rotations", lm.shape)
     heldout = calibrate.tokens("austen")[AUSTEN.tokens:AUSTEN.tokens + SENSITIVITY_TOKENS]
     sensitivity = layer_sensitivity(lm, committed, heldout, args.cache)
     ranked = sorted(range(n), key=lambda i: -sensitivity[i])

@@ -244,7 +244,7 @@ def report(folder: Path, command: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="SmolLM2 as a plain folder (tests/gpu/e2e_vllm.py prepare)")
-    p.add_argument("--rotations", default=str(REPO / "results" / "smollm2_rotations"))
+    p.add_argument("--rotations", default=str(REPO / "tests" / "data" / "smollm2_rotations"))
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--out", type=Path, default=REPO / "runs" / "quality_vllm")
     p.add_argument("--report", type=Path, help="only write the report of a folder's runs")

@@ -88,7 +88,7 @@ def oscar_scheduler_on_cpu(work, chunk: int, caching: bool = True, oscar: dict |
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
-    rotations = Path(__file__).resolve().parents[1] / "results" / "smollm2_rotations"
+    rotations = Path(__file__).resolve().parents[1] / "tests" / "data" / "smollm2_rotations"
     with vllm_configs_on_cpu() as engine_args:
         config = engine_args(model=str(work), attention_backend="OSCAR", skip_tokenizer_init=True,
                              load_format="dummy", max_model_len=4096, max_num_batched_tokens=chunk, max_num_seqs=32,

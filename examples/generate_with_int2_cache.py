@@ -32,7 +32,7 @@ def generate(model, ids, new_tokens, spec_of_layer, sink=64, recent=256):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rotations",
-                        help="a rotation folder, ours or RotationZoo, e.g. results/smollm2_rotations "
+                        help="a rotation folder, ours or RotationZoo, e.g. tests/data/smollm2_rotations "
                              "(default: calibrate now)")
     parser.add_argument("--new-tokens", type=int, default=40, help="greedy tokens per cache (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: %(default)s)")

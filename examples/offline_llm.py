@@ -7,7 +7,7 @@ OSCAR (2-bit KV cache): each engine's KV capacity, then the greedy outputs side 
 --model is a local folder (or a Hub id already in the cache): config, tokenizer and, unless
 --dummy-weights, the weights. A local SmolLM2 folder is made, without a GPU or network, by
 `python tests/gpu/e2e_vllm.py prepare --work /tmp/oscar-e2e` (it also writes a Qwen3-8B-shaped
-folder for --dummy-weights); its OSCAR rotations are committed in results/smollm2_rotations.
+folder for --dummy-weights); its OSCAR rotations are committed in tests/data/smollm2_rotations.
 Each engine runs in its own process, one after the other, so that the second finds the GPU
 memory the first held. Two prompts are short: they fit in the BF16 windows, where OSCAR differs
 from BF16 only by rounding (rotated keys, value rotation folded into the weights). The third is

@@ -11,8 +11,8 @@ usage="usage: bash examples/serve_and_query.sh --model DIR [--rotations PATH] [-
   -- ARGS            passed on to vllm serve (default: --max-model-len 4096)
 
 A local SmolLM2 folder comes from \`python tests/gpu/e2e_vllm.py prepare --work /tmp/oscar-e2e\`
-(no GPU, no network); its rotations are committed in results/smollm2_rotations:
-  bash examples/serve_and_query.sh --model /tmp/oscar-e2e/smollm2 --rotations results/smollm2_rotations
+(no GPU, no network); its rotations are committed in tests/data/smollm2_rotations:
+  bash examples/serve_and_query.sh --model /tmp/oscar-e2e/smollm2 --rotations tests/data/smollm2_rotations
 The server's log goes to runs/serve_and_query/server.log."
 set -euo pipefail
 cd "$(dirname "$0")/.."

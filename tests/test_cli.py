@@ -189,8 +189,8 @@ def test_serve_checks_a_rotation_folders_files_before_vllm(tmp_path, capsys, mon
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
     err = one_line_error(capsys, serve.main, ["serve", "m", "--oscar-rotation-path", str(tmp_path / "empty")])
     assert "empty: no rotation files found" in err
-    err = one_line_error(capsys, serve.main, ["serve", "m", "--oscar-rotation-path", str(REPO / "results" /
-                                                                                         "smollm2_rotations")])
+    err = one_line_error(capsys, serve.main, ["serve", "m", "--oscar-rotation-path",
+                                              str(REPO / "tests" / "data" / "smollm2_rotations")])
     assert err.startswith("error: no CUDA GPU: CUDA_VISIBLE_DEVICES='-1' hides every GPU"), "the folder passed"
     err = one_line_error(capsys, serve.main, ["serve", "m", "--oscar-rotation-path", "hadamard",
                                               "--oscar-decode-kernel", "fastest"])

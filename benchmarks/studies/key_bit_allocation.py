@@ -289,7 +289,7 @@ def main() -> None:
 
     lm = qs.load_model(device=args.device)
     n = lm.shape.num_layers
-    committed = qs.load_rotations(qs.REPO / "results" / "smollm2_rotations", lm.shape)
+    committed = qs.load_rotations(qs.REPO / "tests" / "data" / "smollm2_rotations", lm.shape)
     calibrate = qs.Calibrator(lm, args.cache)
     austen = qs.AUSTEN
     calib = calibrate.capture(austen.text, 0, austen.tokens, austen.seq_len, False)

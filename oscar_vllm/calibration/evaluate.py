@@ -190,7 +190,7 @@ def served_specs(rotations: OscarRotations, num_layers: int, dense_prefill: bool
 def add_served_arguments(parser: argparse.ArgumentParser, out: str, device: bool = True) -> None:
     """``--rotations``, ``--dtype``, ``--out`` (default ``out``) and, with ``device``, ``--device``:
     what the benchmarks that read SmolLM2 through the reference cache as served take."""
-    parser.add_argument("--rotations", type=Path, default=Path("results/smollm2_rotations"))
+    parser.add_argument("--rotations", type=Path, default=Path("tests/data/smollm2_rotations"))
     if device:
         parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")

@@ -228,7 +228,7 @@ def test_the_reference_cache_as_served_uses_the_serving_defaults():
     from oscar_vllm.core.rotation_io import load_rotations
     from oscar_vllm.core.settings import OscarSettings
 
-    committed = load_rotations(Path(__file__).resolve().parents[2] / "results" / "smollm2_rotations")
+    committed = load_rotations(Path(__file__).resolve().parents[2] / "tests" / "data" / "smollm2_rotations")
     with_mean = served_method(committed)
     assert (with_mean.clip, with_mean.logit_correction, with_mean.scale_dtype) == ("fitted", 0.0, torch.float16)
     assert (with_mean.key_mean, with_mean.key_mean_pairs, with_mean.key_mean_block) == (True, SERVED_PAIRS,

@@ -127,7 +127,7 @@ def test_report_files(slice_results, tmp_path):
 def test_the_curve_scores_every_method_at_each_context_on_the_same_tokens(tmp_path, smollm2, monkeypatch):
     monkeypatch.setattr(evaluate_module, "load_model", lambda *args: smollm2)
     out = tmp_path / "curve"
-    evaluate_main(["--rotations", "results/smollm2_rotations", "--methods", "bf16,oscar-int2-fit",
+    evaluate_main(["--rotations", "tests/data/smollm2_rotations", "--methods", "bf16,oscar-int2-fit",
                    "--contexts", "512,256", "--eval-tokens", "1100", "--sink", "16", "--recent", "64",
                    "--output-dir", str(out)])
     report = json.loads((out / "curve.json").read_text())

@@ -80,7 +80,7 @@ mkdir -p "$out"
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 work=${OSCAR_E2E_WORK:-/tmp/oscar-e2e}
 zoo=${OSCAR_ROTATIONZOO_DIR:-../shared/data/rotationzoo}/Qwen3-8B-LongBench
-smol_rot=${OSCAR_SMOLLM2_ROTATIONS:-results/smollm2_rotations}
+smol_rot=${OSCAR_SMOLLM2_ROTATIONS:-tests/data/smollm2_rotations}
 e2e="timeout 420 python3 tests/gpu/e2e_vllm.py"
 status=0
 # A stage of several steps runs them all and fails if any failed: `|| failed=1` on each step makes

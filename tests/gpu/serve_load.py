@@ -1146,7 +1146,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("load", "plan", "soak", "refuse"):
         s = sub.add_parser(name)
         s.add_argument("--model", required=True, help="the SmolLM2 folder of `e2e_vllm.py prepare`")
-        s.add_argument("--rotations", default="results/smollm2_rotations",
+        s.add_argument("--rotations", default="tests/data/smollm2_rotations",
                        help="OSCAR rotations for it (default: %(default)s)")
         s.add_argument("--out", default="results/reliability",
                        help="folder for the summary and data (default: %(default)s)")

@@ -323,7 +323,7 @@ def test_the_stages_parse_their_arguments(serve_load):
     assert (soak.minutes, soak.interval, soak.backend, soak.concurrency) == (2, 20, "OSCAR", 256)
     tp2 = parser.parse_args(["tp2"])
     assert tp2.tokens == 64 and not tp2.cuda_graphs
-    assert parser.parse_args(["refuse", "--model", "m"]).rotations == "results/smollm2_rotations"
+    assert parser.parse_args(["refuse", "--model", "m"]).rotations == "tests/data/smollm2_rotations"
     with pytest.raises(SystemExit):
         parser.parse_args(["load"])
     assert parser.parse_args(["load", "--model", "m", "--graph-batches"]).graph_batches == [], "no eager server"
@@ -437,7 +437,7 @@ def test_the_load_servers_command_passes_vllms_parser_and_the_startup_checks(ser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     folder, _ = smollm2_configs
-    rotations = str(REPO / "results" / "smollm2_rotations")
+    rotations = str(REPO / "tests" / "data" / "smollm2_rotations")
     server = serve_load.Server(str(folder), "OSCAR", rotations, tmp_path / "log", 8100, 8192, 256, eager, 0.35)
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(server.args[server.args.index("serve") + 1:])
     args.model = args.model_tag
@@ -453,7 +453,7 @@ def test_the_refuse_stage_expects_what_the_startup_checks_say(serve_load, smollm
     on the CPU: each refused, with the words the stage looks for."""
     folder, engine_args = smollm2_configs
     args = serve_load.build_parser().parse_args(["refuse", "--model", str(folder), "--rotations",
-                                                 str(REPO / "results" / "smollm2_rotations")])
+                                                 str(REPO / "tests" / "data" / "smollm2_rotations")])
     common = serve_load.refusal_engine(args)
     engine_args(**common).create_engine_config()  # the unchanged engine passes
     cases = serve_load.refusal_cases(args, tmp_path)

@@ -24,6 +24,7 @@ def test_the_engine_process_forked_after_the_check_can_run_torch(tmp_path):
     stalled so (after "Using V2 Model Runner") while the check left one."""
     (tmp_path / "smollm2").mkdir()
     (tmp_path / "smollm2" / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    rotations = REPO / "tests" / "data" / "smollm2_rotations"
     code = textwrap.dedent(f"""
         import os, signal, time
         import torch
@@ -32,7 +33,7 @@ def test_the_engine_process_forked_after_the_check_can_run_torch(tmp_path):
         with vllm_configs_on_cpu() as engine_args:
             engine_args(model={str(tmp_path / "smollm2")!r}, attention_backend="OSCAR", skip_tokenizer_init=True,
                         max_model_len=2048, additional_config={{"oscar": {{
-                            "rotation_path": {str(REPO / "results" / "smollm2_rotations")!r}}}}}).create_engine_config()
+                            "rotation_path": {str(rotations)!r}}}}}).create_engine_config()
         pid = os.fork()
         if pid == 0:
             torch.zeros(1 << 24).add_(1)
