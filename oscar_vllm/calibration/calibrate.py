@@ -119,10 +119,10 @@ def completed_rotations(
     calibration_info: dict | None = None,
     key_mean_skip: int | None = None,
 ) -> OscarRotations:
-    """``base``'s rotations, with clip ratios fitted to them on ``heldout`` (where given; else
-    ``base``'s own) and key means from ``stats`` (where ``key_mean_skip`` is given; else ``base``'s)."""
-    info = {**base.calibration, **(calibration_info or {}), "rotations_from": base.source_format,
-            "tokens": next(iter(stats.values())).num_tokens}
+    """``base``'s rotations for ``loaded``, with clip ratios fitted to them on ``heldout`` (where
+    given; else ``base``'s own) and key means from ``stats`` (where ``key_mean_skip`` is given; else
+    ``base``'s), validated against the model."""
+    info = {**base.calibration, **(calibration_info or {}), "tokens": next(iter(stats.values())).num_tokens}
     key_means = base.key_means if key_mean_skip is None else key_means_from_stats(loaded, stats, key_mean_skip)
     if key_mean_skip is not None and key_means is not None:
         info["key_mean_skip"] = key_mean_skip
@@ -153,22 +153,9 @@ def rotations_from_stats(
     """OSCAR rotations from captured statistics; clip ratios fitted when ``heldout`` is given,
     key means taken when ``key_mean_skip`` is (``key_means_from_stats``)."""
     key, value = build_rotation_sets(stats, per_head, value_weights)
-    info = dict(calibration_info or {})
-    info.update(per_head=per_head, value_weights=value_weights, tokens=next(iter(stats.values())).num_tokens)
-    key_means = None if key_mean_skip is None else key_means_from_stats(loaded, stats, key_mean_skip)
-    if key_means is not None:
-        info["key_mean_skip"] = key_mean_skip
-    rot = OscarRotations(
-        key=key, value=value, model=loaded.name,
-        model_fingerprint=dict(loaded.shape.fingerprint), calibration=info, key_means=key_means,
-    )
-    if heldout is not None:
-        rot.clip_ratios_k, rot.clip_ratios_v, report = fit_clip_ratios(
-            key, value, heldout, value_weights, group_size, param_dtype
-        )
-        info["clip_fit"] = report
-    validate_rotations(rot, loaded.shape)
-    return rot
+    info = {**(calibration_info or {}), "per_head": per_head, "value_weights": value_weights}
+    return completed_rotations(loaded, OscarRotations(key, value), stats, heldout, value_weights, group_size,
+                               param_dtype, info, key_mean_skip)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -271,7 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         validate_rotations(base, loaded.shape)  # the rotations are for this model
         rot = completed_rotations(loaded, base, stats, heldout, args.value_weights, args.group_size,
-                                  param_dtype_from_name(args.scale_dtype), info, key_mean_skip=skip)
+                                  param_dtype_from_name(args.scale_dtype),
+                                  {**info, "rotations_from": f"{args.from_rotations} ({base.source_format})"},
+                                  key_mean_skip=skip)
     with atomic_output_dir(args.output_dir) as tmp:  # killed at any moment: the old folder, or none
         save_rotations(rot, tmp)
     out = args.output_dir

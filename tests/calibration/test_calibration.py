@@ -305,13 +305,15 @@ def test_published_rotations_completed_with_fitted_clips_and_key_means(tmp_path)
     fresh = rotations_from_stats(loaded, stats, None)
     base = dataclasses.replace(fresh, clip_ratios_k=None, clip_ratios_v=None, key_means=None,
                                source_format="rotationzoo")
-    done = completed_rotations(loaded, base, stats, heldout, key_mean_skip=16)
+    done = completed_rotations(loaded, base, stats, heldout, calibration_info={"rotations_from": "zoo"},
+                               key_mean_skip=16)
     assert done.key is base.key and done.value is base.value  # the published rotations, untouched
     assert done.clip_ratios_k is not None and len(done.clip_ratios_k) == len(base.layer_ids)
     assert done.clip_ratios_k != [base.clip_ratio("key", i) for i in base.layer_ids]  # fitted, not the reference
     torch.testing.assert_close(done.key_means[1],
                                rotations_from_stats(loaded, stats, None, key_mean_skip=16).key_means[1])
-    assert done.calibration["rotations_from"] == "rotationzoo" and done.calibration["key_mean_skip"] == 16
+    assert done.calibration["rotations_from"] == "zoo" and done.calibration["key_mean_skip"] == 16
+    assert done.calibration["tokens"] == 80 and "clip_fit" in done.calibration
     again = load_rotations(save_rotations(done, tmp_path / "ours"), loaded.shape)
     assert again.key_means is not None and again.clip_ratios_k == pytest.approx(done.clip_ratios_k)
     kept = completed_rotations(loaded, done, stats, None)  # nothing to add: what it had stays
