@@ -17,8 +17,9 @@ prompts prefilled in chunks of 256) and measures:
   asked for at the end; scored where BF16 finds it.
 
 Configurations: BF16 (FLASH_ATTN), fp8 (FLASH_ATTN, ``kv_cache_dtype`` fp8), INT4 per token and
-head (TRITON_ATTN, ``int4_per_token_head``), OSCAR as served by default, and OSCAR as served before
-key means (``key_mean`` off, λ 0.5). ``--report`` writes ``quality.md``, ``quality.json`` and
+head (TRITON_ATTN, ``int4_per_token_head``), OSCAR as served by default (``key_mean`` off, λ 0.5),
+and OSCAR with keys less their block's mean (``key_mean`` auto, λ 0). ``--parts`` measures part of
+each (``ppl greedy passkey``). ``--report`` writes ``quality.md``, ``quality.json`` and
 ``quality.png`` from the configurations' files.
 """
 from __future__ import annotations
@@ -51,9 +52,9 @@ CONFIGS = {
     "fp8": dict(backend="FLASH_ATTN", kv_cache_dtype="fp8", what="fp8 (FLASH_ATTN)", bits=8),
     "int4": dict(backend="TRITON_ATTN", kv_cache_dtype="int4_per_token_head",
                  what="int4_per_token_head (TRITON_ATTN)", bits=4.25),
-    "oscar": dict(backend="OSCAR", what="OSCAR, default (keys less their block's mean)", bits=2.25),
-    "oscar-no-mean": dict(backend="OSCAR", env={"OSCAR_KEY_MEAN": "off"},
-                          what="OSCAR, the previous default (key_mean off, λ 0.5)", bits=2.25),
+    "oscar": dict(backend="OSCAR", what="OSCAR, default (keys as they are, λ 0.5)", bits=2.25),
+    "oscar-key-mean": dict(backend="OSCAR", env={"OSCAR_KEY_MEAN": "auto"},
+                           what="OSCAR, keys less their block's mean (key_mean auto, λ 0)", bits=2.25),
 }
 REFERENCE = "bf16"
 
@@ -100,8 +101,11 @@ def passkey_prompts(tokenizer) -> list[dict]:
     return out
 
 
-def run_engine(name: str, model: str, rotations: str, out: Path) -> None:
-    """One configuration's measurements, written to ``out`` as JSON."""
+PARTS = ("ppl", "greedy", "passkey")
+
+
+def run_engine(name: str, model: str, rotations: str, out: Path, parts: tuple[str, ...] = PARTS) -> None:
+    """One configuration's measurements (``parts`` of them), written to ``out`` as JSON."""
     from vllm import LLM, SamplingParams
 
     cfg = CONFIGS[name]
@@ -115,18 +119,18 @@ def run_engine(name: str, model: str, rotations: str, out: Path) -> None:
     result: dict = {"config": name, **{k: v for k, v in cfg.items() if k != "env"}, "env": cfg.get("env", {}),
                     "start_s": round(time.time() - t0, 1), "ppl": {}, "greedy": {}, "passkey": []}
     all_texts = texts(tokenizer)
-    for text, ids in all_texts.items():
+    for text, ids in all_texts.items() if "ppl" in parts else ():
         ws = windows(ids[:PPL_TOKENS], PPL_CONTEXT, PPL_TOKENS // PPL_CONTEXT)
         outs = llm.generate([{"prompt_token_ids": w} for w in ws], SamplingParams(max_tokens=1, prompt_logprobs=0),
                             use_tqdm=False)
         nll = [-o.prompt_logprobs[i][w[i]].logprob for w, o in zip(ws, outs) for i in range(1, len(w))]
         result["ppl"][text] = {"ppl": math.exp(sum(nll) / len(nll)), "tokens": len(nll), "nll": nll}
     greedy = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True)
-    for ctx in GREEDY_CONTEXTS:
+    for ctx in GREEDY_CONTEXTS if "greedy" in parts else ():
         ws = windows(all_texts["prose"], ctx, GREEDY_PROMPTS)
         outs = llm.generate([{"prompt_token_ids": w} for w in ws], greedy, use_tqdm=False)
         result["greedy"][str(ctx)] = [list(o.outputs[0].token_ids) for o in outs]
-    prompts = passkey_prompts(tokenizer)
+    prompts = passkey_prompts(tokenizer) if "passkey" in parts else []
     outs = llm.generate([{"prompt_token_ids": p["ids"]} for p in prompts],
                         SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
     for p, o in zip(prompts, outs):
@@ -158,24 +162,26 @@ def summarize(results: dict[str, dict]) -> dict[str, dict]:
     rows = {}
     for name, r in results.items():
         row = {"what": r["what"], "bits": r["bits"], "ppl": {}, "greedy": {}}
-        for text, s in r["ppl"].items():
+        for text, s in ((t, s) for t, s in r["ppl"].items() if t in ref["ppl"]):
             diffs = [a - b for a, b in zip(s["nll"], ref["ppl"][text]["nll"])]
             mean = sum(diffs) / len(diffs)
             sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / (len(diffs) - 1))
             row["ppl"][text] = {"ppl": s["ppl"], "delta_pct": 100 * (s["ppl"] / ref["ppl"][text]["ppl"] - 1),
                                 "se_pct": 100 * sd / math.sqrt(len(diffs))}
-        for ctx, conts in r["greedy"].items():
+        for ctx, conts in ((c, g) for c, g in r["greedy"].items() if c in ref["greedy"]):
             first, equal = greedy_agreement(conts, ref["greedy"][ctx])
             row["greedy"][ctx] = {"first_diff": first, "equal": equal}
-        mine = [p["found"] for p in r["passkey"]]
+        mine = [p["found"] for p in r["passkey"]] if len(r["passkey"]) == len(found_ref) else []
         row["passkey"] = {"found": sum(mine), "where_bf16": sum(a and b for a, b in zip(mine, found_ref)),
-                          "bf16_found": sum(found_ref), "trials": len(mine)}
+                          "bf16_found": sum(found_ref), "trials": len(mine)} if mine else {}
         rows[name] = row
     return rows
 
 
 def markdown(rows: dict[str, dict], meta: dict) -> str:
-    ctxs = list(next(iter(rows.values()))["greedy"])
+    # greedy columns for the contexts some configuration compared with BF16's (none: no columns)
+    ctxs = [c for c in rows[REFERENCE]["greedy"] if any(c in r["greedy"] for n, r in rows.items() if n != REFERENCE)]
+    greedy_head = "".join(f"first differing token at {int(c) // 1024}K | " for c in ctxs)
     lines = [f"- date: {meta['date']}; hardware: {meta['hardware']}; model: SmolLM2-135M-Instruct (bf16, eager)",
              f"- command: `{meta['command']}`",
              f"- texts: prose, {meta['prose']}; code, {CODE_TEXT}; ΔPPL over {PPL_TOKENS:,} tokens of each in windows "
@@ -183,18 +189,19 @@ def markdown(rows: dict[str, dict], meta: dict) -> str:
              f"- greedy: {GREEDY_TOKENS} tokens after {GREEDY_PROMPTS} prompts at each context, against BF16's; "
              f"passkey: {len(PASSKEY_KEYS)} keys at {len(PASSKEY_DEPTHS)} depths of each length "
              f"({', '.join(map(str, PASSKEY_LENGTHS))} tokens)", "",
-             "| KV cache | bits/elem | ΔPPL prose | ΔPPL code | " + " | ".join(
-                 f"first differing token at {int(c) // 1024}K" for c in ctxs) + " | equal tokens | passkey found "
-             "where BF16 finds it |",
-             "|---" * (6 + len(ctxs)) + "|"]
+             "| KV cache | bits/elem | ΔPPL prose | ΔPPL code | " + greedy_head + ("equal tokens | " if ctxs else "")
+             + "passkey found where BF16 finds it |",
+             "|---" * (5 + len(ctxs) + bool(ctxs)) + "|"]
     for name, r in rows.items():
-        ppl = [f"{r['ppl'][t]['delta_pct']:+.2f}% ± {r['ppl'][t]['se_pct']:.2f}" if name != REFERENCE else
-               f"{r['ppl'][t]['ppl']:.3f} (ppl)" for t in ("prose", "code")]
-        first = [f"{r['greedy'][c]['first_diff']:.1f}" for c in ctxs]
-        equal = sum(r["greedy"][c]["equal"] for c in ctxs) / len(ctxs)
+        ppl = ["—" if t not in r["ppl"] else f"{r['ppl'][t]['ppl']:.3f} (ppl)" if name == REFERENCE else
+               f"{r['ppl'][t]['delta_pct']:+.2f}% ± {r['ppl'][t]['se_pct']:.2f}" for t in ("prose", "code")]
+        greedy = [f"{r['greedy'][c]['first_diff']:.1f}" if c in r["greedy"] else "—" for c in ctxs]
+        if ctxs:
+            greedy.append(f"{100 * sum(r['greedy'][c]['equal'] for c in ctxs) / len(ctxs):.1f}%"
+                          if all(c in r["greedy"] for c in ctxs) else "—")
         pk = r["passkey"]
-        lines.append(f"| {r['what']} | {r['bits']:g} | {' | '.join(ppl)} | {' | '.join(first)} | {100 * equal:.1f}% | "
-                     f"{pk['where_bf16']} of {pk['bf16_found']} (all: {pk['found']} of {pk['trials']}) |")
+        found = f"{pk['where_bf16']} of {pk['bf16_found']} (all: {pk['found']} of {pk['trials']})" if pk else "—"
+        lines.append(f"| {r['what']} | {r['bits']:g} | {' | '.join(ppl + greedy)} | {found} |")
     return "\n".join(lines) + "\n"
 
 
@@ -208,13 +215,14 @@ def plot(rows: dict[str, dict], path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
     x = range(len(names))
     for i, text in enumerate(("prose", "code")):
-        a.bar([j + 0.4 * i for j in x], [rows[n]["ppl"][text]["delta_pct"] for n in names], 0.4,
-              yerr=[rows[n]["ppl"][text]["se_pct"] for n in names], label=text)
+        got = [rows[n]["ppl"].get(text, {"delta_pct": 0.0, "se_pct": 0.0}) for n in names]
+        a.bar([j + 0.4 * i for j in x], [g["delta_pct"] for g in got], 0.4, yerr=[g["se_pct"] for g in got],
+              label=text)
     a.set_xticks([j + 0.2 for j in x], names, rotation=15)
     a.set_ylabel("ΔPPL against BF16 (%)")
     a.legend()
-    ctxs = list(rows[names[0]]["greedy"])
-    for n in names:
+    ctxs = list(rows[REFERENCE]["greedy"])
+    for n in (n for n in names if ctxs and all(c in rows[n]["greedy"] for c in ctxs)):
         b.plot([int(c) for c in ctxs], [rows[n]["greedy"][c]["first_diff"] for c in ctxs], marker="o", label=n)
     b.set_xlabel("context (tokens)")
     b.set_ylabel("first token differing from BF16's")
@@ -249,6 +257,8 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--out", type=Path, default=REPO / "runs" / "quality_vllm")
     p.add_argument("--report", type=Path, help="only write the report of a folder's runs")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
+                   help="what each engine measures (the report shows the rest as —)")
     p.add_argument("--engine", choices=list(CONFIGS), help=argparse.SUPPRESS)
     args = p.parse_args()
     command = "python benchmarks/quality_vllm.py " + " ".join(sys.argv[1:])
@@ -258,7 +268,8 @@ def main() -> None:
     if args.model is None:
         p.error("--model is needed to run the engines")
     if args.engine:
-        run_engine(args.engine, args.model, args.rotations, args.out / f"engine_{args.engine}.json")
+        run_engine(args.engine, args.model, args.rotations, args.out / f"engine_{args.engine}.json",
+                   tuple(args.parts))
         return
     from oscar_vllm.calibration.evaluate import environment
 
@@ -269,7 +280,8 @@ def main() -> None:
     for name in args.configs:
         env = {**os.environ, **CONFIGS[name].get("env", {})}
         code = subprocess.run([sys.executable, __file__, "--engine", name, "--model", args.model, "--rotations",
-                               args.rotations, "--out", str(args.out)], env=env).returncode
+                               args.rotations, "--out", str(args.out), "--parts", *args.parts],
+                              env=env).returncode
         if code:
             failed.append(name)
     if (args.out / f"engine_{REFERENCE}.json").exists():

@@ -82,7 +82,8 @@ def test_local_links_lead_somewhere(page):
 
 def test_readme_stays_short():
     # 250 lines when the README was written for users; room since for the A/B tables of later runs
-    assert len((REPO / "README.md").read_text().splitlines()) <= 270
+    # and the quality table inside vLLM
+    assert len((REPO / "README.md").read_text().splitlines()) <= 290
 
 
 def test_a_rows_block_takes_the_first_table_and_its_marked_notes():

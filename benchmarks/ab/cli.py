@@ -235,7 +235,8 @@ def main() -> None:
         parser().error("nothing to run: no --scenarios and no --max-num-seqs-sweep")
     cfg = model_config(args.model)
     if args.rotations == HADAMARD_KEY_MEANS and oscar_key_mean(os.environ) == "off":
-        parser().error(f"--rotations {HADAMARD_KEY_MEANS} times the key means: OSCAR_KEY_MEAN=off serves without them")
+        parser().error(f"--rotations {HADAMARD_KEY_MEANS} times the key means, which key_mean off (the default) "
+                       "serves without: set OSCAR_KEY_MEAN=auto")
     plan = parent_plan(args, cfg)
     if args.dry_run:
         print(plan_text(plan))

@@ -101,16 +101,18 @@ METHODS = [
     Method("oscar-int2-fit", "oscar", "int2", clip="fitted"),
     Method("oscar-int2-perhead", "oscar-perhead", "int2"),
     Method("oscar-int2-softmax", "oscar-softmax", "int2"),
-    # What the backend serves by default where the rotations have key means (key_mean "auto"): keys
-    # rounded less their block's mean (16 RoPE pairs a head), no logit correction.
+    # What the backend serves by default: the file's fitted clips, quantized logits corrected for
+    # their rounding variance at λ 0.5 (docs/quality.md).
+    Method("oscar-int2-fit-debiased-half", "oscar", "int2", clip="fitted", logit_correction=0.5),
+    # What it serves with key_mean "auto" where the rotations have key means: keys rounded less
+    # their block's mean (16 RoPE pairs a head), no logit correction.
     Method("oscar-int2-fit-key-mean", "oscar", "int2", clip="fitted", key_mean=True, key_mean_pairs=SERVED_PAIRS,
            key_mean_block=SERVED_BLOCK),
 ]
-# Not in the default table (the README's main job): quantized logits corrected for their rounding
-# variance (docs/quality.md); the backend serves OscarSettings.logit_correction_for's λ (0.5, 0 with key means).
+# Not in the default table (the README's main job): other strengths of the logit correction
+# (docs/quality.md) and the per-position key means.
 EXTRA_METHODS = [
     Method("oscar-int2-fit-debiased", "oscar", "int2", clip="fitted", logit_correction=1.0),
-    Method("oscar-int2-fit-debiased-half", "oscar", "int2", clip="fitted", logit_correction=0.5),
     Method("oscar-int2-debiased-half", "oscar", "int2", logit_correction=0.5),
     Method("oscar-int2-fit-debiased-half-key-mean", "oscar", "int2", clip="fitted", logit_correction=0.5,
            key_mean=True),
@@ -161,15 +163,18 @@ def method_key_mean(method: Method, mean: torch.Tensor, rope: tuple[torch.Tensor
     return KeyMean(served, *rope, block=block)
 
 
-def served_method(rotations: OscarRotations, dense_prefill: bool = False) -> Method:
-    """The method the backend serves ``rotations`` with by default: the file's fitted clip ratios
-    where it has them, else the reference's; FP16 scales; keys less their block's mean where the
-    file has key means (``key_mean`` "auto"); the default logit correction, which every INT2 read
-    takes but a 16-bit model's prompt chunks over a cached prefix (``dense_prefill``: they run on
-    FlashAttention, which takes no correction; docs/kernels.md)."""
+def served_method(rotations: OscarRotations, dense_prefill: bool = False,
+                  settings: OscarSettings | None = None) -> Method:
+    """The method the backend serves ``rotations`` with under ``settings`` (default: the
+    defaults): the file's fitted clip ratios where it has them, else the reference's; FP16 scales;
+    keys less their block's mean where ``key_mean`` asks and the file has key means; the logit
+    correction that goes with it, which every INT2 read takes but a 16-bit model's prompt chunks
+    over a cached prefix (``dense_prefill``: they run on FlashAttention, which takes no correction;
+    docs/kernels.md)."""
+    settings = settings or OscarSettings()
     clip = "fitted" if rotations.clip_ratios_k else "reference"
-    key_mean = rotations.key_means is not None and OscarSettings().key_mean != "off"
-    correction = 0.0 if dense_prefill else OscarSettings().logit_correction_for(key_mean=key_mean)
+    key_mean = rotations.key_means is not None and settings.key_mean != "off"
+    correction = 0.0 if dense_prefill else settings.logit_correction_for(key_mean=key_mean)
     block = SERVED_BLOCK if key_mean else 0
     for m in METHODS + EXTRA_METHODS:
         if (m.rotation, m.quant, m.clip, m.windows, m.scale_dtype, m.logit_correction, m.key_mean,
@@ -180,10 +185,11 @@ def served_method(rotations: OscarRotations, dense_prefill: bool = False) -> Met
 
 
 def served_specs(rotations: OscarRotations, num_layers: int, dense_prefill: bool = False,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[Method, dict[int, LayerCacheSpec]]:
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 settings: OscarSettings | None = None) -> tuple[Method, dict[int, LayerCacheSpec]]:
     """The reference cache as the backend serves ``rotations`` (``served_method``); ``rope``: the
     model's RoPE table, which a served key mean is turned with."""
-    method = served_method(rotations, dense_prefill)
+    method = served_method(rotations, dense_prefill, settings)
     return method, layer_specs(method, {"oscar": rotations}, list(range(num_layers)), rope)
 
 

@@ -81,7 +81,10 @@ class OscarSettings:
     # prefill_read "decode"; docs/backend.md).
     decode_splits: int = 0
     hit_ring: str = "recompute"
-    key_mean: str = "auto"
+    # "off" by default: keys less their block's mean halved perplexity's loss inside vLLM but found a
+    # third as many passkeys (the clip ratios fitted for the keys as they are cut the residuals'
+    # token-specific outliers; docs/quality.md); "auto" serves the means where the file has them.
+    key_mean: str = "off"
     decode_kernel: str = "auto"
     # Threads that compile the kernels' serving variants at startup (csrc_triton.warm_up.launch_all).
     # An OSCAR engine's warm-up (17 variants, Qwen3-8B shape, empty Triton cache) took 43.9 s in one

@@ -837,12 +837,16 @@ def test_hadamard_key_mean_rotations_load_as_the_backend_reads_them(ab, tmp_path
 
 
 def test_hadamard_key_means_with_key_mean_off_are_refused(tmp_path, ab):
-    """Means that OSCAR would not read (``key_mean`` off) would time the run without them; the
-    default (``auto``) and ``on`` read them."""
+    """Means that OSCAR would not read (``key_mean`` off, the default) would time the run without
+    them; ``auto`` and ``on`` read them."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OSCAR_")}
     proc = subprocess.run([*HARNESS, "--rotations", "hadamard-key-means", "--scenarios", "decode",
                            "--configs", "OSCAR", "--out", str(tmp_path / "ab")], capture_output=True, text=True,
                           env={**env, "OSCAR_KEY_MEAN": "off"}, cwd=REPO)
-    assert proc.returncode == 2 and "OSCAR_KEY_MEAN=off serves without them" in proc.stderr
+    assert proc.returncode == 2 and "key_mean off (the default) serves without" in proc.stderr
     assert not (tmp_path / "ab").exists(), "refused before anything is written"
-    assert ab.oscar_key_mean(env) == "auto" and ab.oscar_key_mean({"OSCAR_KEY_MEAN": "on"}) == "on"
+    assert ab.oscar_key_mean(env) == "off" and ab.oscar_key_mean({"OSCAR_KEY_MEAN": "auto"}) == "auto"
+    default = subprocess.run([*HARNESS, "--rotations", "hadamard-key-means", "--scenarios", "decode", "--configs",
+                              "OSCAR", "--out", str(tmp_path / "ab")], capture_output=True, text=True, env=env,
+                             cwd=REPO)
+    assert default.returncode == 2 and "set OSCAR_KEY_MEAN=auto" in default.stderr

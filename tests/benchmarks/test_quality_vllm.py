@@ -74,3 +74,28 @@ def test_passkey_prompts_hide_each_key_at_its_depth_within_the_length():
         needle = f" The pass key is {p['key']}. Remember it. {p['key']} is the pass key. "
         room = p["length"] - len(needle) - len("\nWhat is the pass key? The pass key is")
         assert text.index(needle) == int(p["depth"] * room) and text.count(str(p["key"])) == 2
+
+
+def test_a_run_without_a_part_shows_it_as_missing_and_the_rest_against_bf16(tmp_path):
+    bf16 = run("bf16", 3.0, [True, False], [[1, 2, 3]])
+    oscar = {**run("oscar", 3.02, [False, False], []), "greedy": {}}  # measured with --parts ppl passkey
+    fp8 = {**run("fp8", 3.01, [], [[1, 2, 3]]), "passkey": []}  # measured with --parts ppl greedy
+    for r in (bf16, oscar, fp8):
+        (tmp_path / f"engine_{r['config']}.json").write_text(json.dumps(r))
+    text = qv.report(tmp_path, "c")
+    rows = json.loads((tmp_path / "quality.json").read_text())["rows"]
+    assert rows["oscar"]["greedy"] == {} and rows["oscar"]["passkey"]["where_bf16"] == 0
+    assert rows["fp8"]["passkey"] == {} and rows["fp8"]["greedy"]["2048"]["first_diff"] == 3
+    assert rows["oscar"]["ppl"]["prose"]["delta_pct"] == pytest.approx(100 * (math.exp(0.02) - 1))
+    oscar_line = next(line for line in text.splitlines() if line.startswith(f"| {qv.CONFIGS['oscar']['what']}"))
+    assert oscar_line.endswith("| — | — | — | 0 of 1 (all: 0 of 2) |")
+    assert next(line for line in text.splitlines() if line.startswith("| fp8")).endswith("| 100.0% | — |")
+
+
+def test_greedy_columns_only_where_a_configuration_was_compared(tmp_path):
+    bf16 = run("bf16", 3.0, [True], [[1, 2, 3]])
+    oscar = {**run("oscar", 3.02, [True], []), "greedy": {}}
+    for r in (bf16, oscar):
+        (tmp_path / f"engine_{r['config']}.json").write_text(json.dumps(r))
+    header = next(line for line in qv.report(tmp_path, "c").splitlines() if line.startswith("| KV cache"))
+    assert header == "| KV cache | bits/elem | ΔPPL prose | ΔPPL code | passkey found where BF16 finds it |"

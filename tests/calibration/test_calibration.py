@@ -215,11 +215,11 @@ def test_error_measure_is_the_mean_squared_logit_error():
 
 
 def test_the_reference_cache_as_served_uses_the_serving_defaults():
-    """Benchmarks that read 'OSCAR as served' in the reference cache take the backend's defaults:
-    keys less their block's mean where the rotation file has means (its 16 strongest pairs, one
-    vector a cache block) and the logit correction that goes with it (none), the plain keys and
-    the default λ where it has none (but where FlashAttention reads the INT2 keys), and the rotation
-    file's clip."""
+    """Benchmarks that read 'OSCAR as served' in the reference cache take the backend's settings:
+    by default the plain keys and the default λ (but where FlashAttention reads the INT2 keys),
+    whether or not the file has means; with key_mean "auto", keys less their block's mean where it
+    has them (its 16 strongest pairs, one vector a cache block) and the λ that goes with it (none);
+    the rotation file's clip."""
     import dataclasses
     from pathlib import Path
 
@@ -229,7 +229,9 @@ def test_the_reference_cache_as_served_uses_the_serving_defaults():
     from oscar_vllm.core.settings import OscarSettings
 
     committed = load_rotations(Path(__file__).resolve().parents[2] / "tests" / "data" / "smollm2_rotations")
-    with_mean = served_method(committed)
+    assert served_method(committed) == served_method(dataclasses.replace(committed, key_means=None))  # off
+    auto = OscarSettings(key_mean="auto")
+    with_mean = served_method(committed, settings=auto)
     assert (with_mean.clip, with_mean.logit_correction, with_mean.scale_dtype) == ("fitted", 0.0, torch.float16)
     assert (with_mean.key_mean, with_mean.key_mean_pairs, with_mean.key_mean_block) == (True, SERVED_PAIRS,
                                                                                          SERVED_BLOCK)
@@ -246,7 +248,7 @@ def test_the_reference_cache_as_served_uses_the_serving_defaults():
     assert specs[3].key_quant.clip_ratio == committed.clip_ratio("key", 3)
     cos, sin = (torch.rand(300, 64) for _ in range(2))
     cos[0] = 1.0
-    method, specs = served_specs(committed, 30, rope=(cos, sin))
+    method, specs = served_specs(committed, 30, rope=(cos, sin), settings=auto)
     assert method == with_mean and specs[3].key_mean.block == SERVED_BLOCK
     want = strongest_pairs(block_average(committed.key_means[3], cos, sin, SERVED_BLOCK), SERVED_PAIRS)
     torch.testing.assert_close(specs[3].key_mean.mean, want)

@@ -17,17 +17,16 @@
 #           60% of the copy rate (OSCAR_NCU_DECODE, BATCHxCONTEXT); ncu.txt, and ncu.md its table
 #           (benchmarks/kernels/ncu_summary.py: medians, bytes, occupancy, what bounds each kernel)
 #   suite   the whole test suite on the GPU
-#   key_mean  keys less their block's mean (the default with rotations that have means): its kernel
-#           tests, the Gluon decode kernel as served (mean, λ 0; also at OSCAR_MEAN_MAXNREG registers)
-#           against the default before (no mean, λ 0.5), Qwen3-8B shape; decode batches of 3 and 31 that
-#           full CUDA graphs pad
-#   key_mean_ab  the key mean's end-to-end price (Qwen3-8B shape, vLLM's defaults): OSCAR as served
-#           before (OSCAR_KEY_MEAN=off: decode after caching, prefix hit, prefill, batch-1 latency at
-#           1K-128K), then OSCAR as served now (seeded means) on the first run's sizes (OSCAR_AB_ARGS to
+#   key_mean  keys less their block's mean (key_mean auto, opt-in): its kernel tests, the Gluon decode
+#           kernel with the mean (λ 0; also at OSCAR_MEAN_MAXNREG registers) against the default (no mean,
+#           λ 0.5), Qwen3-8B shape; decode batches of 3 and 31 that full CUDA graphs pad
+#   key_mean_ab  the key mean's end-to-end price (Qwen3-8B shape, vLLM's defaults): OSCAR by default
+#           (key_mean off: decode after caching, prefix hit, prefill, batch-1 latency at 1K-128K), then
+#           OSCAR_KEY_MEAN=auto (seeded means) on the first run's sizes (OSCAR_AB_ARGS to
 #           both; within OSCAR_KEY_MEAN_AB_S, 585 s: a 10-minute GPU call, which FLASH_ATTN beside them
 #           would not fit; the `ab` stage compares OSCAR with vLLM's caches)
 #   quality_vllm  quality inside vLLM (benchmarks/quality_vllm.py, SmolLM2): BF16, fp8, int4_per_token_head,
-#           OSCAR and OSCAR before key means; perplexity of prose and of code, greedy continuations at
+#           OSCAR and OSCAR with key means; perplexity of prose and of code, greedy continuations at
 #           2K-7K, passkeys; then the decode-time curve at 1K-8K in the reference cache
 #   ppl     SmolLM2 perplexity through OSCAR (fp32 eager, bf16 with CUDA graphs) only
 #   triton_path  the Triton decode kernel and write forced (OSCAR_DECODE_KERNEL=triton: the path every GPU but
@@ -174,7 +173,7 @@ for stage in $stages; do
         OSCAR_KEY_MEAN=off python3 -m benchmarks.ab --configs OSCAR --scenarios decode latency \
           --rotations hadamard --deadline-s $(( budget / 2 )) --out "$out/ab_key_mean/without" ${OSCAR_AB_ARGS:-} ||
           failed=1
-        python3 -m benchmarks.ab --configs OSCAR --rotations hadamard-key-means \
+        OSCAR_KEY_MEAN=auto python3 -m benchmarks.ab --configs OSCAR --rotations hadamard-key-means \
           --plan "$out/ab_key_mean/without/plan.json" --deadline-s $(( budget - (SECONDS - t0) )) \
           --out "$out/ab_key_mean/with" ${OSCAR_AB_ARGS:-} || failed=1
         # one table, the mean's column "OSCAR (run 2)", into without/ab.md

@@ -108,7 +108,7 @@ def test_a_servable_engine_passes_and_its_settings_travel_in_its_config(engine_a
                                                  "recent_size": 128, "scale_dtype": "fp16",
                                                  "prefill_read": "chunk",
                                                  "decode_splits": 0, "hit_ring": "recompute",
-                                                 "key_mean": "auto", "decode_kernel": "auto",
+                                                 "key_mean": "off", "decode_kernel": "auto",
                                                  "warm_up_threads": 4}
     monkeypatch.delenv("OSCAR_RECENT_SIZE")
     assert OscarSettings.from_vllm_config(config).recent_size == 128

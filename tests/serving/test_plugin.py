@@ -373,7 +373,7 @@ def test_key_mean_auto_serves_means_where_the_rotations_and_the_rope_take_them()
     assert rope_tables_for_key_means(OscarSettings(key_mean="auto", prefill_read="decode"), True,
                                      [(0, block(neox))]) is None
     assert rope_tables_for_key_means(OscarSettings(key_mean="off"), True, [(0, block(neox))]) is None
-    assert OscarSettings().key_mean == "auto"  # the default serves the means where there are some
+    assert OscarSettings().key_mean == "off"  # the means are opt-in: they cost passkeys (docs/quality.md)
     mixed = [(0, block(neox)), (1, block(gptj))]
     assert rope_tables_for_key_means(auto, True, mixed) is None
     with pytest.raises(OscarSettingsError, match="layer 1"):
