@@ -1,7 +1,7 @@
 """The benchmarks, as one package of modules. Each runs from the repository root as a module:
 
     python -m benchmarks.ab --help                      the A/B harness (ab/)
-    python -m benchmarks.kernels.oscar_decode decode    a kernel benchmark (kernels/)
+    python -m benchmarks.kernel_bench.oscar_decode decode    a kernel benchmark (kernels/)
     python -m benchmarks.studies.rotation_error         a one-off study (studies/)
     python -m benchmarks.quality_study                  the rest, beside this file
 

@@ -38,7 +38,7 @@ MAX_DECODE_SPLITS = 256
 # ahead of a wave's 3; results/kernels/sweep_wave_ctas12/). The ring tile's weight: counted as
 # one block, the split holding the five ring tiles was the one the others waited for (1 x 32K 41
 # us, 28 at 4); from 16 requests the programs run in several waves and 2 is best or within 3%.
-# H200, Qwen3-8B shape: `python -m benchmarks.kernels.oscar_decode sweep` (results/kernels/prefetch/,
+# H200, Qwen3-8B shape: `python -m benchmarks.kernel_bench.oscar_decode sweep` (results/kernels/prefetch/,
 # results/kernels/ring/).
 class DecodeLaunch(NamedTuple):
     maxnreg: int | None
@@ -103,7 +103,7 @@ def decode_write_tiles(g: int, d: int, tokens: int = 1, query_rows: int | None =
     rows), ``QM``/``KM`` the queries' and keys' MMA rows (the keys' with room for the values' rows
     after them), and ``num_warps``, a warp per K or V row (at most one per 8 dims: the MMA tiles'
     width; rows beyond it share a warp). H200, Qwen3-8B: 11 µs at 1 and 32 tokens, 28 and 27 with a
-    16-row tile's rows a warp (``benchmarks/kernels/oscar_write.py``)."""
+    16-row tile's rows a warp (``benchmarks/kernel_bench/oscar_write.py``)."""
     rows = query_rows or launch_bucket(DECODE_WRITE_LAUNCH, tokens)
     # At most 16 tokens: every warp holds the keys' whole A operand (the warps split R's columns).
     tp = max(1, min(16, rows // triton.next_power_of_2(g)))

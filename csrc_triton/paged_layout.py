@@ -230,7 +230,7 @@ def split_rows(splits: Callable[[int], int], max_num_reqs: int) -> int:
 # ---------------------------------------------------------------- the Triton kernels' launches
 
 # Decode (oscar_attention's fallback decode): (num_warps, num_stages, CTAs per SM the split count
-# aims for), by batch bucket. From `python -m benchmarks.kernels.oscar_attention sweep` on the H200
+# aims for), by batch bucket. From `python -m benchmarks.kernel_bench.oscar_attention sweep` on the H200
 # (results/kernels/sweep_decode.md): one request gains from more, smaller programs; from 8 requests
 # on, one warp per program issues the fewest instructions per block and two programs per SM already
 # keep it busy.
@@ -253,7 +253,7 @@ SMALL_HEAD_PREFILL_LAUNCH = (16, 4, 3)
 # search stays in one warp (tl.dot's layout gives a warp whole rows from 32 rows on), 16 barriers in
 # all instead of 122 and 26% fewer instructions a token than 16 tokens on 8 warps (sm_90,
 # compile_check); H200, 8K tokens: 0.310 ms against 0.406.
-# `python -m benchmarks.kernels.oscar_write --launch 16x8 32x8`.
+# `python -m benchmarks.kernel_bench.oscar_write --launch 16x8 32x8`.
 WRITE_LAUNCH = {1: (16, 16), 2048: (32, 8)}
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/kernels/ncu_summary.py on Nsight Compute's own text reports (the H200's, committed
+"""benchmarks/kernel_bench/ncu_summary.py on Nsight Compute's own text reports (the H200's, committed
 in results/kernels/ncu_batch1/): every launch found, its metrics read with their units, runs told
 apart by their labels, and what bounds a kernel named from its medians."""
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.kernels import ncu_summary
+from benchmarks.kernel_bench import ncu_summary
 
 ROOT = Path(__file__).resolve().parents[2]
 NCU = ROOT / "results" / "kernels" / "ncu_batch1"

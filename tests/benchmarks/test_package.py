@@ -37,3 +37,25 @@ def test_no_benchmark_imports_from_tests():
             found += [f"{p.relative_to(REPO)}:{node.lineno} imports {n}" for n in names
                       if n.split(".")[0] in TEST_HELPERS]
     assert found == []
+
+
+def test_no_folder_of_benchmarks_hides_an_installed_package():
+    """``python benchmarks/X.py`` puts benchmarks/ first on sys.path, where a folder named like an
+    installed package takes its place: ``benchmarks/kernels`` hid Hugging Face's ``kernels``, and
+    transformers failed to import inside the quality study."""
+    import importlib.metadata
+
+    installed = {name for dist in importlib.metadata.distributions()
+                 for name in (dist.read_text("top_level.txt") or "").split()}
+    installed |= {d.metadata["Name"].lower().replace("-", "_") for d in importlib.metadata.distributions()}
+    folders = {p.name for p in BENCHMARKS.iterdir() if (p / "__init__.py").exists()}
+    assert sorted(folders & installed) == []
+
+
+def test_a_benchmark_run_as_a_script_imports_transformers():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "quality_study.py"), "--help"], capture_output=True,
+                          text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]

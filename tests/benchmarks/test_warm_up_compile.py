@@ -1,4 +1,4 @@
-"""benchmarks/kernels/warm_up_compile.py: the compiles it times are the warm-up's own."""
+"""benchmarks/kernel_bench/warm_up_compile.py: the compiles it times are the warm-up's own."""
 import json
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.kernels import warm_up_compile
+from benchmarks.kernel_bench import warm_up_compile
 from csrc_triton.warm_up import gluon_decode_variants
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def test_compiling_leaves_no_cache_folder_behind(tmp_path, monkeypatch):
 def test_a_run_compiles_and_writes_its_table(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile, for sm_90
     (tmp_path / "tmp").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernels.warm_up_compile", "--threads", "1", "2",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernel_bench.warm_up_compile", "--threads", "1", "2",
                            "--max-num-seqs", "1", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
                           env={**env, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path / "tmp")}, timeout=600)
     assert proc.returncode == 0, proc.stderr

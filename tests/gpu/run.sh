@@ -15,7 +15,7 @@
 #   ncu     Nsight Compute (Qwen3-8B shape): the decode write and reshape_and_cache_flash at 1 and 256
 #           tokens, decode attention and its merge at 1 x 1K (FA3's too) and where issue 18 found it under
 #           60% of the copy rate (OSCAR_NCU_DECODE, BATCHxCONTEXT); ncu.txt, and ncu.md its table
-#           (benchmarks/kernels/ncu_summary.py: medians, bytes, occupancy, what bounds each kernel)
+#           (benchmarks/kernel_bench/ncu_summary.py: medians, bytes, occupancy, what bounds each kernel)
 #   suite   the whole test suite on the GPU
 #   key_mean  keys less their block's mean (key_mean auto, opt-in): its kernel tests, the Gluon decode
 #           kernel with the mean (λ 0; also at OSCAR_MEAN_MAXNREG registers) against the default (no mean,
@@ -103,16 +103,16 @@ for stage in $stages; do
           tests/serving/test_plugin.py::test_admitting_requests_does_not_synchronize_the_gpu \
           tests/benchmarks/test_profile_decode.py; } 2>&1 | tee "$out/pytest.log" || status=1 ;;
     kernels)
-      { python3 -m benchmarks.kernels.oscar_decode decode --out "$out/kernels" ${OSCAR_KERNEL_ARGS:-} &&
-        python3 -m benchmarks.kernels.oscar_attention prefill --out "$out/kernels" --shapes qwen3-8b &&
-        python3 -m benchmarks.kernels.oscar_write --out "$out/kernels" --shapes qwen3-8b &&
-        python3 -m benchmarks.kernels.oscar_dense_kv --out "$out/kernels" &&
-        python3 -m benchmarks.kernels.sass_histogram _oscar_attention_kernel; } 2>&1 | tee "$out/kernels.log" || status=1 ;;
+      { python3 -m benchmarks.kernel_bench.oscar_decode decode --out "$out/kernels" ${OSCAR_KERNEL_ARGS:-} &&
+        python3 -m benchmarks.kernel_bench.oscar_attention prefill --out "$out/kernels" --shapes qwen3-8b &&
+        python3 -m benchmarks.kernel_bench.oscar_write --out "$out/kernels" --shapes qwen3-8b &&
+        python3 -m benchmarks.kernel_bench.oscar_dense_kv --out "$out/kernels" &&
+        python3 -m benchmarks.kernel_bench.sass_histogram _oscar_attention_kernel; } 2>&1 | tee "$out/kernels.log" || status=1 ;;
     sweep)
-      (python3 -m benchmarks.kernels.oscar_decode sweep --out "$out/sweep" --shapes qwen3-8b ${OSCAR_SWEEP_ARGS:---batches 1 8 32 64 \
+      (python3 -m benchmarks.kernel_bench.oscar_decode sweep --out "$out/sweep" --shapes qwen3-8b ${OSCAR_SWEEP_ARGS:---batches 1 8 32 64 \
          --contexts 1024 8192 32768 131072 --maxnreg none 168 --ctas 8 16 --max-splits 128 256 --prefetch 0 2 4 \
          --ring-cost 1 7} &&
-       python3 -m benchmarks.kernels.oscar_attention sweep --out "$out/sweep" --batches 1 8 32 \
+       python3 -m benchmarks.kernel_bench.oscar_attention sweep --out "$out/sweep" --batches 1 8 32 \
          --contexts 8192 32768 131072) 2>&1 | grep --line-buffered -v '^{' | tee "$out/sweep.log" || status=1 ;;
     profile)
       { python3 -m benchmarks.profile_decode --backend OSCAR ${OSCAR_PROFILE_ARGS:-} &&
@@ -130,23 +130,23 @@ for stage in $stages; do
         for tokens in ${OSCAR_NCU_WRITE_TOKENS:-1 256}; do
           for kernel in oscar_write_decode reshape_and_cache; do
             echo "=== write, tokens $tokens ==="
-            $ncu -k "regex:$kernel" -c 3 python3 -m benchmarks.kernels.oscar_write --out /tmp/oscar-ncu --shapes qwen3-8b \
+            $ncu -k "regex:$kernel" -c 3 python3 -m benchmarks.kernel_bench.oscar_write --out /tmp/oscar-ncu --shapes qwen3-8b \
               --tokens "$tokens" || failed=1
           done
         done
         for size in ${OSCAR_NCU_DECODE:-1x1024 8x32768 32x8192 8x131072 64x8192 64x32768}; do
           echo "=== decode, batch ${size%x*} x ${size#*x} ==="
-          $ncu -k 'regex:_oscar_decode_kernel|_merge_splits' -c 4 python3 -m benchmarks.kernels.oscar_decode decode --out /tmp/oscar-ncu \
+          $ncu -k 'regex:_oscar_decode_kernel|_merge_splits' -c 4 python3 -m benchmarks.kernel_bench.oscar_decode decode --out /tmp/oscar-ncu \
             --shapes qwen3-8b --batches "${size%x*}" --contexts "${size#*x}" || failed=1
         done
         echo "=== decode, batch 1 x 1024 ==="
-        $ncu -k 'regex:[Ff]lash' -c 3 python3 -m benchmarks.kernels.oscar_decode decode --out /tmp/oscar-ncu --shapes qwen3-8b \
+        $ncu -k 'regex:[Ff]lash' -c 3 python3 -m benchmarks.kernel_bench.oscar_decode decode --out /tmp/oscar-ncu --shapes qwen3-8b \
           --batches 1 --contexts 1024 || failed=1
         exit $failed
       ) > "$out/ncu.txt" 2>&1 || status=1
-      python3 -m benchmarks.kernels.ncu_summary "$out/ncu.txt" --out "$out/ncu.md" || status=1 ;;
+      python3 -m benchmarks.kernel_bench.ncu_summary "$out/ncu.txt" --out "$out/ncu.md" || status=1 ;;
     against)
-      (python3 -m benchmarks.kernels.oscar_decode against --baseline "$(realpath "${OSCAR_DECODE_BASELINE:?a copy of an earlier oscar_decode.py}")" \
+      (python3 -m benchmarks.kernel_bench.oscar_decode against --baseline "$(realpath "${OSCAR_DECODE_BASELINE:?a copy of an earlier oscar_decode.py}")" \
          --out "$out/against" --shapes qwen3-8b --batches 1 8 32 64 --contexts 1024 8192 32768 131072) 2>&1 |
         grep --line-buffered -v '^{' | tee "$out/against.log" || status=1 ;;
     ab)
@@ -154,7 +154,7 @@ for stage in $stages; do
     key_mean)
       # The kernel's price first (minutes), then its tests (compiles: the longest part).
       ( failed=0
-        python3 -m benchmarks.kernels.oscar_decode decode --key-mean --mean-maxnreg ${OSCAR_MEAN_MAXNREG:-} \
+        python3 -m benchmarks.kernel_bench.oscar_decode decode --key-mean --mean-maxnreg ${OSCAR_MEAN_MAXNREG:-} \
            --shapes qwen3-8b --batches 1 8 32 --contexts 8192 32768 131072 --out "$out/key_mean_decode" ||
           failed=1
         python3 -m pytest -v -rf -p no:warnings $xdist tests/kernels/test_oscar_attention.py tests/kernels/test_oscar_write.py \

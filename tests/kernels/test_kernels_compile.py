@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 def compile_check(*args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernels.compile_check", *args,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernel_bench.compile_check", *args,
                            "--top", "60"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout

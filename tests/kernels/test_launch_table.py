@@ -1,5 +1,5 @@
 """The decode and prefill launch choices are a fixed table (filled by
-``python -m benchmarks.kernels.oscar_attention sweep``), not autotuning on the serving path."""
+``python -m benchmarks.kernel_bench.oscar_attention sweep``), not autotuning on the serving path."""
 import triton
 
 from csrc_triton.paged_layout import (

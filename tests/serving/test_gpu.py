@@ -198,7 +198,7 @@ def test_this_machines_gpu_as_nvml_reads_it():
 
 COMPILE = """
 import json, sys, types
-from benchmarks.kernels import compile_check
+from benchmarks.kernel_bench import compile_check
 from triton.backends.compiler import GPUTarget
 from csrc_triton import oscar_attention
 

@@ -4,11 +4,11 @@ mix (are the loads 16 bytes wide and asynchronous, how many HMMA, barriers, conv
 Arguments are specialized as a real launch would be (pointers and strides 16-aligned, except
 the pointers a kernel lists in ``do_not_specialize_on_alignment``).
 
-    python -m benchmarks.kernels.compile_check decode --num-warps 4 --num-stages 3
-    python -m benchmarks.kernels.compile_check prefill --block-m 128 --num-warps 8 --dump /tmp/prefill.sass
-    python -m benchmarks.kernels.compile_check gluon_decode --maxnreg 168
-    python -m benchmarks.kernels.compile_check write_decode --query-rows 32
-    python -m benchmarks.kernels.compile_check write --block-t 16 --num-warps 8
+    python -m benchmarks.kernel_bench.compile_check decode --num-warps 4 --num-stages 3
+    python -m benchmarks.kernel_bench.compile_check prefill --block-m 128 --num-warps 8 --dump /tmp/prefill.sass
+    python -m benchmarks.kernel_bench.compile_check gluon_decode --maxnreg 168
+    python -m benchmarks.kernel_bench.compile_check write_decode --query-rows 32
+    python -m benchmarks.kernel_bench.compile_check write --block-t 16 --num-warps 8
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ bytes and nothing else, so that is its bound. ``key_mean_ms``: the same fill add
 to the INT2 rows (``key_mean`` "on": a seeded mean, a random rotation, a RoPE table), whose
 product with each row's table row is all it adds.
 
-    python -m benchmarks.kernels.oscar_dense_kv --out results/kernels
+    python -m benchmarks.kernel_bench.oscar_dense_kv --out results/kernels
 """
 from __future__ import annotations
 

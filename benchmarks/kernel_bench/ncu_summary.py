@@ -3,7 +3,7 @@ its profiled launches, and what bounds it. Reads what ``ncu --section ...`` prin
 stage of ``tests/gpu/run.sh`` writes all its runs into one file, each after a line
 ``=== LABEL ===``), so a profile of many shapes reads as one table.
 
-    python -m benchmarks.kernels.ncu_summary OUT/ncu.txt [--out OUT/ncu.md]
+    python -m benchmarks.kernel_bench.ncu_summary OUT/ncu.txt [--out OUT/ncu.md]
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ variant of a kernel, its launch options, registers, shared memory, spills and th
 frequent SASS opcodes (are the loads 16 bytes wide, are the products HMMA or HGMMA, is there
 any I2F left). Needs ``cuobjdump`` (CUDA toolkit).
 
-    python -m benchmarks.kernels.sass_histogram _oscar_attention_kernel [--top 25]
+    python -m benchmarks.kernel_bench.sass_histogram _oscar_attention_kernel [--top 25]
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ Hopper (sm_90), in one thread and in several (``warm_up_threads``), each run fro
 Triton cache. No GPU needed: this is the compiler's share of the warm-up, which threads can
 shorten only as far as Triton compiles outside the GIL.
 
-    python -m benchmarks.kernels.warm_up_compile --threads 1 2 --out results/kernels/warm_up_compile
+    python -m benchmarks.kernel_bench.warm_up_compile --threads 1 2 --out results/kernels/warm_up_compile
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ decode kernel (the fallback where ``oscar_decode`` does not serve the shape). De
 is timed by ``oscar_decode.py decode``, both kernels beside FA3; the helpers it shares (BF16
 paged caches, FA3 and Triton baseline calls, the plot) are here.
 
-    python -m benchmarks.kernels.oscar_attention prefill --out results/kernels
-    python -m benchmarks.kernels.oscar_attention sweep   --out results/kernels/sweep
+    python -m benchmarks.kernel_bench.oscar_attention prefill --out results/kernels
+    python -m benchmarks.kernel_bench.oscar_attention sweep   --out results/kernels/sweep
 
 ``sweep`` times every decode launch choice (unpacking, warps, stages, splits) and prefill
 tile and prints the table ``csrc_triton/paged_layout.py`` keeps (``DECODE_LAUNCH``).

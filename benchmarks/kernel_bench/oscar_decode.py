@@ -7,8 +7,8 @@ paged cache, the bytes each reads, the GB/s that makes and its share of the devi
 copy bandwidth measured at the start of the run. Every request reads its own blocks in
 shuffled order, over enough copies of the data that L2 serves nothing.
 
-    python -m benchmarks.kernels.oscar_decode decode --out results/kernels
-    python -m benchmarks.kernels.oscar_decode sweep  --out results/kernels/sweep
+    python -m benchmarks.kernel_bench.oscar_decode decode --out results/kernels
+    python -m benchmarks.kernel_bench.oscar_decode sweep  --out results/kernels/sweep
 
 ``sweep`` times the launch choices (register cap, programs per SM) the wrapper fixes;
 ``against --baseline OLD.py`` times this tree's kernel beside an earlier version of its module.

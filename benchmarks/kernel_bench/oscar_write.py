@@ -5,15 +5,15 @@ Decode steps (one token a request, up to 256) run as the backend runs them: ``os
 which also rotates the step's queries (``oscar_ms``); beside it the path it replaces, the
 prefill-side kernel plus the queries' fp32 rotation through PyTorch (``split_path_ms``).
 
-    python -m benchmarks.kernels.oscar_write --out results/kernels
-    python -m benchmarks.kernels.oscar_write --shapes qwen3-8b --launch table 16x8 32x8 64x16 x4 x8 x16
+    python -m benchmarks.kernel_bench.oscar_write --out results/kernels
+    python -m benchmarks.kernel_bench.oscar_write --shapes qwen3-8b --launch table 16x8 32x8 64x16 x4 x8 x16
 
 ``--launch``: the launch choices to time, ``table`` (the kernels' own), ``TxW`` for the prefill
 rows (the Triton write: T tokens a program on W warps), ``xW`` for the decode rows (the decode
 write on W warps). ``--query-rows``: the decode write's query rows a program (``DECODE_WRITE_LAUNCH``'s
 entries to choose from), each timed beside the others:
 
-    python -m benchmarks.kernels.oscar_write --shapes qwen3-8b --tokens 1 8 32 64 128 256 --query-rows 16 32
+    python -m benchmarks.kernel_bench.oscar_write --shapes qwen3-8b --tokens 1 8 32 64 128 256 --query-rows 16 32
 """
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ SHAPES = {
 
 def invocation() -> list[str]:
     """How this process was started, as it runs again from the repository root: ``python -m
-    benchmarks.kernels.NAME`` for a module run with ``-m``, else the script's path."""
+    benchmarks.kernel_bench.NAME`` for a module run with ``-m``, else the script's path."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name:
         return ["python", "-m", spec.name.removesuffix(".__main__")]
