@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -43,12 +44,9 @@ def found(loaded, specs, ids: list[int], answer: list[int], device: str) -> tupl
     """Greedy's verdict on ``answer`` after ``ids`` through ``specs`` (None: BF16 attention as the
     model computes it), and how many answer tokens in a row were the argmax."""
     seq = torch.tensor([ids + answer], device=device)
-    hook = None if specs is None else (lambda i: MixedCacheHook(specs[i], SINK, RECENT, CHUNK))
-    if hook is None:
+    with (nullcontext() if specs is None else
+          attention_hooks(loaded.model, lambda i: MixedCacheHook(specs[i], SINK, RECENT, CHUNK))):
         logits = loaded.model(seq, use_cache=False).logits[0]
-    else:
-        with attention_hooks(loaded.model, hook):
-            logits = loaded.model(seq, use_cache=False).logits[0]
     picked = logits[len(ids) - 1: len(ids) + len(answer) - 1].argmax(-1).tolist()
     run = next((i for i, (a, b) in enumerate(zip(picked, answer)) if a != b), len(answer))
     return run == len(answer), run
