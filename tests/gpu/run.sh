@@ -25,8 +25,8 @@
 #           OSCAR_KEY_MEAN=auto (seeded means) on the first run's sizes (OSCAR_AB_ARGS to
 #           both; within OSCAR_KEY_MEAN_AB_S, 585 s: a 10-minute GPU call, which FLASH_ATTN beside them
 #           would not fit; the `ab` stage compares OSCAR with vLLM's caches)
-#   quality_vllm  quality inside vLLM (benchmarks/quality_vllm.py, SmolLM2): BF16, fp8, int4_per_token_head,
-#           OSCAR and OSCAR with key means; perplexity of prose and of code, greedy continuations at
+#   quality_vllm  quality inside vLLM (benchmarks/quality_vllm.py, SmolLM2; OSCAR_QUALITY_ARGS, e.g. --configs or
+#           --parts, splits it over calls): BF16, fp8, int4_per_token_head, OSCAR and OSCAR with key means; perplexity of prose and of code, greedy continuations at
 #           2K-7K, passkeys; then the decode-time curve at 1K-8K in the reference cache
 #   ppl     SmolLM2 perplexity through OSCAR (fp32 eager, bf16 with CUDA graphs) only
 #   triton_path  the Triton decode kernel and write forced (OSCAR_DECODE_KERNEL=triton: the path every GPU but
@@ -184,7 +184,7 @@ for stage in $stages; do
       ( failed=0
         [ -d "$work/smollm2" ] || $e2e prepare --work "$work" || failed=1
         python3 benchmarks/quality_vllm.py --model "$work/smollm2" --rotations "$smol_rot" \
-          --out "$out/quality_vllm" || failed=1
+          --out "$out/quality_vllm" ${OSCAR_QUALITY_ARGS:-} || failed=1
         python3 -m oscar_vllm.calibration.evaluate --rotations "$smol_rot" --contexts 1024,2048,4096,8192 \
           --eval-tokens 65536 --device cuda --methods bf16,oscar-int2-fit-debiased-half,oscar-int2-fit-key-mean \
           --output-dir "$out/quality_vllm/curve" || failed=1
