@@ -124,25 +124,28 @@ def run_engine(name: str, model: str, rotations: str, out: Path, parts: tuple[st
     tokenizer = llm.get_tokenizer()
     result: dict = {"config": name, **{k: v for k, v in cfg.items() if k != "env"}, "env": cfg.get("env", {}),
                     "start_s": round(time.time() - t0, 1), "ppl": {}, "greedy": {}, "passkey": []}
-    all_texts = texts(tokenizer)
-    for text, ids in all_texts.items() if "ppl" in parts else ():
-        ws = windows(ids[:PPL_TOKENS], PPL_CONTEXT, PPL_TOKENS // PPL_CONTEXT)
-        outs = llm.generate([{"prompt_token_ids": w} for w in ws], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                            use_tqdm=False)
-        nll = [-o.prompt_logprobs[i][w[i]].logprob for w, o in zip(ws, outs) for i in range(1, len(w))]
-        result["ppl"][text] = {"ppl": math.exp(sum(nll) / len(nll)), "tokens": len(nll), "nll": nll}
-    greedy = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True)
-    for ctx in GREEDY_CONTEXTS if "greedy" in parts else ():
-        ws = windows(all_texts["prose"], ctx, GREEDY_PROMPTS)
-        outs = llm.generate([{"prompt_token_ids": w} for w in ws], greedy, use_tqdm=False)
-        result["greedy"][str(ctx)] = [list(o.outputs[0].token_ids) for o in outs]
-    prompts = passkey_prompts(tokenizer) if "passkey" in parts else []
-    outs = llm.generate([{"prompt_token_ids": p["ids"]} for p in prompts],
-                        SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        text = o.outputs[0].text
-        result["passkey"].append({"length": p["length"], "depth": p["depth"], "key": p["key"], "answer": text,
-                                  "found": str(p["key"]) in text})
+    all_texts = texts(tokenizer) if {"ppl", "greedy"} & set(parts) else {}
+    if "ppl" in parts:
+        for text, ids in all_texts.items():
+            ws = windows(ids[:PPL_TOKENS], PPL_CONTEXT, PPL_TOKENS // PPL_CONTEXT)
+            outs = llm.generate([{"prompt_token_ids": w} for w in ws],
+                                SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+            nll = [-o.prompt_logprobs[i][w[i]].logprob for w, o in zip(ws, outs) for i in range(1, len(w))]
+            result["ppl"][text] = {"ppl": math.exp(sum(nll) / len(nll)), "tokens": len(nll), "nll": nll}
+    if "greedy" in parts:
+        greedy = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True)
+        for ctx in GREEDY_CONTEXTS:
+            ws = windows(all_texts["prose"], ctx, GREEDY_PROMPTS)
+            outs = llm.generate([{"prompt_token_ids": w} for w in ws], greedy, use_tqdm=False)
+            result["greedy"][str(ctx)] = [list(o.outputs[0].token_ids) for o in outs]
+    if "passkey" in parts:  # a part left out sends the engine no request at all
+        prompts = passkey_prompts(tokenizer)
+        outs = llm.generate([{"prompt_token_ids": p["ids"]} for p in prompts],
+                            SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            text = o.outputs[0].text
+            result["passkey"].append({"length": p["length"], "depth": p["depth"], "key": p["key"],
+                                      "answer": text, "found": str(p["key"]) in text})
     result["seconds"] = round(time.time() - t0, 1)
     out.write_text(json.dumps(result) + "\n")
 
