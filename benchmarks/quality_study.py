@@ -460,6 +460,8 @@ ROWS = [
     Row("uncorrected-key-mean-block64-16pairs-clip98", "uncorrected-key-mean-block64-16pairs with the keys clipped "
         "at 0.98 in every layer (the largest entry to the next)", calibration=None, key_mean="before-rope",
         key_mean_pairs=16, key_mean_block=64, key_clip_ratio=0.98),
+    Row("half-clip96", "the shipped default (λ = 0.5) with the keys clipped at 0.96 in every layer",
+        calibration=None, logit_correction=0.5, key_clip_ratio=0.96),
     Row("quarter-key-mean-block64-16pairs", "uncorrected-key-mean-block64-16pairs with the correction at λ = 0.25",
         calibration=None, logit_correction=0.25, key_mean="before-rope", key_mean_pairs=16, key_mean_block=64),
     Row("half-key-mean-recent-grows", "half-key-mean, with the recent window max(256, position/8)", calibration=None,
