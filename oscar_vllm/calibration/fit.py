@@ -129,13 +129,14 @@ def clip_candidates(head_dim: int) -> list[float]:
     return [(i + 0.5) / head_dim for i in range(lo, head_dim)]
 
 
-def _best_ratio(
+def best_clip_ratio(
     rows: torch.Tensor,
     error_of: Callable[[torch.Tensor], float],
     group_size: int | None,
     param_dtype: torch.dtype,
 ) -> tuple[float, float]:
-    """The candidate clip ratio with the smallest ``error_of(dequant - rows)``."""
+    """The candidate clip ratio (``clip_candidates``) with the smallest ``error_of(dequant - rows)``,
+    and that error: ``(ratio, error)``."""
     x = rows.float()
     sorted_abs = x.abs().sort(dim=-1).values  # one sort serves every candidate
     best = (float("inf"), 0.0)
@@ -219,8 +220,8 @@ def fit_clip_ratios(
         em = LayerErrorMeasure.build(heldout[layer_id], key.rotations[layer_id], value.rotations[layer_id],
                                      value_weights)
         parts = [em.head(h) for h in range(em.keys.shape[1])] if per_head else [em]
-        fits_k = [_best_ratio(m.keys, m.key_error, key_group_size, param_dtype) for m in parts]
-        fits_v = [_best_ratio(m.values, m.value_error, group_size, param_dtype) for m in parts]
+        fits_k = [best_clip_ratio(m.keys, m.key_error, key_group_size, param_dtype) for m in parts]
+        fits_v = [best_clip_ratio(m.values, m.value_error, group_size, param_dtype) for m in parts]
         ref_k = em.key_error(fake_quantize_int2(em.keys, REFERENCE_CLIP_RATIO_K, key_group_size, param_dtype) - em.keys)
         ref_v = em.value_error(fake_quantize_int2(em.values, REFERENCE_CLIP_RATIO_V, group_size, param_dtype)
                                - em.values)
