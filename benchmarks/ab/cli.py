@@ -4,6 +4,7 @@ from the prefix cache and L2 and flatter everyone).
 
     python -m benchmarks.ab --out results/ab                     # Qwen3-8B shape, dummy weights
     python -m benchmarks.ab --configs OSCAR FLASH_ATTN fp8 int4 --budget-s 130 --dry-run
+    python -m benchmarks.ab --scenarios ttft --configs OSCAR FLASH_ATTN fp8 int4   # issue 53's
     python -m benchmarks.ab --model /path/to/model --configs OSCAR FLASH_ATTN fp8
     python -m benchmarks.ab --gpus 2 --scenarios none --max-num-seqs-sweep 32 256
     python -m benchmarks.ab --report results/ab                  # tables and plots again
@@ -19,8 +20,9 @@ times out later keeps the scenarios it finished. ``--gpus N`` runs up to N confi
 once, one GPU each (``CUDA_VISIBLE_DEVICES``); each worker logs to ``OUT/log_<config>.txt``.
 
 Scenarios (``--scenarios``; presets ``all`` (the default; ``issue18``, its name before, is still
-accepted), ``fits`` (the first six), ``memory-bound`` (the last three), ``none`` for the sweep alone;
-run in this order; sizes are options):
+accepted), ``fits`` (all but the last three), ``memory-bound`` (the last three), ``ttft`` (latency
+and ttft, issue 53's: the name runs both), ``none`` for the sweep alone; run in this order; sizes
+are options):
   prefill   N distinct prompts of L tokens, one output token: prefill tokens/s
   decode    the same prompts again (prefix-cached) for K output tokens: decode tokens/s and
             time per output token, the one-token rerun subtracted
@@ -30,6 +32,17 @@ run in this order; sizes are options):
             request's own first- and last-token times, so no prefill in it). The context as
             long as --long-prompt reuses the long scenario's prompt, prefix-cached: its prefill
             is not paid twice
+  ttft      time to first token (TTFT: arrival to first token, vLLM's per-request metric; median
+            and p90 of a batch, with the call's seconds), one output token each, in four parts:
+            fresh: N distinct prompts of L tokens sent at once (default: prefill's, 32 x 16K);
+            hit: a new turn on each, the same N prompts each followed by S new tokens (default
+            64), sent at once: the prefix hit, with the prompt tokens the cache served a request
+            (OSCAR's hit computes the last ~512 again unless OSCAR_HIT_RING=reuse); hit, one user:
+            one of them with another S new tokens, alone; long: one fresh prompt of --ttft-long-len
+            (default long's, 128K), alone, with its prefill tokens/s. After latency (its prompts
+            would evict long's before latency reads it); N is cut to what BF16's KV cache holds
+            until the hits. long's or latency's call of that length, where the plan has one, is
+            its long part: the same request, not prefilled twice
   short     S fresh requests of 1K prompt / 1K output (memory not binding): output tokens/s
   fresh     N fresh requests of L tokens, prefill and 256 output tokens: output tokens/s and seconds
   reasoning 256 fresh requests of 1K in, 4K out (long outputs, many users): output tokens/s
@@ -58,7 +71,8 @@ longest queue of a GPU (with one GPU: S x the configurations; they share the tim
 starts and speeds differ). No scenario goes below the size where its
 comparison stops meaning anything (the floors in ``scaled_sizes``): ``overflow`` keeps needing
 more KV than ``--overflow-factor`` times the largest cache of ``--overflow-configs`` (BF16's and
-fp8's) and less than OSCAR's holds; ``capacity`` more than that factor times BF16's. Those bounds
+fp8's) and less than OSCAR's holds; ``capacity`` more than that factor times BF16's; ``ttft`` keeps
+4 requests, its prompts' lengths, and no more requests than BF16's cache holds. Those bounds
 come from the FLASH_ATTN engine's own KV capacity: it runs first and sizes the run
 (``OUT/plan.json``); the others run what it wrote (a worker beside it on another GPU waits for
 that). ``--dry-run`` prints the plan (sizes, estimated seconds per configuration and scenario)
@@ -162,6 +176,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--long-prompt", type=int, default=131072)
     g.add_argument("--latency-contexts", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
     g.add_argument("--latency-output-len", type=int, default=256)
+    g.add_argument("--ttft-requests", type=int, help="ttft: requests of its batches (default: --num-prompts)")
+    g.add_argument("--ttft-prompt-len", type=int, help="ttft: prompt tokens (default: --prompt-len)")
+    g.add_argument("--ttft-suffix-len", type=int, default=64, help="ttft: new tokens of a turn on a cached prompt")
+    g.add_argument("--ttft-long-len", type=int, help="ttft: the long prompt's tokens (default: --long-prompt)")
     g.add_argument("--short-requests", type=int, default=64)
     g.add_argument("--short-output-len", type=int, default=1024)
     g.add_argument("--fresh-requests", type=int, default=32)
@@ -215,10 +233,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser().parse_args(argv)
     if args.scenarios is None and args.plan:  # a run on an earlier plan runs what that plan sized
         sized = json.loads(Path(args.plan).read_text())["sizes"]
-        args.scenarios = [s for s in SCENARIOS if s in sized]
-    elif args.scenarios is None:
-        args.scenarios = ["all"]
-    args.scenarios = expand_scenarios(args.scenarios)
+        args.scenarios = [s for s in SCENARIOS if s in sized]  # scenarios, not presets (ttft is both)
+    else:
+        args.scenarios = expand_scenarios(["all"] if args.scenarios is None else args.scenarios)
     args.configs = sorted(dict.fromkeys(args.configs), key=lambda c: c != BASELINE)
     return args
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .scenarios import BASELINE, SCENARIOS, decode_prefills_itself, tok
+from .scenarios import BASELINE, SCENARIOS, decode_prefills_itself, tok, ttft_long_source
 
 
 # --- the sizes the options give, and what bounds them ---------------------------------------
@@ -24,6 +24,9 @@ def full_sizes(args) -> dict:
         "decode": {"requests": args.num_prompts, "context": args.prompt_len, "output_len": args.output_len},
         "long": {"prompt_len": args.long_prompt},
         "latency": {"contexts": sorted(args.latency_contexts), "output_len": args.latency_output_len},
+        "ttft": {"requests": _given(args.ttft_requests, args.num_prompts),
+                 "prompt_len": _given(args.ttft_prompt_len, args.prompt_len), "suffix_len": args.ttft_suffix_len,
+                 "long_len": _given(args.ttft_long_len, args.long_prompt)},
         "short": {"requests": args.short_requests, "prompt_len": 1024, "output_len": args.short_output_len},
         "fresh": {"requests": args.fresh_requests, "prompt_len": args.fresh_len, "output_len": args.fresh_output_len},
         "reasoning": {"requests": args.reasoning_requests, "prompt_len": args.reasoning_prompt_len,
@@ -35,6 +38,11 @@ def full_sizes(args) -> dict:
     }
 
 
+def _given(value, default):
+    """An option whose default is another option's: ``value`` unless it was not given."""
+    return default if value is None else value
+
+
 def kv_need(sizes: dict) -> int:
     """KV tokens the requests of a scenario hold when all run at once."""
     return sizes["requests"] * (sizes["prompt_len"] + sizes.get("output_len", 0))
@@ -44,7 +52,8 @@ def max_model_len(full: dict, scenarios: list[str]) -> int:
     """The longest request ``scenarios`` send at their full sizes, plus a margin: the same for every
     configuration and every budget (a sweep run alone sizes it for every scenario)."""
     longest = {"prefill": lambda s: s["prompt_len"], "decode": lambda s: s["context"] + s["output_len"],
-               "long": lambda s: s["prompt_len"] + 1, "latency": lambda s: max(s["contexts"]) + s["output_len"]}
+               "long": lambda s: s["prompt_len"] + 1, "latency": lambda s: max(s["contexts"]) + s["output_len"],
+               "ttft": lambda s: max(s["prompt_len"] + s["suffix_len"], s["long_len"]) + 1}
     return 64 + max([2048 + 1024] + [longest.get(n, lambda s: s["prompt_len"] + s["output_len"])(full[n])
                                      for n in (scenarios or SCENARIOS)])
 
@@ -171,6 +180,23 @@ SCENARIO_WARM_UP_S = 2  # each scenario's small untimed run first
 PARENT_S = 15  # the run's own set-up (versions, hardware) and report
 
 
+# OSCAR's prefix hit (hit_ring "recompute", the default) ends its recent window (256 tokens,
+# OscarSettings.recent_size) before the prompt's end and its ring (256 more) before that: it
+# computes the last 512 tokens of a new turn's prompt, the new ones among them, again
+# (oscar_vllm/serving/window_pages.py). A ttft prompt has at least 4 blocks of 64 before those, so
+# that its hit serves something from OSCAR's cache, and the hit is the batch of at least 4 requests.
+OSCAR_HIT_RECOMPUTED = 512
+TTFT_MIN_PROMPT = OSCAR_HIT_RECOMPUTED + 4 * 64
+TTFT_MIN_REQUESTS = 4
+
+
+def hit_cached_tokens(config: str, prompt_len: int, suffix_len: int) -> int:
+    """Prompt tokens the prefix cache serves a new turn of ``suffix_len`` tokens on a cached prompt
+    of ``prompt_len``: its whole blocks of 64, OSCAR's less what its hit computes again."""
+    cached = 64 * (prompt_len // 64)
+    return max(0, min(cached, prompt_len + suffix_len - OSCAR_HIT_RECOMPUTED)) if config == "OSCAR" else cached
+
+
 def prefill_s(length: int, cached: int = 0) -> float:
     return (length - cached) * PREFILL_S_PER_TOKEN + PREFILL_S_PER_TOKEN2 * (length**2 - cached**2)
 
@@ -206,6 +232,10 @@ def scenario_s(name: str, config: str, sizes: dict, caps: Caps) -> float:
         reused = sizes["long"]["prompt_len"] if "long" in sizes else None
         return sum((0 if ctx == reused else prefill_s(ctx)) + z["output_len"] * step_s(config, 1, ctx)
                    for ctx in z["contexts"])
+    if name == "ttft":
+        n, length, suffix = z["requests"], z["prompt_len"], z["suffix_len"]
+        hits = (n + 1) * prefill_s(length + suffix, cached=hit_cached_tokens(config, length, suffix))
+        return n * prefill_s(length) + hits + (0 if ttft_long_source(sizes) else prefill_s(z["long_len"]))
     if name == "capacity":
         first = z["requests"] * prefill_s(z["prompt_len"])
         held = z["requests"] * (z["prompt_len"] + caps.per_request(config)) <= caps.tokens(config)
@@ -223,7 +253,8 @@ def scaled_sizes(full: dict, f: float, caps: Caps, overflow_configs: list[str], 
     prompts; the contexts a row names stay), each size kept at or above its floor, lengths in
     whole blocks of 64, and the notes of any bound the defaults themselves miss.
     Floors: 8 requests of 16K (prefill, decode, fresh), 64 output tokens, 32 x (1K, 256) short,
-    64 x (1K, 1K) reasoning, 1K in and 1K out for overflow. ``overflow`` holds at least
+    64 x (1K, 1K) reasoning, 1K in and 1K out for overflow, 4 requests for ttft (its lengths stay:
+    a time to first token is the prompt's; see ``ttft_sizes``). ``overflow`` holds at least
     ``factor`` x the largest KV cache of ``overflow_configs`` (shorter requests, more of them)
     and no more than 90% of OSCAR's with its windows, within max_num_seqs; ``capacity`` more than
     ``factor`` x BF16's (shorter documents, as many)."""
@@ -246,6 +277,8 @@ def scaled_sizes(full: dict, f: float, caps: Caps, overflow_configs: list[str], 
             s = {**z, "requests": sc(z["requests"], 32), "output_len": sl(z["output_len"], 256)}
         elif name == "reasoning":
             s = {**z, "requests": sc(z["requests"], 64), "output_len": sl(z["output_len"], 1024)}
+        elif name == "ttft":
+            s = ttft_sizes(z, sc(z["requests"], TTFT_MIN_REQUESTS), caps, notes)
         elif name == "overflow":
             s = overflow_sizes(z, f, caps, overflow_configs, factor, sl, notes)
         elif name == "capacity":
@@ -259,6 +292,26 @@ def scaled_sizes(full: dict, f: float, caps: Caps, overflow_configs: list[str], 
             s = dict(z)
         out[name] = s
     return out, notes
+
+
+def ttft_sizes(z: dict, requests: int, caps: Caps, notes: list) -> dict:
+    """``ttft`` with ``requests`` (its scaled count), at most as many as leave every prompt and
+    its new turn in the smallest KV cache, BF16's, with a tenth to spare: its hits must find the
+    prompts it sent first, so it is bounded at any scale, at full size too (by BF16's whichever
+    configurations run: a plan's sizes are the same for all, so its runs merge). Notes a bound the
+    sizes miss: fewer than ``TTFT_MIN_REQUESTS`` prompts held, a prompt shorter than
+    ``TTFT_MIN_PROMPT``."""
+    per_request = 64 * math.ceil((z["prompt_len"] + z["suffix_len"] + 1) / 64)
+    held = int(0.9 * caps.tokens(BASELINE)) // per_request
+    n = max(1, min(requests, held))
+    if n < requests:
+        notes.append(f"ttft: {n} requests, not {requests}: {requests} x ({tok(z['prompt_len'])} + {z['suffix_len']}) "
+                     f"would not all stay in 90% of BF16's KV cache ({caps.tokens(BASELINE):,} tokens) until "
+                     "their hits" + (f" (below its floor of {TTFT_MIN_REQUESTS})" if n < TTFT_MIN_REQUESTS else ""))
+    if z["prompt_len"] < TTFT_MIN_PROMPT:
+        notes.append(f"ttft: prompts of {z['prompt_len']:,} tokens: OSCAR's hit computes the last "
+                     f"{OSCAR_HIT_RECOMPUTED} again, so less than 4 blocks of each come from its cache")
+    return {**z, "requests": n}
 
 
 def overflow_sizes(z: dict, f: float, caps: Caps, overflow_configs: list[str], factor: float, sl, notes: list) -> dict:
@@ -337,7 +390,12 @@ def make_plan(inputs: dict, bf16_kv_tokens: int, source: str, max_num_seqs: int,
             "notes": notes, "max_model_len": max_model_len(inputs["full"], scenarios)}
 
 
-def sizes_text(name: str, z: dict) -> str:
+def sizes_text(name: str, sizes: dict) -> str:
+    z = sizes[name]
+    if name == "ttft":
+        source = ttft_long_source(sizes)
+        return (f"{z['requests']} x {tok(z['prompt_len'])} then + {z['suffix_len']} new, 1 out; 1 x "
+                f"{tok(z['long_len'])}" + (f" ({source}'s)" if source else ""))
     if name == "latency":
         return f"1 x ({', '.join(tok(c) for c in z['contexts'])}) context, {z['output_len']} out each"
     if name == "long":
@@ -365,7 +423,7 @@ def plan_text(plan: dict) -> str:
                      f"(floors kept); " + ("fits" if plan["fits"] else "DOES NOT FIT even at the floors"))
     else:
         lines.append("sizes: as the options give them (no --budget-s)")
-    w = max(len(sizes_text(s, plan["sizes"][s])) for s in scenarios) if scenarios else 10
+    w = max(len(sizes_text(s, plan["sizes"])) for s in scenarios) if scenarios else 10
     head = f"{'':10} {'sizes':{w}} " + " ".join(f"{c:>10}" for c in configs)
 
     def seconds(key: str) -> str:
@@ -374,7 +432,7 @@ def plan_text(plan: dict) -> str:
     lines += ["", "estimated seconds (a cost model fitted to earlier H200 runs; the run records the real ones):",
               head]
     for s in scenarios:
-        lines.append(f"{s:10} {sizes_text(s, plan['sizes'][s]):{w}} " + seconds(s))
+        lines.append(f"{s:10} {sizes_text(s, plan['sizes']):{w}} " + seconds(s))
     lines.append(f"{'start':10} {'engine start, imports, shutdown':{w}} " + seconds("start"))
     lines.append(f"{'total':10} {'':{w}} " + seconds("total"))
     gpus = inp.get("gpus", 1)
@@ -387,7 +445,7 @@ def plan_text(plan: dict) -> str:
 def needs_bf16_capacity(plan: dict) -> bool:
     """Whether the plan's sizes hang on BF16's KV capacity, which only the engine knows exactly."""
     return (not plan["fixed"] and not plan.get("sized_by_engine") and bool(plan["inputs"].get("budget_s"))
-            and bool({"overflow", "capacity"} & set(plan["sizes"])))
+            and bool({"overflow", "capacity", "ttft"} & set(plan["sizes"])))
 
 
 def sized_plan(plan_path: Path, baseline_result: Path, poll_s: float = 1.0, wait_s: float = 1800) -> dict:

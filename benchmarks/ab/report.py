@@ -8,13 +8,26 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .scenarios import BASELINE, CONFIGS, SCENARIOS, scenario_sizes, tok
+from .scenarios import BASELINE, CONFIGS, MEMORY_BOUND, SCENARIOS, scenario_sizes, tok
 
 
 METRICS = [  # (scenario, field, label, higher is better; None: a count shown without a ratio), issue 18's order
     (None, "kv_cache_tokens", "KV cache capacity (tokens)", True),
     (None, "kv_tokens_all_running", "KV tokens left with all max_num_seqs requests running", True),
     ("latency", "tpot_ms", "batch 1: time per output token (ms), {context} context, {output_len} out", False),
+    ("ttft", "fresh_ttft_median_s", "TTFT (s), fresh: median of {requests} x {prompt_len} sent at once", False),
+    ("ttft", "fresh_ttft_p90_s", "TTFT (s), fresh: p90, same call", False),
+    ("ttft", "fresh_s", "TTFT fresh: the call's seconds", False),
+    ("ttft", "hit_ttft_median_s",
+     "TTFT (s), prefix hit: median of the same {requests} prompts + {suffix_len} new tokens each", False),
+    ("ttft", "hit_ttft_p90_s", "TTFT (s), prefix hit: p90, same call", False),
+    ("ttft", "hit_s", "TTFT prefix hit: the call's seconds", False),
+    ("ttft", "hit_cached_tokens", "TTFT prefix hit: prompt tokens the cache served (median of a request's)", None),
+    ("ttft", "one_user_ttft_s", "TTFT (s), prefix hit, one user: 1 x ({prompt_len} cached + {suffix_len} new)",
+     False),
+    ("ttft", "one_user_cached_tokens", "TTFT prefix hit, one user: prompt tokens the cache served", None),
+    ("ttft", "long_ttft_s", "TTFT (s), long: 1 x {long_len} fresh prompt", False),
+    ("ttft", "long_prefill_tok_s", "TTFT long: prefill tok/s (its prompt over its TTFT)", True),
     ("short", "output_tok_s", "output tok/s, {requests} x ({prompt_len} in, {output_len} out), fresh", True),
     ("decode", "decode_tok_s", "decode tok/s, {requests} x {context} context, prefix-cached", True),
     ("decode", "tpot_ms", "time per output token (ms), same run", False),
@@ -36,8 +49,7 @@ METRICS = [  # (scenario, field, label, higher is better; None: a count shown wi
     ("prefill", "prefill_tok_s", "prefill tok/s, {requests} x {prompt_len} distinct prompts", True),
     ("long", "prefill_tok_s", "prefill tok/s, 1 x {prompt_len} prompt", True),
 ]
-SIZE_FIELDS = ("requests", "prompt_len", "context", "contexts", "output_len")
-MEMORY_BOUND = ("reasoning", "overflow", "capacity")
+SIZE_FIELDS = ("requests", "prompt_len", "context", "contexts", "output_len", "suffix_len", "long_len")
 
 
 @dataclass
@@ -141,7 +153,7 @@ def _line(label: str, cols: list[Column], values: dict, higher, csv: list, plot_
 
 
 def _label(template: str, sizes: dict) -> str:
-    return template.format(**{k: tok(v) if k in ("prompt_len", "output_len", "context") else v
+    return template.format(**{k: tok(v) if k in ("prompt_len", "output_len", "context", "long_len") else v
                               for k, v in sizes.items()})
 
 

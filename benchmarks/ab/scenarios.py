@@ -5,7 +5,9 @@ The sizes come from the plan (``plan.py``); the module docstring of ``cli.py`` s
 scenario measures."""
 from __future__ import annotations
 
+import math
 import random
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +20,16 @@ CONFIGS = {
     "turboquant": {"kv_cache_dtype": "turboquant_4bit_nc"},
 }
 # The order they run in: the prefix-cached ones first (decode reruns prefill's prompts, latency's
-# longest context is long's prompt), the memory-bound ones last (they evict everything).
-SCENARIOS = ["prefill", "decode", "long", "latency", "short", "fresh", "reasoning", "overflow", "capacity"]
-PRESETS = {"all": SCENARIOS, "fits": SCENARIOS[:6], "memory-bound": SCENARIOS[6:]}
+# longest context is long's prompt), then ttft (its prefix hits are its own prompts', and after
+# latency its batch cannot evict long's prompt before latency reads it), the memory-bound ones
+# last (they evict everything).
+SCENARIOS = ["prefill", "decode", "long", "latency", "ttft", "short", "fresh", "reasoning", "overflow", "capacity"]
+MEMORY_BOUND = ("reasoning", "overflow", "capacity")
+# "ttft": issue 53's scenarios, time to first token and the batch-1 decode. Its name is also the
+# scenario's: --scenarios ttft runs both (latency's longest context then times ttft's long prompt,
+# ttft_long_source).
+PRESETS = {"all": SCENARIOS, "fits": [s for s in SCENARIOS if s not in MEMORY_BOUND],
+           "memory-bound": list(MEMORY_BOUND), "ttft": ["latency", "ttft"]}
 PRESET_ALIASES = {"issue18": "all"}  # earlier names of presets, still accepted ("all": issue 18's workloads)
 BASELINE = "FLASH_ATTN"
 # The Qwen3-8B architecture (its config.json), for runs with dummy weights.
@@ -43,8 +52,11 @@ def distinct_prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(length)]} for _ in range(n)]
 
 
-SEEDS = {"prefill": 1, "long": 2, "short": 3, "capacity": 4, "fresh": 6, "reasoning": 7, "overflow": 8}
+# ttft takes 9 to 11 (its prompts, the hit's suffixes, the one user's suffix: ttft_prompts) and 12.
+SEEDS = {"prefill": 1, "long": 2, "short": 3, "capacity": 4, "fresh": 6, "reasoning": 7, "overflow": 8, "ttft": 9,
+         "ttft_long": 12}
 LATENCY_SEED = 100  # + the context's index
+TTFT_WARM_UP_SEED = 1_000_000  # apart from every timed prompt's seed and the other warm-ups' (1000 + a size)
 
 
 def tok(n: int) -> str:
@@ -141,10 +153,24 @@ def decode_step_s(results) -> float:
     return sum(steps) / len(steps)
 
 
+def first_token_s(request) -> float:
+    """Seconds from a request's arrival (``generate`` adding it) to its first token, as vLLM's
+    time-to-first-token metric counts them: its wait in the queue and its prefill, what a user
+    waits for (``first_token_ts - scheduled_ts`` would leave the wait out)."""
+    m = request.metrics
+    if m is None:
+        raise RuntimeError("timing first tokens needs vLLM's per-request times: leave disable_log_stats off")
+    if not m.first_token_latency > 0:
+        raise RuntimeError("vLLM recorded no first-token latency for the request")
+    return m.first_token_latency
+
+
 def _long(timed, sizes, vocab, result) -> None:
     length = sizes["long"]["prompt_len"]
-    s = timed(distinct_prompts(1, length, vocab, SEEDS["long"]), 1, "long").seconds
-    result["long"] = {"prompt_len": length, "seconds": round(s, 3), "prefill_tok_s": round(length / s, 1)}
+    call = timed(distinct_prompts(1, length, vocab, SEEDS["long"]), 1, "long")
+    result["long"] = {"prompt_len": length, "seconds": round(call.seconds, 3),
+                      "prefill_tok_s": round(length / call.seconds, 1),
+                      "ttft_s": round(first_token_s(call.results[0]), 3)}
 
 
 def _latency(timed, sizes, vocab, result) -> None:
@@ -157,9 +183,78 @@ def _latency(timed, sizes, vocab, result) -> None:
         step, m = decode_step_s(call.results), call.results[0].metrics
         rows.append({"context": ctx, "tpot_ms": round(1000 * step, 3),
                      "first_token_s": round(m.first_token_ts - m.scheduled_ts, 3),
+                     "ttft_s": round(first_token_s(call.results[0]), 3),
                      "cached_tokens": call.results[0].num_cached_tokens,
                      "outputs": len(call.results[0].outputs[0].token_ids)})
     result["latency"] = {"requests": 1, "output_len": k, "contexts": z["contexts"], "per_context": rows}
+
+
+def ttft_prompts(z: dict, vocab: int, seed: int = SEEDS["ttft"]) -> dict[str, list[dict]]:
+    """The ttft scenario's prompts: ``fresh``, ``requests`` distinct prompts of ``prompt_len``;
+    ``hit``, each of them followed by a distinct suffix of ``suffix_len`` (a chat turn on it: all
+    of the fresh prompt is its cached prefix, the suffix new); ``one_user``, the first of them with
+    another suffix. Seeds ``seed`` to ``seed + 2``, one per part, so that no suffix starts like
+    another and a hit shares no block with any prompt but its own."""
+    fresh = distinct_prompts(z["requests"], z["prompt_len"], vocab, seed)
+    hit_suffixes = distinct_prompts(z["requests"], z["suffix_len"], vocab, seed + 1)
+    user_suffix = distinct_prompts(1, z["suffix_len"], vocab, seed + 2)[0]
+
+    def turn(prompt: dict, suffix: dict) -> dict:
+        return {"prompt_token_ids": prompt["prompt_token_ids"] + suffix["prompt_token_ids"]}
+
+    return {"fresh": fresh, "hit": [turn(p, x) for p, x in zip(fresh, hit_suffixes)],
+            "one_user": [turn(fresh[0], user_suffix)]}
+
+
+def ttft_long_source(sizes: dict) -> str | None:
+    """The scenario of the plan, run before ttft, whose call already timed a fresh prompt of ttft's
+    ``long_len`` at batch 1: ``long``, else ``latency`` at that context (a fresh prompt when long
+    is not that length: it is long's prompt, prefix-cached, only when long is). ttft's long part
+    reads that request's time to first token instead of paying the same prefill again (11 s at
+    128K on the H200): the same measurement, one request alone arriving at an idle engine with
+    nothing of it cached (the 255 tokens latency decodes after its first do not change it). None:
+    ttft sends its own."""
+    n = sizes["ttft"]["long_len"]
+    if sizes.get("long", {}).get("prompt_len") == n:
+        return "long"
+    if n in sizes.get("latency", {}).get("contexts", []):
+        return "latency"
+    return None
+
+
+def _p90(values: list[float]) -> float:
+    """The nearest-rank 90th percentile: the smallest value at least 90% of them do not exceed."""
+    return sorted(values)[math.ceil(0.9 * len(values)) - 1]
+
+
+def _first_tokens(part: str, call: Call) -> dict:
+    """One ttft call's figures under ``part``: its requests' median and p90 time to first token,
+    its seconds and the prompt tokens the prefix cache served a request (the median)."""
+    times = [first_token_s(r) for r in call.results]
+    return {f"{part}_ttft_median_s": round(statistics.median(times), 3), f"{part}_ttft_p90_s": round(_p90(times), 3),
+            f"{part}_s": round(call.seconds, 3),
+            f"{part}_cached_tokens": statistics.median_low([r.num_cached_tokens or 0 for r in call.results])}
+
+
+def _ttft(timed, sizes, vocab, result) -> None:
+    z = sizes["ttft"]
+    prompts = ttft_prompts(z, vocab)
+    fresh = timed(prompts["fresh"], 1, "ttft")  # every prompt's own prefill, all sent at once
+    hit = timed(prompts["hit"], 1, "ttft")  # a new turn on each: its prefix hit, then the suffix
+    user = timed(prompts["one_user"], 1, "ttft")  # a new turn on one, alone
+    out = {**z, **_first_tokens("fresh", fresh), **_first_tokens("hit", hit),
+           "one_user_ttft_s": round(first_token_s(user.results[0]), 3),
+           "one_user_cached_tokens": user.results[0].num_cached_tokens or 0}
+    source = ttft_long_source(sizes)
+    if source == "long":
+        seconds = result["long"]["ttft_s"]
+    elif source == "latency":
+        seconds = next(r["ttft_s"] for r in result["latency"]["per_context"] if r["context"] == z["long_len"])
+    else:
+        long = timed(distinct_prompts(1, z["long_len"], vocab, SEEDS["ttft_long"]), 1, "ttft")
+        seconds = first_token_s(long.results[0])
+    result["ttft"] = {**out, "long_ttft_s": round(seconds, 3), "long_prefill_tok_s": round(z["long_len"] / seconds, 1),
+                      "long_from": source or "ttft"}
 
 
 def _fresh_batch(name: str):
@@ -184,7 +279,7 @@ def _capacity(timed, sizes, vocab, result) -> None:
 
 
 SCENARIO_RUNS = {"prefill": _prefill_decode, "decode": _prefill_decode, "long": _long, "latency": _latency,
-                 "short": _fresh_batch("short"), "fresh": _fresh_batch("fresh"),
+                 "ttft": _ttft, "short": _fresh_batch("short"), "fresh": _fresh_batch("fresh"),
                  "reasoning": _fresh_batch("reasoning"), "overflow": _fresh_batch("overflow"), "capacity": _capacity}
 
 
@@ -207,6 +302,13 @@ def warm_up(llm, name: str, sizes: dict, vocab: int) -> None:
         run(1, min(z["prompt_len"], 2 * chunk + 1), 1)  # chunks over a cached prefix, one request
     elif name == "latency":
         run(1, 1024, 16)
+    elif name == "ttft":
+        # Its fresh batch, the batch of hits with a new suffix each, and a hit alone; the long
+        # prompt as long's warm-up has it, where ttft sends its own.
+        for part in ttft_prompts({**z, "requests": 2}, vocab, TTFT_WARM_UP_SEED).values():
+            llm.generate(part, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+        if not ttft_long_source(sizes):
+            run(1, min(z["long_len"], 2 * chunk + 1), 1)
     elif name == "short":
         run(4, 1024, 16)
     elif name in ("reasoning", "overflow"):

@@ -372,6 +372,8 @@ def assert_bounds(ab, plan: dict, bf16: int, factor: float = 1.25) -> None:
     assert z["prefill"]["requests"] == z["decode"]["requests"] >= 8 and z["fresh"]["requests"] >= 8
     assert z["short"]["requests"] >= 32 and z["short"]["output_len"] >= 256
     assert z["reasoning"]["requests"] >= 64 and z["reasoning"]["output_len"] >= 1024
+    assert z["ttft"]["prompt_len"] == 16384 and z["ttft"]["long_len"] == 131072 and z["ttft"]["suffix_len"] == 64
+    assert ab.TTFT_MIN_REQUESTS <= z["ttft"]["requests"] and z["ttft"]["requests"] * (16384 + 128) <= 0.9 * bf16
     for s in z.values():
         for k in ("prompt_len", "output_len"):
             assert k not in s or s[k] % 64 == 0 or s[k] in (100000,), (k, s)
@@ -500,7 +502,8 @@ def test_latency_times_the_decode_phase_and_reuses_the_long_prompt(ab):
     def timed(prompts, max_tokens, scenario):
         sent.append(prompts[0]["prompt_token_ids"])
         ctx = len(prompts[0]["prompt_token_ids"])
-        m = NS(scheduled_ts=10.0, first_token_ts=10.0 + ctx / 1000, last_token_ts=10.0 + ctx / 1000 + 0.005 * 63)
+        m = NS(scheduled_ts=10.0, first_token_ts=10.0 + ctx / 1000, last_token_ts=10.0 + ctx / 1000 + 0.005 * 63,
+               first_token_latency=0.25 + ctx / 1000)  # a quarter of a second in the queue
         return ab.Call(1.0, 64, [NS(metrics=m, outputs=[NS(token_ids=[0] * 64)], num_cached_tokens=0)], None)
 
     sizes = {"long": {"prompt_len": 2048}, "latency": {"contexts": [512, 2048], "output_len": 64}}
@@ -510,6 +513,7 @@ def test_latency_times_the_decode_phase_and_reuses_the_long_prompt(ab):
     assert [r["context"] for r in rows] == [512, 2048]
     assert all(r["tpot_ms"] == pytest.approx(5.0) for r in rows)  # the prefill (first_token_s) is not in it
     assert rows[1]["first_token_s"] == pytest.approx(2.048)
+    assert rows[1]["ttft_s"] == pytest.approx(2.298)  # from its arrival: the wait in the queue too
     assert sent[1] == ab.distinct_prompts(1, 2048, 32000, ab.SEEDS["long"])[0]["prompt_token_ids"]
     assert sent[0][:100] != sent[1][:100]  # distinct prompts otherwise
 
@@ -692,14 +696,15 @@ def test_report_names_sizes_that_differ(ab, tmp_path):
 
 class StandInLLM:
     """What the worker uses of ``vllm.LLM``: the engine's config, ``generate`` (every request
-    decodes 5 ms per token after 10 ms of prefill) and the Prometheus counters. ``fail_at``:
-    output lengths whose ``generate`` raises."""
+    decodes 5 ms per token after 10 ms of prefill, its first token 20 ms after its arrival; the
+    prompts it was sent kept in ``sent``) and the Prometheus counters. ``fail_at``: output
+    lengths whose ``generate`` raises."""
     kv_tokens, fail_at, instances = 812_160, (), []
 
     def __init__(self, model, **kw):
         from types import SimpleNamespace as NS
 
-        self.kw, self.counts = kw, {"gen": 0, "steps": 0}
+        self.kw, self.counts, self.sent = kw, {"gen": 0, "steps": 0}, []
         blocks = self.kv_tokens * (2 if kw.get("kv_cache_dtype") == "fp8" else 1) // 16
         self.llm_engine = NS(log_stats=not kw.get("disable_log_stats", True), vllm_config=NS(
             cache_config=NS(num_gpu_blocks=blocks, block_size=16),
@@ -714,7 +719,8 @@ class StandInLLM:
             raise RuntimeError(f"out of memory at {k}")
         self.counts["gen"] += len(prompts) * k
         self.counts["steps"] += k
-        m = NS(scheduled_ts=1.0, first_token_ts=1.01, last_token_ts=1.01 + 0.005 * (k - 1))
+        self.sent += [p["prompt_token_ids"] for p in prompts]
+        m = NS(scheduled_ts=1.0, first_token_ts=1.01, last_token_ts=1.01 + 0.005 * (k - 1), first_token_latency=0.02)
         return [NS(outputs=[NS(token_ids=[7] * k)], metrics=m, num_cached_tokens=0) for _ in prompts]
 
     def get_metrics(self):
@@ -850,3 +856,180 @@ def test_hadamard_key_means_with_key_mean_off_are_refused(tmp_path, ab):
                               "OSCAR", "--out", str(tmp_path / "ab")], capture_output=True, text=True, env=env,
                              cwd=REPO)
     assert default.returncode == 2 and "set OSCAR_KEY_MEAN=auto" in default.stderr
+
+
+# --- ttft: time to first token, fresh, on a prefix hit, alone and long (issue 53) --------------
+
+TTFT_ARGV = ["--scenarios", "ttft", "--configs", "OSCAR", "FLASH_ATTN", "fp8", "int4"]
+
+
+def test_the_ttft_preset_runs_latency_and_ttft_and_a_plan_runs_its_scenarios_alone(ab, tmp_path):
+    """``ttft`` is both a preset and a scenario: named, it runs issue 53's pair; a run on an
+    earlier plan runs the scenarios that plan sized, ttft alone where it has no latency."""
+    assert ab.parse_args(TTFT_ARGV).scenarios == ["latency", "ttft"]
+    assert "ttft" in ab.expand_scenarios(["fits"]) and "ttft" not in ab.expand_scenarios(["memory-bound"])
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"sizes": {"ttft": {"requests": 4}}}))
+    assert ab.parse_args(["--plan", str(plan)]).scenarios == ["ttft"]
+
+
+def test_ttft_sizes_under_a_budget_keep_their_floors_and_stay_in_bf16s_cache(ab):
+    full = plan_for(ab, TTFT_ARGV)
+    assert full["sizes"]["ttft"] == {"requests": 32, "prompt_len": 16384, "suffix_len": 64, "long_len": 131072}
+    assert full["max_model_len"] == 64 + 131072 + 256  # latency's 128K context and its output
+    # Scaled by the budget: fewer requests, down to the floor; the lengths TTFT depends on stay.
+    mid, tight = plan_for(ab, TTFT_ARGV + ["--budget-s", "140"]), plan_for(ab, TTFT_ARGV + ["--budget-s", "60"])
+    assert mid["fits"] and ab.TTFT_MIN_REQUESTS < mid["sizes"]["ttft"]["requests"] < 32
+    assert not tight["fits"] and tight["sizes"]["ttft"] == {**full["sizes"]["ttft"], "requests": ab.TTFT_MIN_REQUESTS}
+    assert ab.needs_bf16_capacity(mid), "its requests hang on BF16's cache: the FLASH_ATTN engine sizes them"
+    # A BF16 cache of 300K tokens holds 16 prompts and their turns (16,512 tokens each) in 90% of it.
+    small = plan_for(ab, TTFT_ARGV, bf16=300_000)
+    assert small["sizes"]["ttft"]["requests"] == 16
+    assert any(n.startswith("ttft: 16 requests, not 32:") for n in small["notes"])
+    assert not any(n.startswith("ttft") for n in full["notes"])
+    short = plan_for(ab, TTFT_ARGV + ["--ttft-prompt-len", str(ab.TTFT_MIN_PROMPT - 64)])
+    assert any(n.startswith("ttft: prompts of 704 tokens: OSCAR's hit computes the last 512") for n in short["notes"])
+    assert not any("prompts of" in n for n in plan_for(ab, TTFT_ARGV + ["--ttft-prompt-len", "768"])["notes"])
+
+
+def test_ttft_estimate_pays_the_long_prefill_once(ab):
+    """latency's 128K context (or long's prompt) is ttft's long part: the plan does not count its
+    prefill twice; OSCAR's hit computes its last 512 tokens again (hit_ring recompute)."""
+    from oscar_vllm.core.settings import OscarSettings
+
+    assert ab.OSCAR_HIT_RECOMPUTED == 2 * OscarSettings().recent_size  # its recent window and its ring
+    assert ab.hit_cached_tokens("OSCAR", 16384, 64) == 16384 + 64 - 512 and ab.hit_cached_tokens("fp8", 16384, 64) \
+        == 16384
+    caps = ab.Caps(BF16_KV, {"OSCAR": 7.0, "FLASH_ATTN": 1.0}, 2560, 1024)
+    ttft = {"requests": 8, "prompt_len": 16384, "suffix_len": 64, "long_len": 131072}
+    alone = ab.scenario_s("ttft", "FLASH_ATTN", {"ttft": ttft}, caps)
+    for other in ({"long": {"prompt_len": 131072}}, {"latency": {"contexts": [1024, 131072], "output_len": 64}}):
+        assert alone - ab.scenario_s("ttft", "FLASH_ATTN", {"ttft": ttft, **other}, caps) == \
+            pytest.approx(ab.prefill_s(131072))
+    assert ab.scenario_s("ttft", "OSCAR", {"ttft": ttft}, caps) > alone
+
+
+def test_dry_run_prints_the_ttft_plan(ab, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(sys, "argv", [ab.COMMAND, "--dry-run", *TTFT_ARGV, "--out", str(tmp_path / "ab")])
+    ab.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert not (tmp_path / "ab").exists()
+    row = next(line for line in lines if line.startswith("ttft "))
+    assert "32 x 16K then + 64 new, 1 out; 1 x 128K (latency's)" in row and len(row.split()) >= 4 + 4
+    assert [line.split()[0] for line in lines if line.startswith(("latency ", "ttft "))] == ["latency", "ttft"]
+
+
+def common_prefix(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_ttft_hits_share_exactly_their_fresh_prompt(ab):
+    z = {"requests": 3, "prompt_len": 192, "suffix_len": 64, "long_len": 256}
+    ids = {k: [p["prompt_token_ids"] for p in v] for k, v in ab.ttft_prompts(z, QWEN3_8B["vocab_size"]).items()}
+    assert [len(p) for p in ids["fresh"]] == [192] * 3 and [len(p) for p in ids["hit"] + ids["one_user"]] == [256] * 4
+    for i, hit in enumerate(ids["hit"]):
+        assert [common_prefix(hit, fresh) for fresh in ids["fresh"]] == [192 if j == i else 0 for j in range(3)]
+        assert [common_prefix(hit, other) for other in ids["hit"] if other is not hit] == [0, 0]
+    # The one user's turn is on the first prompt, with a suffix of its own: its hit is that prompt alone.
+    assert common_prefix(ids["one_user"][0], ids["fresh"][0]) == 192
+    assert common_prefix(ids["one_user"][0], ids["hit"][0]) == 192
+    assert ab.ttft_prompts(z, QWEN3_8B["vocab_size"]) == ab.ttft_prompts(z, QWEN3_8B["vocab_size"])  # seeded
+
+
+def test_ttft_prompts_share_no_block_with_any_other_request_of_the_run(ab, tmp_path, stand_in_vllm):
+    """Every scenario and warm-up of a run through the stand-in engine: no other request starts
+    with a block of ttft's (its hits would find it cached), and ttft sends each of its own once."""
+    r = run_worker_main(ab, tmp_path, "FLASH_ATTN", TINY + ["--ttft-long-len", "320"])  # long's is 256
+    assert "error" not in r and r["ttft"]["long_from"] == "ttft"
+    sizes = json.loads((tmp_path / "plan.json").read_text())["sizes"]
+    vocab = QWEN3_8B["vocab_size"]
+    parts = {k: [p["prompt_token_ids"] for p in v] for k, v in ab.ttft_prompts(sizes["ttft"], vocab).items()}
+    parts["long"] = [ab.distinct_prompts(1, 320, vocab, ab.SEEDS["ttft_long"])[0]["prompt_token_ids"]]
+    ours = [p for v in parts.values() for p in v]
+    sent = stand_in_vllm.instances[0].sent
+    assert [sent.count(p) for p in ours] == [1] * len(ours)
+    others = {tuple(p[:64]) for p in sent if p not in ours}
+    assert len(sent) - len(ours) > 20 and not any(tuple(p[:64]) in others for p in ours)
+    assert len({tuple(p[:64]) for p in parts["fresh"] + parts["long"]}) == len(parts["fresh"]) + 1
+
+
+def test_ttft_runner_takes_median_and_p90_from_each_requests_metrics(ab):
+    from types import SimpleNamespace as NS
+
+    sent = []
+
+    def timed(prompts, max_tokens, scenario):
+        """Request i of a call: its first token 0.5 + 0.1 i s after its arrival; a prompt longer
+        than 192 tokens (a turn on a cached one) had 128 of them from the cache, the first 160."""
+        sent.append((len(prompts), max_tokens, scenario))
+        results = [NS(metrics=NS(first_token_latency=0.5 + 0.1 * i), outputs=[NS(token_ids=[0])],
+                      num_cached_tokens=(160 if i == 0 else 128) if len(p["prompt_token_ids"]) > 192 else 0)
+                   for i, p in enumerate(prompts)]
+        return ab.Call(2.0 + len(sent), len(prompts), results, None)
+
+    z = {"requests": 10, "prompt_len": 192, "suffix_len": 64, "long_len": 256}
+    result = {}
+    ab.scenarios._ttft(timed, {"ttft": z}, 32000, result)
+    assert sent == [(10, 1, "ttft"), (10, 1, "ttft"), (1, 1, "ttft"), (1, 1, "ttft")]  # its own long prompt last
+    t = result["ttft"]
+    # 0.5 to 1.4 s: the median between the 5th and 6th, the p90 the 9th (nearest rank).
+    assert (t["fresh_ttft_median_s"], t["fresh_ttft_p90_s"], t["fresh_s"]) == (0.95, 1.3, 3.0)
+    assert (t["hit_ttft_median_s"], t["hit_ttft_p90_s"], t["hit_s"]) == (0.95, 1.3, 4.0)
+    assert (t["fresh_cached_tokens"], t["hit_cached_tokens"]) == (0, 128)
+    assert (t["one_user_ttft_s"], t["one_user_cached_tokens"]) == (0.5, 160)
+    assert (t["long_ttft_s"], t["long_prefill_tok_s"], t["long_from"]) == (0.5, 512.0, "ttft")
+    assert {k: t[k] for k in z} == z
+    # long's call, or latency's at that context, is its long part: nothing more sent.
+    rows = [{"context": 64, "ttft_s": 0.1}, {"context": 256, "ttft_s": 3.2}]
+    for sizes, earlier in (({"long": {"prompt_len": 256}}, {"long": {"ttft_s": 3.2}}),
+                           ({"latency": {"contexts": [64, 256]}}, {"latency": {"per_context": rows}})):
+        sent.clear()
+        ab.scenarios._ttft(timed, {"ttft": z, **sizes}, 32000, earlier)
+        t = earlier["ttft"]
+        assert len(sent) == 3 and (t["long_ttft_s"], t["long_prefill_tok_s"]) == (3.2, 80.0)
+        assert t["long_from"] == next(iter(sizes))
+    with pytest.raises(RuntimeError, match="per-request times"):
+        ab.first_token_s(NS(metrics=None))
+    with pytest.raises(RuntimeError, match="no first-token latency"):
+        ab.first_token_s(NS(metrics=NS(first_token_latency=0.0)))
+
+
+def ttft_result(scale: float, cached: int) -> dict:
+    """A hand-made ttft result: times divided by ``scale``; ``cached`` prompt tokens a hit served."""
+    return {"requests": 32, "prompt_len": 16384, "suffix_len": 64, "long_len": 131072,
+            "fresh_ttft_median_s": 8.0 / scale, "fresh_ttft_p90_s": 14.0 / scale, "fresh_s": 16.0 / scale,
+            "fresh_cached_tokens": 0, "hit_ttft_median_s": 0.4 / scale, "hit_ttft_p90_s": 0.6 / scale,
+            "hit_s": 0.8 / scale, "hit_cached_tokens": cached, "one_user_ttft_s": 0.05 / scale,
+            "one_user_cached_tokens": cached, "long_ttft_s": 11.0 / scale, "long_prefill_tok_s": 131072 * scale / 11.0,
+            "long_from": "latency"}
+
+
+def test_report_has_ttft_rows_against_flash_attn(ab, tmp_path):
+    runs = {c: {**issue18_run(kv, 1.0), "ttft": ttft_result(scale, cached)} for c, kv, scale, cached in
+            (("FLASH_ATTN", 812_160, 1.0, 16384), ("OSCAR", 5_766_272, 0.5, 15936), ("fp8", 1_624_320, 1.25, 16384))}
+    runs["int4"] = {"error": "RuntimeError: no kernel"}
+    write_runs(tmp_path, runs)
+    text = ab.report(tmp_path)
+    labels = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")]
+    at = labels.index("TTFT (s), fresh: median of 32 x 16K sent at once")
+    assert labels[at - 1].startswith("batch 1: time per output token (ms), 128K")  # beside issue 53's other half
+    assert labels[at:at + 11] == [
+        "TTFT (s), fresh: median of 32 x 16K sent at once", "TTFT (s), fresh: p90, same call",
+        "TTFT fresh: the call's seconds", "TTFT (s), prefix hit: median of the same 32 prompts + 64 new tokens each",
+        "TTFT (s), prefix hit: p90, same call", "TTFT prefix hit: the call's seconds",
+        "TTFT prefix hit: prompt tokens the cache served (median of a request's)",
+        "TTFT (s), prefix hit, one user: 1 x (16K cached + 64 new)",
+        "TTFT prefix hit, one user: prompt tokens the cache served", "TTFT (s), long: 1 x 128K fresh prompt",
+        "TTFT long: prefill tok/s (its prompt over its TTFT)"]
+    # Times: FLASH_ATTN's over this one's (OSCAR twice as slow: 0.50x); counts: no ratio.
+    assert table_row(text, "TTFT (s), fresh: median") == ["16.0 (0.50x)", "8.0", "6.4 (1.25x)", "failed"]
+    assert table_row(text, "TTFT (s), prefix hit, one user") == ["0.1 (0.50x)", "0.05", "0.04 (1.25x)", "failed"]
+    assert table_row(text, "TTFT prefix hit: prompt tokens") == ["15,936", "16,384", "16,384", "failed"]
+    assert table_row(text, "TTFT (s), long")[:3] == ["22.0 (0.50x)", "11.0", "8.8 (1.25x)"]
+    assert table_row(text, "TTFT long: prefill tok/s")[0].endswith("(0.50x)")
+    csv = (tmp_path / "ab.csv").read_text().splitlines()
+    assert '"TTFT (s), prefix hit: p90, same call",OSCAR,1.2,0.5' in csv
+    assert '"TTFT prefix hit: prompt tokens the cache served (median of a request\'s)",OSCAR,15936,' in csv
+    runs["OSCAR"]["ttft"]["suffix_len"] = 128
+    write_runs(tmp_path, runs)
+    assert "**ttft: sizes differ between configurations**" in ab.report(tmp_path)
