@@ -4,7 +4,7 @@ from the prefix cache and L2 and flatter everyone).
 
     python -m benchmarks.ab --out results/ab                     # Qwen3-8B shape, dummy weights
     python -m benchmarks.ab --configs OSCAR FLASH_ATTN fp8 int4 --budget-s 130 --dry-run
-    python -m benchmarks.ab --scenarios ttft --configs OSCAR FLASH_ATTN fp8 int4   # issue 53's
+    python -m benchmarks.ab --scenarios latency ttft --configs OSCAR FLASH_ATTN fp8 int4   # first tokens, batch 1
     python -m benchmarks.ab --model /path/to/model --configs OSCAR FLASH_ATTN fp8
     python -m benchmarks.ab --gpus 2 --scenarios none --max-num-seqs-sweep 32 256
     python -m benchmarks.ab --report results/ab                  # tables and plots again
@@ -20,9 +20,8 @@ times out later keeps the scenarios it finished. ``--gpus N`` runs up to N confi
 once, one GPU each (``CUDA_VISIBLE_DEVICES``); each worker logs to ``OUT/log_<config>.txt``.
 
 Scenarios (``--scenarios``; presets ``all`` (the default; ``issue18``, its name before, is still
-accepted), ``fits`` (all but the last three), ``memory-bound`` (the last three), ``ttft`` (latency
-and ttft, issue 53's: the name runs both), ``none`` for the sweep alone; run in this order; sizes
-are options):
+accepted), ``fits`` (all but the last three), ``memory-bound`` (the last three), ``none`` for the
+sweep alone; run in this order; sizes are options):
   prefill   N distinct prompts of L tokens, one output token: prefill tokens/s
   decode    the same prompts again (prefix-cached) for K output tokens: decode tokens/s and
             time per output token, the one-token rerun subtracted
@@ -233,9 +232,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser().parse_args(argv)
     if args.scenarios is None and args.plan:  # a run on an earlier plan runs what that plan sized
         sized = json.loads(Path(args.plan).read_text())["sizes"]
-        args.scenarios = [s for s in SCENARIOS if s in sized]  # scenarios, not presets (ttft is both)
-    else:
-        args.scenarios = expand_scenarios(["all"] if args.scenarios is None else args.scenarios)
+        args.scenarios = [s for s in SCENARIOS if s in sized]
+    elif args.scenarios is None:
+        args.scenarios = ["all"]
+    args.scenarios = expand_scenarios(args.scenarios)
     args.configs = sorted(dict.fromkeys(args.configs), key=lambda c: c != BASELINE)
     return args
 

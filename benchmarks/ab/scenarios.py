@@ -25,11 +25,8 @@ CONFIGS = {
 # last (they evict everything).
 SCENARIOS = ["prefill", "decode", "long", "latency", "ttft", "short", "fresh", "reasoning", "overflow", "capacity"]
 MEMORY_BOUND = ("reasoning", "overflow", "capacity")
-# "ttft": issue 53's scenarios, time to first token and the batch-1 decode. Its name is also the
-# scenario's: --scenarios ttft runs both (latency's longest context then times ttft's long prompt,
-# ttft_long_source).
 PRESETS = {"all": SCENARIOS, "fits": [s for s in SCENARIOS if s not in MEMORY_BOUND],
-           "memory-bound": list(MEMORY_BOUND), "ttft": ["latency", "ttft"]}
+           "memory-bound": list(MEMORY_BOUND)}
 PRESET_ALIASES = {"issue18": "all"}  # earlier names of presets, still accepted ("all": issue 18's workloads)
 BASELINE = "FLASH_ATTN"
 # The Qwen3-8B architecture (its config.json), for runs with dummy weights.
