@@ -47,11 +47,11 @@ from csrc_triton.paged_layout import (
 )
 
 SEARCH_STEPS = 16  # bisection steps of the token -> request lookup: up to 65535 requests
-# The decode write peels clip thresholds within this many entries of a row's top off its top
-# (a max and a count a round) rather than searching for them (16 rounds of three counts): the
-# reference's clip ratios (0.96 K, 0.92 V) take 6 and 11 rounds at head_dim 128, SmolLM2's
-# fitted ones (0.84-0.93) up to 11 at its head_dim 64. (The Triton write keeps its bisection: a
-# peeled search there spills, sm_90, 32 tokens on 8 warps.)
+# Both writes peel clip thresholds within this many entries of a row's top off its top (a max
+# and a count a round, as many rounds as the rank from the top plus one: a loop with a runtime
+# trip count, never unrolled) rather than searching for them (Triton: 31 steps of one count;
+# Gluon: 16 of three): the reference's clip ratios (0.96 K, 0.92 V) take 6 and 11 rounds at
+# head_dim 128, SmolLM2's fitted ones (0.84-0.93) up to 11 at its head_dim 64.
 PEEL_ROUNDS = gl.constexpr(32)
 
 
@@ -75,10 +75,44 @@ def _kth_smallest_abs(x, k):
 
 
 @triton.jit
+def _kth_largest_peeled(bits, j, rounds):
+    """Per row of ``bits`` ``[N, D]`` (bit patterns of non-negative floats, which order as the
+    floats do): its ``j``-th largest entry (0: the largest, copies counted), or -1 where that lies
+    deeper than ``rounds`` distinct values from the top (``j + 1`` rounds always reach it). A round
+    peels the top value off, all its copies (to -1), and counts the entries peeled so far: the
+    first round past ``j`` peeled the answer. ``rounds`` is a runtime value, so the loop is not
+    unrolled (the Gluon twin: ``_kth_largest_peeled_warp``)."""
+    left = bits
+    found = tl.full([bits.shape[0]], -1, tl.int32)
+    for _ in range(rounds):
+        top = tl.max(left, axis=1)
+        left = tl.where(left == top[:, None], -1, left)
+        peeled = tl.sum((left < 0).to(tl.int32), axis=1)
+        found = tl.where((found < 0) & (peeled > j), top, found)
+    return found
+
+
+@triton.jit
+def _clip_threshold(x, clip_idx, D: tl.constexpr):
+    """The ``clip_idx``-th smallest (0-based) ``|x|`` of each row of ``[N, D]``, exactly (ties
+    counted, as ``_kth_smallest_abs``): peeled off the rows' tops when its rank from the top is
+    below ``PEEL_ROUNDS`` (rank + 1 rounds of a max and a count), else the bisection (31 steps of
+    a count). sm_90, 32 tokens on 8 warps: 91-103 instructions a round, 82 a bisection step, so
+    ranks from about 25 on would search a little faster; no clip ratio in use comes near.
+    ``clip_idx`` is one for the whole tile: a uniform branch."""
+    rank = D - 1 - clip_idx
+    if rank < PEEL_ROUNDS:
+        thr = _kth_largest_peeled(tl.abs(x).to(tl.int32, bitcast=True), rank, rank + 1).to(tl.float32, bitcast=True)
+    else:
+        thr = _kth_smallest_abs(x, clip_idx)
+    return thr
+
+
+@triton.jit
 def _quantize_rows(x, clip_idx, D: tl.constexpr):
     """OSCAR INT2 of fp32 rows ``[N, D]``: clip, min-max, round; returns (codes, scale, min)."""
     if clip_idx >= 0:
-        thr = _kth_smallest_abs(x, clip_idx)[:, None]
+        thr = _clip_threshold(x, clip_idx, D)[:, None]
         x = tl.minimum(tl.maximum(x, -thr), thr)
     lo = tl.min(x, axis=1)
     hi = tl.max(x, axis=1)

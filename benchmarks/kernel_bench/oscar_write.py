@@ -14,16 +14,24 @@ write on W warps). ``--query-rows``: the decode write's query rows a program (``
 entries to choose from), each timed beside the others:
 
     python -m benchmarks.kernel_bench.oscar_write --shapes qwen3-8b --tokens 1 8 32 64 128 256 --query-rows 16 32
+
+``--baseline OLD.py``: an earlier ``csrc_triton/oscar_write.py`` (``git show REV:csrc_triton/oscar_write.py >
+OLD.py``) timed beside this tree's, same data, same run (kernel times differ between machines, as
+``oscar_decode against`` has it), and the bytes its pages and windows differ by:
+
+    python -m benchmarks.kernel_bench.oscar_write --shapes qwen3-8b --tokens 1 256 8192 16384 --baseline OLD.py
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
-from csrc_triton.oscar_write import decode_rotation, oscar_write, oscar_write_decode
+from csrc_triton import oscar_write as ow
 from oscar_vllm.core.quant import clip_index
 
 from .common import SHAPES, copy_bandwidth_gbs, environment, make_int2_batch, time_calls, write_reports
@@ -41,6 +49,41 @@ def parse_launch(text: str) -> tuple[int | None, int | None]:
     return (int(tokens) if tokens else None), int(warps)
 
 
+def load_baseline(path: str) -> ModuleType:
+    """An earlier ``csrc_triton/oscar_write.py`` as a module of its own. It imports the rest of
+    this tree (``paged_layout``: its launch table too), so launches differ only where the file does."""
+    if not Path(path).is_file():
+        raise SystemExit(f"--baseline {path}: no such file")
+    spec = importlib.util.spec_from_file_location("oscar_write_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "oscar_write", None)):
+        raise SystemExit(f"--baseline {path}: no oscar_write in it")
+    return module
+
+
+def timed_in_turn(calls: dict, rounds: int) -> dict:
+    """Each call's ms: taken in turn ``rounds`` times, the fastest kept (a drift of the GPU's
+    clock over the run does not favour one)."""
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            times[name].append(time_calls([call]))
+    return {name: min(ms) for name, ms in times.items()}
+
+
+def bytes_differing(cache, now, then) -> int:
+    """Bytes of the INT2 pages and BF16 windows where ``then`` writes other than ``now``, both
+    from zeroed buffers (a version that writes nothing differs too)."""
+    out = []
+    for call in (now, then):
+        cache.pages.zero_()
+        cache.windows.zero_()
+        call()
+        out.append(torch.cat([cache.pages.view(torch.uint8).flatten(), cache.windows.view(torch.uint8).flatten()]))
+    return int((out[0] != out[1]).sum())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="results/kernels")
@@ -50,7 +93,9 @@ def main() -> None:
     p.add_argument("--launch", nargs="+", default=["table"], help="table, TxW or xW (see above)")
     p.add_argument("--query-rows", nargs="+", type=int, default=[None],
                    help="decode rows: the decode write's query rows a program (default: its launch table's)")
+    p.add_argument("--baseline", help="an earlier csrc_triton/oscar_write.py to time beside this tree's")
     args = p.parse_args()
+    base = load_baseline(args.baseline) if args.baseline else None
     bw = copy_bandwidth_gbs()
     env = environment()
     try:
@@ -76,7 +121,7 @@ def main() -> None:
             decodes = len(q_lens) if t <= 256 else 0
             q = torch.randn(t, s.num_heads, d, device="cuda", dtype=torch.bfloat16)
             q_rot = torch.empty_like(q)
-            rot_t = decode_rotation(rot)
+            rot_t = ow.decode_rotation(rot)
 
             def rotate_queries():
                 return (q.float() @ rot).to(q.dtype)
@@ -90,15 +135,27 @@ def main() -> None:
                 row = {"shape": s.name, "tokens": t, "requests": len(q_lens), "launch": label}
                 clips = dict(clip_idx_k=clip_index(0.96, d), clip_idx_v=clip_index(0.92, d))
                 cache, batch = b.mixed(SINK, RECENT), b.batch(num_decodes=decodes)
-                split = lambda lc=((block_t, warps) if block_t else None): oscar_write(  # noqa: E731
+                lc = (block_t, warps) if block_t else None
+                write = lambda m: lambda: m.oscar_write(  # noqa: E731
                     k, v, rot_k=rot, slot_mapping=slots, cache=cache, batch=batch, **clips, launch=lc)
-                if decodes:
-                    row["oscar_ms"] = time_calls([lambda w=warps, qr=query_rows: oscar_write_decode(
-                        k, v, q, q_rot, rot_t=rot_t, slot_mapping=slots, cache=cache, batch=batch, **clips,
-                        num_warps=w, query_rows=qr)])
-                    row["split_path_ms"] = time_calls([lambda: (split(), rotate_queries())])
-                else:
-                    row["oscar_ms"] = time_calls([split])
+                write_decode = lambda m: lambda: m.oscar_write_decode(  # noqa: E731
+                    k, v, q, q_rot, rot_t=rot_t, slot_mapping=slots, cache=cache, batch=batch, **clips,
+                    num_warps=warps, query_rows=query_rows)
+                split = lambda m: lambda: (write(m)(), rotate_queries())  # noqa: E731
+                versions = {"": ow} | ({"baseline_": base} if base else {})
+                calls = {}
+                for prefix, m in versions.items():
+                    if decodes and hasattr(m, "oscar_write_decode"):
+                        calls[f"{prefix}oscar_ms"] = write_decode(m)
+                        calls[f"{prefix}split_path_ms"] = split(m)
+                    elif not decodes:
+                        calls[f"{prefix}oscar_ms"] = write(m)
+                row |= timed_in_turn(calls, 2 if base else 1)
+                if base and "baseline_oscar_ms" in row:
+                    row["baseline_ms"] = row.pop("baseline_oscar_ms")
+                    row["vs_baseline"] = row["oscar_ms"] / row["baseline_ms"]
+                    row["baseline_bytes_differ"] = bytes_differing(cache, calls["oscar_ms"],
+                                                                   calls["baseline_oscar_ms"])
                 # Reads K and V (bf16), writes the INT2 slots and, for window positions, bf16 ring rows.
                 ring_rows = sum(min(n, RECENT) for n in q_lens)
                 nbytes = t * hkv * (4 * d + d // 2 + 8) + ring_rows * hkv * 4 * d
@@ -111,17 +168,24 @@ def main() -> None:
                 vc = torch.empty_like(kc)
                 flat = torch.arange(t, device="cuda")
                 scale = torch.ones((), device="cuda")
-                base_ms = time_calls([lambda: ops.reshape_and_cache_flash(k, v, kc, vc, flat, "auto", scale, scale)])
+                vllm_ms = time_calls([lambda: ops.reshape_and_cache_flash(k, v, kc, vc, flat, "auto", scale, scale)])
                 for row in rows:
                     if row["shape"] == s.name and row["tokens"] == t:
-                        row["vllm_bf16_ms"] = base_ms
-    write_reports(Path(args.out), "write", rows, env, "Cache write: OSCAR quantize-on-write against vLLM BF16",
-                  ["shape", "tokens", "requests", "launch", "oscar_ms", "split_path_ms", "vllm_bf16_ms", "oscar_GBps",
-                   "oscar_pct_copy"],
+                        row["vllm_bf16_ms"] = vllm_ms
+                        row["vs_vllm"] = row["oscar_ms"] / vllm_ms
+    against = ["baseline_ms", "vs_baseline", "baseline_split_path_ms", "baseline_bytes_differ"] if base else []
+    write_reports(Path(args.out), "write_vs_baseline" if base else "write", rows, env,
+                  "Cache write: OSCAR quantize-on-write against vLLM BF16"
+                  + (" and an earlier version of the write" if base else ""),
+                  ["shape", "tokens", "requests", "launch", "oscar_ms", "split_path_ms", *against, "vllm_bf16_ms",
+                   "vs_vllm", "oscar_GBps", "oscar_pct_copy"],
                   [f"copy bandwidth in this run: {bw:,.0f} GB/s",
                    "OSCAR bytes: K and V read (bf16), INT2 slots and BF16 window rows written",
                    "decode steps (tokens <= 256, a request each): oscar_ms is oscar_write_decode, which also rotates "
-                   "the step's queries; split_path_ms the previous path, oscar_write + the queries' fp32 rotation"])
+                   "the step's queries; split_path_ms the previous path, oscar_write + the queries' fp32 rotation",
+                   *([f"baseline: {args.baseline}; vs_baseline: oscar_ms / baseline_ms (lower is faster), each the "
+                      "faster of two timings taken in turn; baseline_bytes_differ: bytes of the pages and windows "
+                      "the two versions write differently (0: the same cache)"] if base else [])])
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@
 #           (oscar_attention.py)
 #   against the Gluon decode kernel beside an earlier version of its module on the same data
 #           (OSCAR_DECODE_BASELINE: a copy of that csrc_triton/oscar_decode.py, e.g. from git show)
+#   against_write  the cache writes beside an earlier version of csrc_triton/oscar_write.py, same data, same run
+#           (OSCAR_WRITE_BASELINE: a copy of it), Qwen3-8B shape, 1-16K tokens (prefill also at 64 tokens on 8 warps),
+#           vLLM's reshape_and_cache_flash beside
 #   ab      benchmarks/ab (python3 -m benchmarks.ab): OSCAR against vLLM's KV caches, one engine each
 #   profile where a decode step's time goes inside vLLM, OSCAR and FLASH_ATTN (profile_decode.py)
 #   ncu     Nsight Compute (Qwen3-8B shape): the decode write and reshape_and_cache_flash at 1 and 256
@@ -149,6 +152,9 @@ for stage in $stages; do
       (python3 -m benchmarks.kernel_bench.oscar_decode against --baseline "$(realpath "${OSCAR_DECODE_BASELINE:?a copy of an earlier oscar_decode.py}")" \
          --out "$out/against" --shapes qwen3-8b --batches 1 8 32 64 --contexts 1024 8192 32768 131072) 2>&1 |
         grep --line-buffered -v '^{' | tee "$out/against.log" || status=1 ;;
+    against_write)
+      python3 -m benchmarks.kernel_bench.oscar_write --baseline "$(realpath "${OSCAR_WRITE_BASELINE:?a copy of an earlier oscar_write.py}")" \
+        --out "$out/against_write" --shapes qwen3-8b --tokens 1 256 2048 8192 16384 --launch table 64x8 2>&1 | tee "$out/against_write.log" || status=1 ;;
     ab)
       python3 -m benchmarks.ab --out "$out/ab" ${OSCAR_AB_ARGS:-} 2>&1 | tee "$out/ab.log" || status=1 ;;
     key_mean)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.oscar_write import _kth_smallest_abs, oscar_write
+from csrc_triton.oscar_write import PEEL_ROUNDS, _clip_threshold, _kth_largest_peeled, _kth_smallest_abs, oscar_write
 from oscar_vllm.core.quant import clip_index, unpack_int2
 from csrc_triton.paged_layout import BLOCK_SIZE, BatchLayout
 from oscar_vllm.core.key_mean import KeyMean
@@ -33,9 +33,11 @@ if ON_GPU:
     ]
 
 
-def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, launch=None, key_mean=False):
+def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, launch=None, key_mean=False,
+             clips=(0.96, 0.92)):
     """Both through ``schedule`` (the kernel at ``launch``: tokens a program and warps); with
-    ``key_mean``, keys that have a mean before RoPE, written less it."""
+    ``key_mean``, keys that have a mean before RoPE, written less it; ``clips``: the K and V clip
+    ratios."""
     pc = PagedCache(max(max(s) for s in schedule) + 1, 2048, hkv, d, sink, recent, DEVICE)
     ref = pc.clone()
     rot = random_rotation(d, hkv if per_head else None).to(DEVICE)
@@ -55,10 +57,10 @@ def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, launc
             k = (k.float() + model.turned(pos).to(DEVICE)).to(dtype)
         batch = step.batch(num_decodes=next((i for i, n in enumerate(new.values()) if n > 1), len(new)))
         oscar_write(k, v, rot_k=rot, slot_mapping=step.slot_mapping, cache=pc.mixed(param_dtype), batch=batch,
-                    clip_idx_k=clip_index(0.96, d), clip_idx_v=clip_index(0.92, d), launch=launch, key_mean=mean,
-                    cos_sin=table)
+                    clip_idx_k=clip_index(clips[0], d), clip_idx_v=clip_index(clips[1], d), launch=launch,
+                    key_mean=mean, cos_sin=table)
         oscar_write_reference(k, v, rot_k=rot, slot_mapping=step.slot_mapping, cache=ref.mixed(param_dtype),
-                              batch=batch, clip_ratio_k=0.96, clip_ratio_v=0.92, key_mean=km)
+                              batch=batch, clip_ratio_k=clips[0], clip_ratio_v=clips[1], key_mean=km)
     return pc, ref
 
 
@@ -85,8 +87,19 @@ def test_write_less_the_key_mean_matches_reference(case):
                            layout_views(ref.cache.cpu(), case[0], torch.float16)[2])
 
 
-def check_write(case, dtype, param_dtype, launch, key_mean=False):
-    pc, ref = run_both(*case, dtype, param_dtype, launch, key_mean)
+@pytest.mark.parametrize("clips", [(0.4, 0.7), (0.0, 0.5)], ids=lambda c: f"clip{c[0]}/{c[1]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c[0]}-h{c[1]}-s{c[3]}-r{c[4]}")
+def test_write_with_deep_clip_thresholds_matches_reference(case, clips):
+    """Clip thresholds off the peel's reach: K at 0.4 lies deeper than ``PEEL_ROUNDS`` from the
+    rows' tops at every head_dim (the bisection); V at 0.7 and 0.5 is peeled at head_dim 64 (20
+    rounds, and 32: ``PEEL_ROUNDS`` itself) and bisected from 128 on; K unclipped beside it."""
+    if not ON_GPU and case is not CASES[0]:
+        pytest.skip("one case is enough under the (slow) interpreter")
+    check_write(case, torch.float32, torch.float16, None, clips=clips)
+
+
+def check_write(case, dtype, param_dtype, launch, key_mean=False, clips=(0.96, 0.92)):
+    pc, ref = run_both(*case, dtype, param_dtype, launch, key_mean, clips)
     d = case[0]
     got, want = layout_views(pc.cache.cpu(), d, param_dtype), layout_views(ref.cache.cpu(), d, param_dtype)
     for codes_got, codes_want in zip(got[:2], want[:2]):
@@ -244,8 +257,10 @@ def test_decode_rotation_is_two_bf16_terms_within_2_pow_16(per_head):
 
 
 def hard_rows(n: int, d: int) -> torch.Tensor:
-    """Rows a search on bit patterns can get wrong: ties across the threshold, zeros, one value repeated,
-    subnormals, huge and tiny magnitudes in one row, infinities, outliers."""
+    """Rows a search on bit patterns, or a peel off the top, can get wrong: ties across the
+    threshold, zeros, one value repeated, subnormals, huge and tiny magnitudes in one row,
+    infinities, outliers, negative rows, |x| tied between signs, runs of copies at every rank from
+    the top and across ``PEEL_ROUNDS``."""
     g = torch.Generator().manual_seed(d)
     x = torch.randn(n, d, generator=g)
     x[0] = 0.0
@@ -257,6 +272,16 @@ def hard_rows(n: int, d: int) -> torch.Tensor:
     x[5, ::3] = float("inf")
     x[6] = x[6].to(torch.bfloat16).float()  # 16-bit values: runs of equal low bits
     x[7, ::7] *= 1e4
+    if n > 12:
+        signs = torch.where(torch.rand(d, generator=g) < 0.5, -1.0, 1.0)
+        x[8] = (torch.arange(d) // 3).float() * signs  # copies in threes, both signs, at every rank
+        x[9] = -(torch.arange(d) // 5).float() - 1  # negative, copies in fives
+        x[10] = -torch.randn(d, generator=g).abs()
+        x[11, :40] = (9 - torch.arange(40) // 10).float()  # four runs of ten at the top: ranks 0-39 ...
+        x[11, 40:] = torch.rand(d - 40, generator=g)  # ... PEEL_ROUNDS (32) inside the fourth
+        x[12] = 3.0
+        x[12, d // 2:] = -3.0
+        x[:13] = x[:13, torch.randperm(d, generator=g)]
     return x
 
 
@@ -277,6 +302,55 @@ def test_kth_smallest_abs_is_exact(d):
     kth[(1,)](x.to(DEVICE), out, torch.tensor(ks, dtype=torch.int32, device=DEVICE), N=16, D=d, NK=len(ks))
     want = torch.stack([x.abs().kthvalue(k + 1, dim=1).values for k in ks])
     assert torch.equal(out.cpu(), want), (out.cpu() - want).abs().max()
+
+
+@triton.jit(do_not_specialize=["k", "n"])
+def _clip_thresholds(x_ptr, out_ptr, k, n, BLOCK: tl.constexpr, D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < n
+    x = tl.load(x_ptr + rows[:, None] * D + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
+    tl.store(out_ptr + rows, _clip_threshold(x, k, D), mask=ok)
+
+
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_clip_threshold_is_exact(d, block):
+    """The write's clip threshold (peeled off the top, or the bisection from ``PEEL_ROUNDS`` ranks
+    down) against torch's sort, exactly: every row of a tile and of a partial last tile, ranks from
+    the top 0, 1, the reference and fitted clip ratios', either side of ``PEEL_ROUNDS`` and deep.
+    ``k`` is a runtime argument, as ``clip_idx_*`` in the write: one compiled loop for every rank."""
+    n = 2 * block + 5
+    x = hard_rows(n, d)[torch.randperm(n, generator=torch.Generator().manual_seed(1))]
+    peel = PEEL_ROUNDS.value
+    ks = sorted({0, 1, d // 2, d - 1 - peel, d - peel, *(clip_index(r, d) for r in (0.84, 0.92, 0.96)), d - 2, d - 1})
+    want = x.abs().sort(dim=1).values
+    for k in ks:
+        out = torch.full((n,), float("nan"), device=DEVICE)
+        _clip_thresholds[(triton.cdiv(n, block),)](x.to(DEVICE), out, k, n, BLOCK=block, D=d)
+        assert torch.equal(out.cpu(), want[:, k]), (k, (out.cpu() - want[:, k]).abs().max())
+
+
+@pytest.mark.parametrize("rounds", [1, 3, 10])
+def test_peel_finds_what_its_rounds_reach_and_says_so_otherwise(rounds):
+    """``_kth_largest_peeled``: the ``j``-th largest bit pattern (copies counted) where it lies
+    within ``rounds`` distinct values of the top, else -1."""
+
+    @triton.jit
+    def peel(x_ptr, out_ptr, j, rounds, N: tl.constexpr, D: tl.constexpr):
+        rows = tl.arange(0, N)
+        bits = tl.abs(tl.load(x_ptr + rows[:, None] * D + tl.arange(0, D)[None, :])).to(tl.int32, bitcast=True)
+        tl.store(out_ptr + rows, _kth_largest_peeled(bits, j, rounds))
+
+    x = hard_rows(16, 64)
+    bits = x.abs().view(torch.int32).sort(dim=1, descending=True).values
+    first_of_run = torch.ones_like(bits, dtype=torch.bool)
+    first_of_run[:, 1:] = bits[:, 1:] != bits[:, :-1]
+    for j in (0, 2, 5, 11):
+        out = torch.full((16,), -2, dtype=torch.int32, device=DEVICE)
+        peel[(1,)](x.to(DEVICE), out, j, rounds, N=16, D=64)
+        distinct_above = (first_of_run & (bits > bits[:, j:j + 1])).sum(dim=1)  # the answer's round, less one
+        want = torch.where(distinct_above < rounds, bits[:, j], -1)
+        assert torch.equal(out.cpu(), want), (j, out.cpu(), want)
 
 
 def test_window_holds_sink_and_last_recent_positions():
