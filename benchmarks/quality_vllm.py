@@ -5,7 +5,7 @@
 
 The model is SmolLM2-135M-Instruct as a plain folder (``tests/gpu/e2e_vllm.py prepare``). Every
 configuration runs in a process of its own (one engine each, eager, bf16, prefix caching off,
-prompts prefilled in chunks of 256) and measures:
+prompts prefilled in chunks of 256, or ``--chunk``'s) and measures:
 
 * **perplexity** of two held-out texts scored from prompt log-probabilities, in windows of 2,048
   tokens: prose (the evaluation books, ``oscar_vllm.calibration.corpus``) and source code (vLLM
@@ -22,6 +22,13 @@ OSCAR with keys less their block's mean (``key_mean`` auto, λ 0), and each of t
 keys clipped at 0.96 instead of the file's fitted ratios. ``--parts`` measures part of
 each (``ppl greedy passkey``). ``--report`` writes ``quality.md``, ``quality.json`` and
 ``quality.png`` from the configurations' files.
+
+Chunks of 256 make most of a prompt's reads cross chunks, where OSCAR's read of a prompt differs
+from one in a single chunk; ``--chunk 8192`` (vLLM's ``max_num_batched_tokens`` for ``vllm serve``
+on an H100 or H200) prefills each prompt here in one chunk, as a server mostly does, and takes the
+greedy part's 832K prompt tokens in about 100 steps, not 3,300:
+
+    python benchmarks/quality_vllm.py --model /tmp/oscar-e2e/smollm2 --parts greedy --chunk 8192 --out OUT/greedy
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CHUNK = 256
+CHUNK = 256  # prompt tokens an engine step takes (max_num_batched_tokens) unless --chunk says otherwise
 PPL_CONTEXT = 2048
 PPL_TOKENS = 65536
 GREEDY_CONTEXTS = (2048, 4096, 7168)
@@ -110,7 +117,8 @@ def passkey_prompts(tokenizer) -> list[dict]:
 PARTS = ("ppl", "greedy", "passkey")
 
 
-def run_engine(name: str, model: str, rotations: str, out: Path, parts: tuple[str, ...] = PARTS) -> None:
+def run_engine(name: str, model: str, rotations: str, out: Path, parts: tuple[str, ...] = PARTS,
+               chunk: int = CHUNK) -> None:
     """One configuration's measurements (``parts`` of them), written to ``out`` as JSON."""
     from vllm import LLM, SamplingParams
 
@@ -120,10 +128,10 @@ def run_engine(name: str, model: str, rotations: str, out: Path, parts: tuple[st
         kw["kv_cache_dtype"] = cfg["kv_cache_dtype"]
     t0 = time.time()
     llm = LLM(model, attention_backend=cfg["backend"], dtype="bfloat16", enforce_eager=True, max_model_len=8192,
-              max_num_batched_tokens=CHUNK, enable_prefix_caching=False, gpu_memory_utilization=0.5, seed=0, **kw)
+              max_num_batched_tokens=chunk, enable_prefix_caching=False, gpu_memory_utilization=0.5, seed=0, **kw)
     tokenizer = llm.get_tokenizer()
     result: dict = {"config": name, **{k: v for k, v in cfg.items() if k != "env"}, "env": cfg.get("env", {}),
-                    "start_s": round(time.time() - t0, 1), "ppl": {}, "greedy": {}, "passkey": []}
+                    "start_s": round(time.time() - t0, 1), "chunk": chunk, "ppl": {}, "greedy": {}, "passkey": []}
     all_texts = texts(tokenizer) if {"ppl", "greedy"} & set(parts) else {}
     if "ppl" in parts:
         for text, ids in all_texts.items():
@@ -194,7 +202,8 @@ def markdown(rows: dict[str, dict], meta: dict) -> str:
     lines = [f"- date: {meta['date']}; hardware: {meta['hardware']}; model: SmolLM2-135M-Instruct (bf16, eager)",
              f"- command: `{meta['command']}`",
              f"- texts: prose, {meta['prose']}; code, {CODE_TEXT}; ΔPPL over {PPL_TOKENS:,} tokens of each in windows "
-             f"of {PPL_CONTEXT:,}, prompts prefilled in chunks of {CHUNK} (± one standard error, paired by token)",
+             f"of {PPL_CONTEXT:,}, prompts prefilled in chunks of {meta.get('chunk', CHUNK)} (± one standard error, "
+             "paired by token)",
              f"- greedy: {GREEDY_TOKENS} tokens after {GREEDY_PROMPTS} prompts at each context, against BF16's; "
              f"passkey: {len(PASSKEY_KEYS)} keys at {len(PASSKEY_DEPTHS)} depths of each length "
              f"({', '.join(map(str, PASSKEY_LENGTHS))} tokens)", "",
@@ -269,6 +278,7 @@ def main() -> None:
     p.add_argument("--report", type=Path, help="only write the report of a folder's runs")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
                    help="what each engine measures (the report shows the rest as —)")
+    p.add_argument("--chunk", type=int, default=CHUNK, help="prompt tokens a step (max_num_batched_tokens)")
     p.add_argument("--engine", choices=list(CONFIGS), help=argparse.SUPPRESS)
     args = p.parse_args()
     command = "python benchmarks/quality_vllm.py " + " ".join(sys.argv[1:])
@@ -279,18 +289,20 @@ def main() -> None:
         p.error("--model is needed to run the engines")
     if args.engine:
         run_engine(args.engine, args.model, args.rotations, args.out / f"engine_{args.engine}.json",
-                   tuple(args.parts))
+                   tuple(args.parts), args.chunk)
         return
     from oscar_vllm.calibration.evaluate import environment
 
     args.out.mkdir(parents=True, exist_ok=True)
     env_meta = environment("python benchmarks/quality_vllm.py")
-    (args.out / "meta.json").write_text(json.dumps({k: env_meta[k] for k in ("date", "hardware", "command")}) + "\n")
+    (args.out / "meta.json").write_text(json.dumps({**{k: env_meta[k] for k in ("date", "hardware", "command")},
+                                                    "chunk": args.chunk}) + "\n")
     failed = []
     for name in args.configs:
         env = {**os.environ, **CONFIGS[name].get("env", {})}
         code = subprocess.run([sys.executable, __file__, "--engine", name, "--model", args.model, "--rotations",
-                               args.rotations, "--out", str(args.out), "--parts", *args.parts],
+                               args.rotations, "--out", str(args.out), "--chunk", str(args.chunk),
+                               "--parts", *args.parts],
                               env=env).returncode
         if code:
             failed.append(name)

@@ -99,3 +99,24 @@ def test_greedy_columns_only_where_a_configuration_was_compared(tmp_path):
         (tmp_path / f"engine_{r['config']}.json").write_text(json.dumps(r))
     header = next(line for line in qv.report(tmp_path, "c").splitlines() if line.startswith("| KV cache"))
     assert header == "| KV cache | bits/elem | ΔPPL prose | ΔPPL code | passkey found where BF16 finds it |"
+
+
+def test_chunk_sets_the_engines_step_and_the_report_says_it(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    made = {}
+
+    class LLM:
+        def __init__(self, model, **kw):
+            made.update(kw)
+
+        def get_tokenizer(self):
+            return None
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=dict))
+    qv.run_engine("bf16", "m", "r", tmp_path / "engine_bf16.json", parts=(), chunk=8192)
+    assert made["max_num_batched_tokens"] == 8192
+    assert json.loads((tmp_path / "engine_bf16.json").read_text())["chunk"] == 8192
+    (tmp_path / "meta.json").write_text(json.dumps({"date": "d", "hardware": "h", "command": "c", "chunk": 8192}))
+    assert "prompts prefilled in chunks of 8192 " in qv.report(tmp_path, "c")
