@@ -53,6 +53,14 @@ SEARCH_STEPS = 16  # bisection steps of the token -> request lookup: up to 65535
 # Gluon: 16 of three): the reference's clip ratios (0.96 K, 0.92 V) take 6 and 11 rounds at
 # head_dim 128, SmolLM2's fitted ones (0.84-0.93) up to 11 at its head_dim 64.
 PEEL_ROUNDS = gl.constexpr(32)
+# How the Triton write multiplies its keys by R: "ieee", fp32 FMAs (2,280 FFMA a 32-token tile at
+# head_dim 128, sm_90, most of the program's instructions and spills), or "tf32x3", three TF32
+# tensor-core products of the operands' high and low parts (232 FFMA and 192 HMMA; within about
+# 2^-21 of fp32, a code may flip at a rounding tie as in any other summation order), whose MMA
+# layout splits rows over warps, so the clip peel's reductions cross warps (132 barriers against
+# 16). Which is faster is the GPU's to say (benchmarks/kernel_bench/oscar_write.py --rotation).
+WRITE_ROTATIONS = ("ieee", "tf32x3")
+WRITE_ROTATION = "ieee"
 
 
 @triton.jit
@@ -187,6 +195,7 @@ def _oscar_write_kernel(
     BLOCK_T: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
     KEY_MEAN: tl.constexpr,
+    ROTATION: tl.constexpr,  # WRITE_ROTATIONS
 ):
     Q: tl.constexpr = D // 4
     REGION: tl.constexpr = int2_region_bytes(D, BLOCK_SIZE)
@@ -209,7 +218,7 @@ def _oscar_write_kernel(
     # k @ R in fp32 (with KEY_MEAN, k less its turned mean: what the INT2 page rounds); the
     # windows' k @ R after the INT2 stores, so that the two products are never live together.
     k_int2 = _rotate_keys(key_ptr, rot_k_ptr, key_mean_ptr, cos_sin_ptr, t64, live, r_ok, pos, h, stride_kt, stride_kh,
-                          stride_cs, ROT_HEAD_STRIDE, D, BLOCK_T, KEY_MEAN)
+                          stride_cs, ROT_HEAD_STRIDE, D, BLOCK_T, KEY_MEAN, ROTATION)
     codes_k, scale_k, min_k = _quantize_rows(k_int2, clip_idx_k, D)
     codes_v, scale_v, min_v = _quantize_rows(v, clip_idx_v, D)
     base = (slot // BLOCK_SIZE) * stride_cb + h * REGION
@@ -226,7 +235,7 @@ def _oscar_write_kernel(
     tl.store(p + 3 * BLOCK_SIZE, _to_param(min_v, PARAM_BF16), mask=live)
     if KEY_MEAN:
         k_rot = _rotate_keys(key_ptr, rot_k_ptr, key_mean_ptr, cos_sin_ptr, t64, live, r_ok, pos, h, stride_kt,
-                             stride_kh, stride_cs, ROT_HEAD_STRIDE, D, BLOCK_T, False)
+                             stride_kh, stride_cs, ROT_HEAD_STRIDE, D, BLOCK_T, False, ROTATION)
     else:
         k_rot = k_int2
     _write_windows(k_rot, v, r, r_ok, pos, seq_len, h, ring_slot_ptr, window_k_ptr, window_v_ptr, window_pages_ptr,
@@ -236,11 +245,11 @@ def _oscar_write_kernel(
 @triton.jit
 def _rotate_keys(key_ptr, rot_k_ptr, key_mean_ptr, cos_sin_ptr, t64, live, r_ok, pos, h, stride_kt, stride_kh,
                  stride_cs, ROT_HEAD_STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                 KEY_MEAN: tl.constexpr):
-    """``[BLOCK_T, D]`` fp32: the tile's keys times R, over row slices of R small enough for shared
-    memory at head_dim 256; with ``KEY_MEAN``, the keys less their block's mean, turned by RoPE to
-    the first position of the block of ``pos`` (rotate-half: dim j pairs with j ± D/2 at frequency
-    j mod D/2)."""
+                 KEY_MEAN: tl.constexpr, ROTATION: tl.constexpr):
+    """``[BLOCK_T, D]`` fp32: the tile's keys times R (as ``ROTATION``, one of ``WRITE_ROTATIONS``),
+    over row slices of R small enough for shared memory at head_dim 256; with ``KEY_MEAN``, the keys
+    less their block's mean, turned by RoPE to the first position of the block of ``pos``
+    (rotate-half: dim j pairs with j ± D/2 at frequency j mod D/2)."""
     KC: tl.constexpr = D if D <= 128 else 128
     HALF: tl.constexpr = D // 2
     kc = tl.arange(0, KC)
@@ -259,7 +268,7 @@ def _rotate_keys(key_ptr, rot_k_ptr, key_mean_ptr, cos_sin_ptr, t64, live, r_ok,
             partner = tl.load(key_mean_ptr + h * D + (j + HALF) % D) * tl.where(j < HALF, -1.0, 1.0)
             k = k - (mean[None, :] * cos + partner[None, :] * sin)
         rot = tl.load(rot_k_ptr + h * ROT_HEAD_STRIDE + (c * KC + kc[:, None]) * D + dims[None, :])
-        acc = tl.dot(k, rot, acc, input_precision="ieee")
+        acc = tl.dot(k, rot, acc, input_precision=ROTATION)
     return acc
 
 
@@ -293,6 +302,7 @@ def oscar_write(
     launch: tuple[int, int] | None = None,
     key_mean: torch.Tensor | None = None,
     cos_sin: torch.Tensor | None = None,
+    rotation: str = WRITE_ROTATION,
 ) -> None:
     """Write ``key``/``value`` ``[T, Hkv, d]`` of ``batch``'s requests into ``cache``: the INT2 pages
     and the BF16 windows.
@@ -304,12 +314,15 @@ def oscar_write(
     the block table is not read. ``launch``: (tokens a program, warps), else from ``WRITE_LAUNCH``.
     ``key_mean`` fp32 ``[Hkv, d]`` with ``cos_sin`` ``[P, d]`` (vLLM's ``cos_sin_cache``, over every
     position written): the INT2 pages round the keys less the mean turned to their positions.
+    ``rotation``: how ``k @ R`` is multiplied, one of ``WRITE_ROTATIONS``.
     """
     t, hkv, d = key.shape
     if t == 0:
         return
     caches = cache_args(cache, hkv, d)
     check_key_mean(key_mean, cos_sin, hkv, d)
+    if rotation not in WRITE_ROTATIONS:
+        raise ValueError(f"rotation must be one of {WRITE_ROTATIONS}, got {rotation!r}")
     if batch.num_reqs >= 2**SEARCH_STEPS:
         raise ValueError(f"at most {2**SEARCH_STEPS - 1} requests per batch, got {batch.num_reqs}")
     block_t, num_warps = launch or launch_bucket(WRITE_LAUNCH, t)
@@ -322,7 +335,7 @@ def oscar_write(
         stride_kt=key.stride(0), stride_kh=key.stride(1), stride_vt=value.stride(0), stride_vh=value.stride(1),
         ROT_HEAD_STRIDE=d * d if rot_k.dim() == 3 else 0, HKV=hkv, D=d, BLOCK_SIZE=BLOCK_SIZE,
         PARAM_BF16=cache.param_dtype == torch.bfloat16, BLOCK_T=block_t, SEARCH_STEPS=SEARCH_STEPS,
-        KEY_MEAN=key_mean is not None, num_warps=num_warps, **caches,
+        KEY_MEAN=key_mean is not None, ROTATION=rotation, num_warps=num_warps, **caches,
     )
 
 

@@ -80,7 +80,7 @@ def prefill_consts(args) -> dict:
 def write_consts(args) -> dict:
     return dict(ROT_HEAD_STRIDE=0, HKV=8, D=args.d, BLOCK_SIZE=64, SINK=64, RECENT=256, WIN_E=WIN_E,
                 PARAM_BF16=args.bf16_params, BLOCK_T=args.block_t or PREFILL_WRITE[0],
-                SEARCH_STEPS=oscar_write.SEARCH_STEPS, KEY_MEAN=args.key_mean)
+                SEARCH_STEPS=oscar_write.SEARCH_STEPS, KEY_MEAN=args.key_mean, ROTATION=args.rotation)
 
 
 def gluon_decode_consts(args) -> dict:
@@ -137,6 +137,8 @@ def main() -> None:
     p.add_argument("--g", type=int, default=4)
     p.add_argument("--no-asm", action="store_true")
     p.add_argument("--bf16-params", action="store_true", help="write: bf16 scales and mins")
+    p.add_argument("--rotation", choices=oscar_write.WRITE_ROTATIONS, default=oscar_write.WRITE_ROTATION,
+                   help="write: how k @ R is multiplied")
     p.add_argument("--key-mean", action="store_true", help="the KEY_MEAN variant")
     p.add_argument("--correct", action="store_true", help="gluon_decode: the logit correction's variant (CORRECT)")
     p.add_argument("--query-rows", type=int,

@@ -20,6 +20,11 @@ OLD.py``) timed beside this tree's, same data, same run (kernel times differ bet
 ``oscar_decode against`` has it), and the bytes its pages and windows differ by:
 
     python -m benchmarks.kernel_bench.oscar_write --shapes qwen3-8b --tokens 1 256 8192 16384 --baseline OLD.py
+
+``--rotation ieee tf32x3``: the prefill rows once per way the Triton write multiplies ``k @ R``
+(``oscar_write.WRITE_ROTATIONS``; the baseline, an older file, takes its own):
+
+    python -m benchmarks.kernel_bench.oscar_write --shapes qwen3-8b --tokens 2048 8192 16384 --rotation ieee tf32x3
 """
 from __future__ import annotations
 
@@ -94,6 +99,8 @@ def main() -> None:
     p.add_argument("--query-rows", nargs="+", type=int, default=[None],
                    help="decode rows: the decode write's query rows a program (default: its launch table's)")
     p.add_argument("--baseline", help="an earlier csrc_triton/oscar_write.py to time beside this tree's")
+    p.add_argument("--rotation", nargs="+", default=[ow.WRITE_ROTATION], choices=ow.WRITE_ROTATIONS,
+                   help="prefill rows: how the Triton write multiplies k @ R, each timed beside the others")
     args = p.parse_args()
     base = load_baseline(args.baseline) if args.baseline else None
     bw = copy_bandwidth_gbs()
@@ -126,18 +133,22 @@ def main() -> None:
             def rotate_queries():
                 return (q.float() @ rot).to(q.dtype)
 
-            for launch, query_rows in [(la, qr) for la in args.launch
-                                       for qr in (args.query_rows if decodes else [None])]:
+            for launch, query_rows, rotation in [(la, qr, ro) for la in args.launch
+                                                 for qr in (args.query_rows if decodes else [None])
+                                                 for ro in ([ow.WRITE_ROTATION] if decodes else args.rotation)]:
                 block_t, warps = parse_launch(launch)
                 if block_t if decodes else (warps and not block_t):
                     continue  # a choice for the other kernel
                 label = launch if query_rows is None else f"{launch}, {query_rows} query rows"
+                label += f", {rotation}" if not decodes and len(args.rotation) > 1 else ""
                 row = {"shape": s.name, "tokens": t, "requests": len(q_lens), "launch": label}
                 clips = dict(clip_idx_k=clip_index(0.96, d), clip_idx_v=clip_index(0.92, d))
                 cache, batch = b.mixed(SINK, RECENT), b.batch(num_decodes=decodes)
                 lc = (block_t, warps) if block_t else None
+                # The baseline version's write takes no rotation where it predates the choice.
                 write = lambda m: lambda: m.oscar_write(  # noqa: E731
-                    k, v, rot_k=rot, slot_mapping=slots, cache=cache, batch=batch, **clips, launch=lc)
+                    k, v, rot_k=rot, slot_mapping=slots, cache=cache, batch=batch, **clips, launch=lc,
+                    **({"rotation": rotation} if m is ow else {}))
                 write_decode = lambda m: lambda: m.oscar_write_decode(  # noqa: E731
                     k, v, q, q_rot, rot_t=rot_t, slot_mapping=slots, cache=cache, batch=batch, **clips,
                     num_warps=warps, query_rows=query_rows)

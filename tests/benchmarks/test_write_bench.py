@@ -65,3 +65,4 @@ def test_the_command_line_takes_a_baseline():
     out = subprocess.run([sys.executable, "-m", "benchmarks.kernel_bench.oscar_write", "--help"], capture_output=True,
                          text=True, env=env, cwd=REPO, check=True).stdout
     assert "--baseline BASELINE" in out
+    assert "--rotation {ieee,tf32x3}" in out

@@ -12,7 +12,7 @@
 #           (OSCAR_DECODE_BASELINE: a copy of that csrc_triton/oscar_decode.py, e.g. from git show)
 #   against_write  the cache writes beside an earlier version of csrc_triton/oscar_write.py, same data, same run
 #           (OSCAR_WRITE_BASELINE: a copy of it), Qwen3-8B shape, 1-16K tokens (prefill also at 64 tokens on 8 warps),
-#           vLLM's reshape_and_cache_flash beside
+#           vLLM's reshape_and_cache_flash beside; the prefill write's k @ R both ways (ieee, tf32x3)
 #   ab      benchmarks/ab (python3 -m benchmarks.ab): OSCAR against vLLM's KV caches, one engine each
 #   profile where a decode step's time goes inside vLLM, OSCAR and FLASH_ATTN (profile_decode.py)
 #   ncu     Nsight Compute (Qwen3-8B shape): the decode write and reshape_and_cache_flash at 1 and 256
@@ -154,7 +154,8 @@ for stage in $stages; do
         grep --line-buffered -v '^{' | tee "$out/against.log" || status=1 ;;
     against_write)
       python3 -m benchmarks.kernel_bench.oscar_write --baseline "$(realpath "${OSCAR_WRITE_BASELINE:?a copy of an earlier oscar_write.py}")" \
-        --out "$out/against_write" --shapes qwen3-8b --tokens 1 256 2048 8192 16384 --launch table 64x8 2>&1 | tee "$out/against_write.log" || status=1 ;;
+        --out "$out/against_write" --shapes qwen3-8b --tokens 1 256 2048 8192 16384 --launch table 64x8 \
+        --rotation ieee tf32x3 2>&1 | tee "$out/against_write.log" || status=1 ;;
     ab)
       python3 -m benchmarks.ab --out "$out/ab" ${OSCAR_AB_ARGS:-} 2>&1 | tee "$out/ab.log" || status=1 ;;
     key_mean)

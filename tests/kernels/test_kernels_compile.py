@@ -68,6 +68,19 @@ def test_prefill_write_searches_rows_without_barriers(tmp_path):
     assert sass.read_text().count("BAR.SYNC") <= 20
 
 
+def test_tf32x3_rotation_runs_on_the_tensor_cores(tmp_path):
+    """The write's ``rotation="tf32x3"`` at its prefill launch: k @ R as HMMA products, not the
+    2,280 fp32 FMAs of ``ieee`` a 32-token tile at head_dim 128 (sm_90)."""
+    counts = {}
+    for rotation in ("ieee", "tf32x3"):
+        sass = tmp_path / f"{rotation}.sass"
+        compile_check("write", "--d", "128", "--rotation", rotation, "--dump", str(sass))
+        text = sass.read_text()
+        counts[rotation] = (text.count("HMMA"), text.count("FFMA"))
+    assert counts["ieee"][0] == 0 and counts["ieee"][1] >= 2048, counts
+    assert counts["tf32x3"][0] >= 96 and counts["tf32x3"][1] <= 400, counts
+
+
 @pytest.mark.parametrize("launch", sorted(set(WRITE_LAUNCH.values())), ids=lambda lw: f"{lw[0]}x{lw[1]}")
 def test_write_peels_clip_thresholds_in_two_short_loops(launch):
     """The Triton write at its launch table's launches: the K and the V clip threshold each peeled

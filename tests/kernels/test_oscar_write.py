@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.oscar_write import PEEL_ROUNDS, _clip_threshold, _kth_largest_peeled, _kth_smallest_abs, oscar_write
+from csrc_triton.oscar_write import (PEEL_ROUNDS, WRITE_ROTATION, _clip_threshold, _kth_largest_peeled,
+                                     _kth_smallest_abs, oscar_write)
 from oscar_vllm.core.quant import clip_index, unpack_int2
 from csrc_triton.paged_layout import BLOCK_SIZE, BatchLayout
 from oscar_vllm.core.key_mean import KeyMean
@@ -34,10 +35,10 @@ if ON_GPU:
 
 
 def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, launch=None, key_mean=False,
-             clips=(0.96, 0.92)):
-    """Both through ``schedule`` (the kernel at ``launch``: tokens a program and warps); with
-    ``key_mean``, keys that have a mean before RoPE, written less it; ``clips``: the K and V clip
-    ratios."""
+             clips=(0.96, 0.92), rotation=WRITE_ROTATION):
+    """Both through ``schedule`` (the kernel at ``launch``: tokens a program and warps; ``rotation``:
+    how it multiplies k @ R); with ``key_mean``, keys that have a mean before RoPE, written less it;
+    ``clips``: the K and V clip ratios."""
     pc = PagedCache(max(max(s) for s in schedule) + 1, 2048, hkv, d, sink, recent, DEVICE)
     ref = pc.clone()
     rot = random_rotation(d, hkv if per_head else None).to(DEVICE)
@@ -58,7 +59,7 @@ def run_both(d, hkv, per_head, sink, recent, schedule, dtype, param_dtype, launc
         batch = step.batch(num_decodes=next((i for i, n in enumerate(new.values()) if n > 1), len(new)))
         oscar_write(k, v, rot_k=rot, slot_mapping=step.slot_mapping, cache=pc.mixed(param_dtype), batch=batch,
                     clip_idx_k=clip_index(clips[0], d), clip_idx_v=clip_index(clips[1], d), launch=launch,
-                    key_mean=mean, cos_sin=table)
+                    key_mean=mean, cos_sin=table, rotation=rotation)
         oscar_write_reference(k, v, rot_k=rot, slot_mapping=step.slot_mapping, cache=ref.mixed(param_dtype),
                               batch=batch, clip_ratio_k=clips[0], clip_ratio_v=clips[1], key_mean=km)
     return pc, ref
@@ -74,6 +75,25 @@ def test_write_matches_reference(case, dtype, param_dtype, launch):
     if launch and not ON_GPU and (param_dtype == torch.bfloat16 or case not in (CASES[0], CASES[3])):
         pytest.skip("the prefill launch: two cases are enough under the (slow) interpreter")
     check_write(case, dtype, param_dtype, launch)
+
+
+@pytest.mark.parametrize("key_mean", [False, True], ids=["keys", "less-the-mean"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c[0]}-h{c[1]}-s{c[3]}-r{c[4]}")
+def test_write_with_tf32x3_rotation_matches_reference(case, key_mean):
+    """k @ R as three TF32 tensor-core products: within the tolerance of any other summation order.
+    (The interpreter multiplies in fp32 whatever the precision: the GPU is where this bites.)"""
+    if not ON_GPU and (case is not CASES[0] or key_mean):
+        pytest.skip("one case is enough under the interpreter, which ignores the precision")
+    check_write(case, torch.bfloat16, torch.float16, None, key_mean=key_mean, rotation="tf32x3")
+
+
+def test_an_unknown_rotation_is_refused_by_name():
+    pc = PagedCache(1, 64, 1, 64, 4, 8, DEVICE)
+    step = pc.schedule({0: 3})
+    k = random_rows((3, 1, 64), torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match="rotation must be one of .*'tf32'"):
+        oscar_write(k, k, rot_k=random_rotation(64, None).to(DEVICE), slot_mapping=step.slot_mapping,
+                    cache=pc.mixed(torch.float16), batch=step.batch(), clip_idx_k=60, clip_idx_v=58, rotation="tf32")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c[0]}-h{c[1]}-s{c[3]}-r{c[4]}")
@@ -98,8 +118,8 @@ def test_write_with_deep_clip_thresholds_matches_reference(case, clips):
     check_write(case, torch.float32, torch.float16, None, clips=clips)
 
 
-def check_write(case, dtype, param_dtype, launch, key_mean=False, clips=(0.96, 0.92)):
-    pc, ref = run_both(*case, dtype, param_dtype, launch, key_mean, clips)
+def check_write(case, dtype, param_dtype, launch, key_mean=False, clips=(0.96, 0.92), rotation=WRITE_ROTATION):
+    pc, ref = run_both(*case, dtype, param_dtype, launch, key_mean, clips, rotation)
     d = case[0]
     got, want = layout_views(pc.cache.cpu(), d, param_dtype), layout_views(ref.cache.cpu(), d, param_dtype)
     for codes_got, codes_want in zip(got[:2], want[:2]):
