@@ -4,6 +4,7 @@ nothing is served from L2, the copy bandwidth of the same run, and the report fi
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import triton
@@ -107,6 +109,31 @@ def time_calls(calls: list, rep_ms: int = 60) -> float:
             c()
     ms = triton.testing.do_bench(graph.replay, warmup=10, rep=rep_ms, return_mode="median")
     return ms / len(calls)
+
+
+def timed_in_turn(calls: dict[str, list], rounds: int, rep_ms: int = 60) -> dict[str, float]:
+    """Each entry's ms (``time_calls`` of its list of calls), taken in turn ``rounds`` times and the
+    fastest kept: a drift of the GPU's clock over the run favours none of them."""
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, group in calls.items():
+            times[name].append(time_calls(group, rep_ms))
+    return {name: min(ms) for name, ms in times.items()}
+
+
+def load_baseline(path: str, stem: str, needs: str) -> ModuleType:
+    """An earlier ``csrc_triton/{stem}.py`` (``git show REV:csrc_triton/{stem}.py > OLD.py``) as a
+    module of its own, ``{stem}_baseline``. It imports the rest of this tree (``paged_layout``: its
+    launch tables too), so the two differ only where the file does. Refused by name where the file
+    is missing or has no ``needs``."""
+    if not Path(path).is_file():
+        raise SystemExit(f"--baseline {path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"{stem}_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, needs, None)):
+        raise SystemExit(f"--baseline {path}: no {needs} in it")
+    return module
 
 
 def copies_for(nbytes: int, most: int = 8) -> int:

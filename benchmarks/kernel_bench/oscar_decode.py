@@ -16,7 +16,6 @@ shuffled order, over enough copies of the data that L2 serves nothing.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import itertools
 from pathlib import Path
@@ -26,8 +25,8 @@ import torch
 from csrc_triton import gluon_layout
 from csrc_triton import oscar_decode as od
 
-from .common import (SHAPES, copies_for, copy_bandwidth_gbs, environment, int2_bytes_read, make_int2_batch, time_calls,
-                     write_reports)
+from .common import (SHAPES, copies_for, copy_bandwidth_gbs, environment, int2_bytes_read, load_baseline,
+                     make_int2_batch, time_calls, timed_in_turn, write_reports)
 from .oscar_attention import Bf16Paged, _fa3, _vllm_triton, decode_calls, fa3_call, plot_decode, triton_call
 
 SINK, RECENT = 64, 256
@@ -240,9 +239,7 @@ def against(args, bw: float, env: dict) -> None:
     make, since one-request times differ by up to 25% between machines. Timed in turn, twice
     each, the faster of each kernel's two kept; outputs must agree. ``--key-mean``: both with a key
     mean (λ 0), and this tree's kernel without one at λ 0.5 beside them (the default before means)."""
-    spec = importlib.util.spec_from_file_location("oscar_decode_baseline", args.baseline)
-    base = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(base)
+    base = load_baseline(args.baseline, "oscar_decode", "oscar_decode")
     s = SHAPES[args.shapes[0]]
     hkv, hq, d = s.num_kv_heads, s.num_heads, s.head_dim
     rows = []
@@ -262,18 +259,14 @@ def against(args, bw: float, env: dict) -> None:
         rel = ((data[0][2].float() - want).abs().max() / want.abs().max()).item()
         if rel > 1e-2:
             raise AssertionError(f"{n} x {ctx}: the two versions differ (rel err {rel:.2e})")
-        times = {"now": [], "baseline": [], "corrected": []}
         corrected = gluon_calls(data, logit_correction=0.5)[0] if args.key_mean else None
-        for _ in range(2):
-            times["now"].append(time_calls(now, rep_ms=30))
-            times["baseline"].append(time_calls(then, rep_ms=30))
-            if corrected:
-                times["corrected"].append(time_calls(corrected, rep_ms=30))
+        times = timed_in_turn({"now": now, "baseline": then, **({"corrected": corrected} if corrected else {})}, 2,
+                              rep_ms=30)
         row = {"batch": n, "context": ctx, "splits": splits, "baseline_splits": base_splits,
-               "ms": min(times["now"]), "baseline_ms": min(times["baseline"])}
+               "ms": times["now"], "baseline_ms": times["baseline"]}
         row["vs_baseline"] = row["ms"] / row["baseline_ms"]
         if corrected:
-            row["corrected_ms"] = min(times["corrected"])
+            row["corrected_ms"] = times["corrected"]
             row["vs_corrected"] = row["ms"] / row["corrected_ms"]
             row["baseline_vs_corrected"] = row["baseline_ms"] / row["corrected_ms"]
         row["pct_copy"] = 100 * nbytes / row["ms"] / 1e6 / bw

@@ -29,17 +29,16 @@ OLD.py``) timed beside this tree's, same data, same run (kernel times differ bet
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from csrc_triton import oscar_write as ow
 from oscar_vllm.core.quant import clip_index
 
-from .common import SHAPES, copy_bandwidth_gbs, environment, make_int2_batch, time_calls, write_reports
+from .common import (SHAPES, copy_bandwidth_gbs, environment, load_baseline, make_int2_batch, time_calls,
+                     timed_in_turn, write_reports)
 
 SINK, RECENT = 64, 256
 
@@ -52,29 +51,6 @@ def parse_launch(text: str) -> tuple[int | None, int | None]:
     if not warps.isdigit() or tokens and not tokens.isdigit():
         raise SystemExit(f"--launch {text!r}: give table, TxW or xW")
     return (int(tokens) if tokens else None), int(warps)
-
-
-def load_baseline(path: str) -> ModuleType:
-    """An earlier ``csrc_triton/oscar_write.py`` as a module of its own. It imports the rest of
-    this tree (``paged_layout``: its launch table too), so launches differ only where the file does."""
-    if not Path(path).is_file():
-        raise SystemExit(f"--baseline {path}: no such file")
-    spec = importlib.util.spec_from_file_location("oscar_write_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, "oscar_write", None)):
-        raise SystemExit(f"--baseline {path}: no oscar_write in it")
-    return module
-
-
-def timed_in_turn(calls: dict, rounds: int) -> dict:
-    """Each call's ms: taken in turn ``rounds`` times, the fastest kept (a drift of the GPU's
-    clock over the run does not favour one)."""
-    times = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            times[name].append(time_calls([call]))
-    return {name: min(ms) for name, ms in times.items()}
 
 
 def bytes_differing(cache, now, then) -> int:
@@ -102,7 +78,7 @@ def main() -> None:
     p.add_argument("--rotation", nargs="+", default=[ow.WRITE_ROTATION], choices=ow.WRITE_ROTATIONS,
                    help="prefill rows: how the Triton write multiplies k @ R, each timed beside the others")
     args = p.parse_args()
-    base = load_baseline(args.baseline) if args.baseline else None
+    base = load_baseline(args.baseline, "oscar_write", "oscar_write") if args.baseline else None
     bw = copy_bandwidth_gbs()
     env = environment()
     try:
@@ -161,7 +137,7 @@ def main() -> None:
                         calls[f"{prefix}split_path_ms"] = split(m)
                     elif not decodes:
                         calls[f"{prefix}oscar_ms"] = write(m)
-                row |= timed_in_turn(calls, 2 if base else 1)
+                row |= timed_in_turn({name: [call] for name, call in calls.items()}, 2 if base else 1)
                 if base and "baseline_oscar_ms" in row:
                     row["baseline_ms"] = row.pop("baseline_oscar_ms")
                     row["vs_baseline"] = row["oscar_ms"] / row["baseline_ms"]

@@ -29,6 +29,7 @@ from oscar_vllm.calibration.evaluate import METHODS_BY_NAME, environment, method
 from oscar_vllm.calibration.fit import clip_candidates
 from oscar_vllm.calibration.models import attention_hooks, load_model, rope_tables
 from oscar_vllm.core.quant import fake_quantize_int2
+from oscar_vllm.core.rotation import apply_rotation
 from oscar_vllm.core.rotation_io import load_rotations, save_rotations
 
 SINK, RECENT = 64, 256  # the BF16 windows as served by default
@@ -86,10 +87,9 @@ class AttentionKL:
 def served_keys(k: torch.Tensor, rotation: torch.Tensor, ratio: float, mean: torch.Tensor | None) -> torch.Tensor:
     """``k`` ``[T, Hkv, d]`` as the INT2 pages give it back: less ``mean`` (``[T, Hkv, d]``, or None),
     rotated, clipped at ``ratio`` and rounded (fp16 scale and minimum), turned back, the mean added."""
-    base = k if mean is None else k - mean
-    r = rotation.double() if rotation.dim() == 3 else rotation.double().expand(k.shape[1], -1, -1)
-    rotated = torch.einsum("thd,hde->the", base.double(), r)
-    back = torch.einsum("the,hde->thd", fake_quantize_int2(rotated, ratio, None, torch.float16).double(), r)
+    base = (k if mean is None else k - mean).double()
+    rotated = apply_rotation(base, rotation)
+    back = apply_rotation(fake_quantize_int2(rotated, ratio, None, torch.float16).double(), rotation.transpose(-1, -2))
     return back if mean is None else back + mean.double()
 
 

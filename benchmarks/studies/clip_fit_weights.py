@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -27,15 +27,6 @@ from oscar_vllm.core.rotation_io import load_rotations
 
 WEIGHTS = ("uniform", "proxy", "softmax")
 SINK = 64  # positions of each held-out sequence read in BF16 by default: no clip reaches them
-
-
-def weighted_key_error(em: LayerErrorMeasure, weights: torch.Tensor) -> Callable[[torch.Tensor], float]:
-    """``Σ_t w_t Δk_t (R_Kᵀ C_Q R_K) Δk_tᵀ / T`` for ``Δk`` ``[T, Hkv, d]``, ``weights`` ``[T, Hkv]``
-    with mean 1 per head (all ones: ``LayerErrorMeasure.key_error``)."""
-    def error(delta: torch.Tensor) -> float:
-        d = delta.double().transpose(0, 1)  # [Hkv, T, d]
-        return (((d @ em.query_moment) * d).sum(-1) * weights.double().T).sum().item() / delta.shape[0]
-    return error
 
 
 def past_sink(stats: LayerStats, sink: int) -> torch.Tensor:
@@ -54,7 +45,7 @@ def fitted_ratios(stats: LayerStats, key_rotation: torch.Tensor, value_rotation:
         w = torch.ones(em.keys.shape[:2], dtype=torch.float64) if kind == "uniform" else \
             stats.value_weights(kind)[keep].double()
         w = w / w.mean(0, keepdim=True).clamp(min=1e-12)
-        out[kind] = best_clip_ratio(em.keys, weighted_key_error(em, w), None, torch.float16)[0]
+        out[kind] = best_clip_ratio(em.keys, partial(em.key_error, weights=w), None, torch.float16)[0]
     return out
 
 

@@ -181,9 +181,13 @@ class LayerErrorMeasure:
         return LayerErrorMeasure(self.keys[:, h:h + 1], self.values[:, h:h + 1], self.query_moment[h:h + 1],
                                  self.weights[:, h:h + 1])
 
-    def key_error(self, delta: torch.Tensor) -> float:
+    def key_error(self, delta: torch.Tensor, weights: torch.Tensor | None = None) -> float:
+        """The mean over tokens; with ``weights`` ``[T, Hkv]``, each token's error weighted by them."""
         d = delta.double().transpose(0, 1)  # [Hkv, T, d]
-        return ((d @ self.query_moment) * d).sum().item() / delta.shape[0]
+        per_token = ((d @ self.query_moment) * d).sum(-1)  # [Hkv, T]
+        if weights is not None:
+            per_token = per_token * weights.double().T
+        return per_token.sum().item() / delta.shape[0]
 
     def value_error(self, delta: torch.Tensor) -> float:
         return (self.weights * delta.double().square().sum(-1)).sum().item() / delta.shape[0]

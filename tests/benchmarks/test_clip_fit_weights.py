@@ -1,5 +1,7 @@
 """benchmarks/studies/clip_fit_weights.py: the weighted fit is the calibration's fit when every key
 weighs the same, and a weight on the keys a clip hurts lightens the clip."""
+from functools import partial
+
 import pytest
 import torch
 
@@ -31,7 +33,7 @@ def test_uniform_weights_give_the_calibrations_error_and_ratio():
     em = LayerErrorMeasure.build(st, key.rotations[0], value.rotations[0])
     delta = torch.randn(em.keys.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     ones = torch.ones(em.keys.shape[:2], dtype=torch.float64)
-    assert cfw.weighted_key_error(em, ones)(delta) == pytest.approx(em.key_error(delta), rel=1e-12)
+    assert em.key_error(delta, weights=ones) == pytest.approx(em.key_error(delta), rel=1e-12)
     ratios_k, _, _ = fit_clip_ratios(key, value, {0: st})
     assert cfw.fitted_ratios(st, key.rotations[0], value.rotations[0], sink=0)["uniform"] == ratios_k[0]
 
@@ -58,6 +60,6 @@ def test_weight_on_the_outlier_keys_lightens_the_clip():
     read = torch.full((512, 1), 1e-3, dtype=torch.float64)
     read[outliers] = 1.0
     read = read / read.mean()
-    r_uniform = best_clip_ratio(keys, cfw.weighted_key_error(em, uniform), None, torch.float16)[0]
-    r_read = best_clip_ratio(keys, cfw.weighted_key_error(em, read), None, torch.float16)[0]
+    r_uniform = best_clip_ratio(keys, partial(em.key_error, weights=uniform), None, torch.float16)[0]
+    r_read = best_clip_ratio(keys, partial(em.key_error, weights=read), None, torch.float16)[0]
     assert r_read > r_uniform

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from benchmarks.kernel_bench import common
 from benchmarks.kernel_bench import oscar_write as bench
 from csrc_triton import oscar_write, paged_layout
 
@@ -19,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_a_baseline_is_a_module_of_its_own_on_this_trees_layout(tmp_path):
     old = tmp_path / "old_oscar_write.py"
     shutil.copy(REPO / "csrc_triton" / "oscar_write.py", old)
-    base = bench.load_baseline(str(old))
+    base = bench.load_baseline(str(old), "oscar_write", "oscar_write")
     assert base.__name__ == "oscar_write_baseline" and base.__file__ == str(old)
     assert base.oscar_write is not oscar_write.oscar_write
     assert base._oscar_write_kernel is not oscar_write._oscar_write_kernel
@@ -28,17 +29,17 @@ def test_a_baseline_is_a_module_of_its_own_on_this_trees_layout(tmp_path):
 
 def test_a_baseline_that_is_missing_or_no_write_is_refused_by_name(tmp_path):
     with pytest.raises(SystemExit, match="no such file"):
-        bench.load_baseline(str(tmp_path / "missing.py"))
+        bench.load_baseline(str(tmp_path / "missing.py"), "oscar_write", "oscar_write")
     (tmp_path / "other.py").write_text("x = 1\n")
     with pytest.raises(SystemExit, match="no oscar_write in it"):
-        bench.load_baseline(str(tmp_path / "other.py"))
+        bench.load_baseline(str(tmp_path / "other.py"), "oscar_write", "oscar_write")
 
 
 def test_versions_are_timed_in_turn_and_the_fastest_kept(monkeypatch):
     times = iter([3.0, 5.0, 2.0, 6.0])
     order = []
-    monkeypatch.setattr(bench, "time_calls", lambda calls: (order.append(calls[0]), next(times))[1])
-    assert bench.timed_in_turn({"oscar_ms": "now", "baseline_oscar_ms": "then"}, 2) == \
+    monkeypatch.setattr(common, "time_calls", lambda calls, rep_ms: (order.append(calls[0]), next(times))[1])
+    assert common.timed_in_turn({"oscar_ms": ["now"], "baseline_oscar_ms": ["then"]}, 2) == \
         {"oscar_ms": 2.0, "baseline_oscar_ms": 5.0}
     assert order == ["now", "then", "now", "then"]
 
